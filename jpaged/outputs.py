@@ -1,0 +1,36 @@
+"""Results handed to users, vLLM-compatible.
+
+RequestOutput holds one request's prompt and its n completions; the engine returns a fresh
+snapshot (cumulative, not a delta) every step a request makes progress.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# One position's log-probabilities: token id -> logprob (the chosen token and the top N).
+PositionLogprobs = dict[int, float]
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
