@@ -1,0 +1,230 @@
+"""LLMEngine: requests in, RequestOutputs out, one step at a time.
+
+    step():  plan = scheduler.schedule()          # host: which tokens, which pages
+             out = runner.execute(plan)            # device: one jitted step, pool donated
+             seqs = scheduler.commit(plan, out)    # host: append tokens, token-level stops
+             output_processor.process(seqs)        # host: text, stop strings, outputs
+
+The engine is not thread-safe: one thread drives it (the offline LLM, or the server's step
+loop). Bad requests are rejected in add_request with a ValueError naming the field, before
+anything about them is stored, so the engine stays usable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import jax
+import numpy as np
+
+from jpaged.config import CacheConfig, EngineConfig
+from jpaged.output_processor import OutputProcessor
+from jpaged.outputs import RequestOutput
+from jpaged.page_allocator import PageAllocator
+from jpaged.runner import ModelRunner
+from jpaged.sampling_params import SamplingParams
+from jpaged.scheduler import Scheduler
+from jpaged.sequence import RequestGroup
+from jpaged.tokenizer import Tokenizer
+from models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _kv_bytes_per_page(cfg: ModelConfig, page_size: int, itemsize: int) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * itemsize
+
+
+def resolve_num_pages(
+    cache: CacheConfig, config: EngineConfig, model_config: ModelConfig, itemsize: int
+) -> int:
+    """Pool size: num_pages if given, else from the memory budget; on CPU with neither, enough
+    pages for every sequence slot at max_model_len; on an accelerator, kv_memory_fraction of
+    the free device memory."""
+    if cache.num_pages is not None:
+        return cache.num_pages
+    per_page = _kv_bytes_per_page(model_config, cache.page_size, itemsize)
+    if cache.kv_cache_memory_bytes is not None:
+        return max(2, cache.kv_cache_memory_bytes // per_page + 1)
+    full = config.scheduler.max_num_seqs * config.max_pages_per_seq + 1
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return full
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return max(2, int(free * cache.kv_memory_fraction) // per_page + 1)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, loaded=None) -> None:
+        from models.loader import load_hf_model
+
+        t0 = time.perf_counter()
+        self.config = config
+        if loaded is None:
+            path = config.model
+            if path is None:
+                from models.demo import ensure_demo_model
+
+                path = ensure_demo_model()
+            loaded = load_hf_model(path, dtype=config.dtype)
+        self.model_config: ModelConfig = loaded.config
+        self.eos_token_ids = tuple(loaded.eos_token_ids)
+        self.tokenizer = (
+            Tokenizer(loaded.tokenizer, self.eos_token_ids) if loaded.tokenizer is not None else None
+        )
+        self.max_model_len = config.scheduler.max_model_len
+        dtype = jax.tree_util.tree_leaves(loaded.params)[0].dtype
+        self.num_pages = resolve_num_pages(
+            config.cache, config, self.model_config, np.dtype(dtype).itemsize
+        )
+        self.allocator = PageAllocator(
+            self.num_pages, enable_prefix_caching=config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.allocator, self.eos_token_ids)
+        self.runner = ModelRunner(config, self.model_config, loaded.params, self.num_pages, dtype)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        self._groups: dict[str, RequestGroup] = {}
+        self._arrivals = 0
+        self._rng = np.random.default_rng(config.seed)
+        self.peak_pages_used = 0
+        self.load_seconds = time.perf_counter() - t0
+        self.warmup_seconds = 0.0
+        if config.precompile:
+            self.warmup_seconds = self.runner.precompile()
+            self.runner.warmed_up = True
+        logger.info(
+            "engine ready: %s, %d pages of %d tokens, load %.1fs, warm-up %.1fs",
+            self.model_config.architecture,
+            self.num_pages,
+            config.cache.page_size,
+            self.load_seconds,
+            self.warmup_seconds,
+        )
+
+    @classmethod
+    def from_args(cls, **kwargs) -> LLMEngine:
+        from jpaged.llm import engine_config_from_args
+
+        return cls(engine_config_from_args(**kwargs))
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._prompt_tokens(prompt)
+        budget = self.config.scheduler.max_num_seqs
+        if params.n > budget:
+            raise ValueError(f"n must be <= max_num_seqs ({budget}), got {params.n}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        group = RequestGroup(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival=self._arrivals,
+            cache_salt=cache_salt,
+        )
+        self._arrivals += 1
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
+        self._groups[request_id] = group
+        self.scheduler.add(group, seed)
+
+    def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but the model has no tokenizer.json; pass token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            text, ids = None, [int(t) for t in prompt] if len(prompt) else []
+            if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
+                raise ValueError("prompt token ids must be integers")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; it must be shorter than max_model_len "
+                f"({self.max_model_len}) to leave room for one generated token"
+            )
+        return text, ids
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            group = self._groups.pop(rid, None)
+            if group is not None:
+                self.scheduler.abort(group)
+
+    # -- stepping --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self.peak_pages_used = max(self.peak_pages_used, self.allocator.num_used())
+        if not plan.rows:
+            return []
+        out = self.runner.execute(plan, self.eos_token_ids)
+        seqs = self.scheduler.commit(plan, out)
+        touched: dict[str, RequestGroup] = {}
+        for seq in seqs:
+            self.output_processor.process(seq)
+            touched[seq.group.request_id] = seq.group
+        outputs = []
+        for rid, group in touched.items():
+            outputs.append(self.output_processor.make_output(group))
+            if group.finished:
+                del self._groups[rid]
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def stats(self) -> dict:
+        a = self.allocator
+        return dict(
+            pages_total=a.num_usable_pages,
+            pages_used=a.num_used(),
+            pages_free=a.num_free(),
+            pages_cached=a.num_cached(),
+            peak_pages_used=self.peak_pages_used,
+            prefix_cache_query_tokens=self.scheduler.prefix_cache_query_tokens,
+            prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_running=self.num_running(),
+            num_waiting=self.num_waiting(),
+            num_compiled=self.runner.num_compiled,
+            num_buckets=self.runner.num_buckets(),
+        )
+
+    def reset_stats(self) -> None:
+        self.peak_pages_used = self.allocator.num_used()
+        self.scheduler.prefix_cache_query_tokens = 0
+        self.scheduler.prefix_cache_hit_tokens = 0
+        self.scheduler.num_preemptions = 0

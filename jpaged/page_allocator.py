@@ -1,0 +1,132 @@
+"""Page allocator: the one owner of the free list, reference counts and the prefix-cache index.
+
+Invariants:
+- page 0 is the null page: never handed out, never freed, never cached;
+- a page is on the free list exactly when its reference count is 0;
+- a free page may still hold a cached hash: it stays reusable by a prefix hit until the
+  allocator hands it out again, least recently freed first (the free list is the LRU order);
+- every operation costs O(1) per page.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+NULL_PAGE = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedPage:
+    hash: int
+    token_ids: tuple[int, ...]
+
+
+def page_hash(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
+    """Hash of one full page, chained from its parent page's hash (and the cache salt)."""
+    return hash((parent_hash, token_ids, salt))
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, *, enable_prefix_caching: bool = True) -> None:
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
+        self.num_pages = num_pages
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = np.zeros(num_pages, dtype=np.int32)
+        # Free pages in LRU order (front = next handed out); dict gives O(1) removal.
+        self._free: collections.OrderedDict[int, None] = collections.OrderedDict(
+            (p, None) for p in range(1, num_pages)
+        )
+        self._cached: dict[int, CachedPage] = {}  # page -> its cache entry
+        self._by_hash: dict[int, int] = {}  # hash -> page
+        self.num_evictions = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def num_used(self) -> int:
+        return self.num_usable_pages - len(self._free)
+
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def free_pages(self) -> list[int]:
+        return list(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def cached_entry(self, page: int) -> CachedPage | None:
+        return self._cached.get(page)
+
+    # -- allocation ------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"cannot allocate {n} pages: {len(self._free)} free")
+        pages = []
+        for _ in range(n):
+            page, _ = self._free.popitem(last=False)
+            self._uncache(page)
+            self.ref_counts[page] = 1
+            pages.append(page)
+        return pages
+
+    def share(self, page: int) -> None:
+        """One more holder of an allocated page (a fork or a prefix hit on a live page)."""
+        if page == NULL_PAGE or self.ref_counts[page] < 1:
+            raise RuntimeError(f"share of page {page}, which is not allocated")
+        self.ref_counts[page] += 1
+
+    def free(self, pages: list[int]) -> None:
+        """Drops one reference to each page. Pass pages in eviction order: pages freed first
+        are reused first (callers free a sequence's pages tail first, so a prefix outlives
+        its suffix in the cache)."""
+        for page in pages:
+            if page == NULL_PAGE or self.ref_counts[page] < 1:
+                raise RuntimeError(f"free of page {page}, which is not allocated")
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page] == 0:
+                self._free[page] = None
+
+    # -- prefix cache ----------------------------------------------------------------------
+    def cache_page(self, page: int, h: int, token_ids: tuple[int, ...]) -> None:
+        """Records that a full, allocated page holds token_ids under hash h."""
+        if not self.enable_prefix_caching or page in self._cached or h in self._by_hash:
+            return
+        self._cached[page] = CachedPage(h, token_ids)
+        self._by_hash[h] = page
+
+    def lookup(self, h: int, token_ids: tuple[int, ...]) -> int | None:
+        """The page cached under h if its stored tokens are token_ids (verified), else None."""
+        if not self.enable_prefix_caching:
+            return None
+        page = self._by_hash.get(h)
+        if page is None or self._cached[page].token_ids != token_ids:
+            return None
+        return page
+
+    def take_cached(self, page: int) -> None:
+        """Takes a reference to a cached page found by lookup (revives it if it was free)."""
+        if self.ref_counts[page] == 0:
+            del self._free[page]
+            self.ref_counts[page] = 1
+        else:
+            self.ref_counts[page] += 1
+
+    def reset_prefix_cache(self) -> None:
+        self._cached.clear()
+        self._by_hash.clear()
+
+    def _uncache(self, page: int) -> None:
+        entry = self._cached.pop(page, None)
+        if entry is not None:
+            del self._by_hash[entry.hash]
+            self.num_evictions += 1

@@ -1,0 +1,344 @@
+"""Model runner: the only code that moves data between host and device.
+
+It owns the device state (the per-layer K/V page pools and the device page table), turns a
+StepPlan into padded StepInputs (numpy, bucketed shapes), and runs the jitted step:
+
+    step(params, state, inputs) -> (SamplerOutput, state)      # state donated: in place
+
+Inside the step: page-table updates (.at[].set), copy-on-write page copies, the model over
+the ragged batch (writing each token's K/V into its slot), logits for one row per sequence,
+and sampling. Programs are compiled ahead of time per bucket key and counted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import logging
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.config import EngineConfig
+from jpaged.sampler import MAX_LOGPROBS, Penalties, SamplerOutput, SamplingInputs, sample
+from jpaged.sampler import seed_to_key_data
+from jpaged.scheduler import StepPlan
+from models.config import ModelConfig
+from models.llama import compute_logits, forward
+
+logger = logging.getLogger(__name__)
+
+_PRELUDE_UPDATES = 256  # page-table updates per prelude call (overflow of a step's share)
+_PRELUDE_COPIES = 64
+_MAX_BANNED = 8
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DeviceState:
+    kv_caches: list  # per layer (k_pages, v_pages): [num_kv_heads, num_pages, page_size, head_dim]
+    page_table: jax.Array  # int32[max_num_seqs + 1, max_pages_per_seq]; last row is scratch
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    token_ids: jax.Array  # int32[T]
+    positions: jax.Array  # int32[T]
+    slot_mapping: jax.Array  # int32[T]: page * page_size + offset; padding -> null page
+    slot_ids: jax.Array  # int32[S]: page-table row of each sequence; padding -> scratch row
+    context_lens: jax.Array  # int32[S]: cached tokens after the step; padding -> 0
+    query_start: jax.Array  # int32[S + 1]
+    logits_indices: jax.Array  # int32[S]: token whose hidden state each row samples from
+    page_updates: jax.Array  # int32[U, 3]: (row, column, page)
+    page_copies: jax.Array  # int32[C, 2]: (src, dst)
+    sampling: SamplingInputs
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKey:
+    num_tokens: int
+    num_seqs: int
+    num_page_cols: int
+    decode_only: bool
+    num_logprobs: int = 0
+    penalty_shape: tuple[int, int] | None = None  # (Hp, Ho)
+
+
+def _bucket(buckets: tuple[int, ...], n: int) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def _copy_pages(kv_caches, copies):
+    src, dst = copies[:, 0], copies[:, 1]
+    return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_caches]
+
+
+def _apply_updates(page_table, updates):
+    return page_table.at[updates[:, 0], updates[:, 1]].set(updates[:, 2])
+
+
+def _prelude(state: DeviceState, updates, copies) -> DeviceState:
+    return DeviceState(_copy_pages(state.kv_caches, copies), _apply_updates(state.page_table, updates))
+
+
+def _step(params, state: DeviceState, inputs: StepInputs, *, cfg, key: StepKey, backend):
+    page_table = _apply_updates(state.page_table, inputs.page_updates)
+    kv_caches = _copy_pages(state.kv_caches, inputs.page_copies)
+    table = page_table[inputs.slot_ids, : key.num_page_cols]  # [S, P]
+    hidden, kv_caches = forward(
+        params,
+        cfg,
+        kv_caches,
+        inputs.token_ids,
+        inputs.positions,
+        inputs.slot_mapping,
+        inputs.context_lens,
+        table,
+        inputs.query_start,
+        decode_only=key.decode_only,
+        attention_backend=backend,
+    )
+    logits = compute_logits(params, cfg, hidden[inputs.logits_indices])
+    out = sample(logits, inputs.sampling, num_logprobs=key.num_logprobs)
+    return out, DeviceState(kv_caches, page_table)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        params,
+        num_pages: int,
+        dtype,
+    ) -> None:
+        self.config = config
+        self.cfg = model_config
+        self.params = params
+        self.num_pages = num_pages
+        self.page_size = config.cache.page_size
+        self.scratch_row = config.scheduler.max_num_seqs
+        shape = (model_config.num_kv_heads, num_pages, self.page_size, model_config.head_dim)
+        self.state = DeviceState(
+            kv_caches=[
+                (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                for _ in range(model_config.num_layers)
+            ],
+            page_table=jnp.zeros(
+                (config.scheduler.max_num_seqs + 1, config.max_pages_per_seq), jnp.int32
+            ),
+        )
+        self._compiled: dict[StepKey, object] = {}
+        self._prelude_fn = None
+        self.compile_seconds = 0.0
+        self.warmed_up = False
+
+    # -- compilation -----------------------------------------------------------------------
+    @property
+    def num_compiled(self) -> int:
+        return len(self._compiled) + (self._prelude_fn is not None)
+
+    def bucket_keys(self) -> list[StepKey]:
+        """Every step shape the scheduler can produce (without logprobs or penalties)."""
+        c = self.config
+        keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in c.page_buckets]
+        keys += [
+            StepKey(t, s, p, False)
+            for t in c.token_buckets
+            for s in c.seq_buckets
+            for p in c.page_buckets
+        ]
+        return keys
+
+    def num_buckets(self) -> int:
+        return len(self.bucket_keys()) + 1  # + the prelude
+
+    def precompile(self) -> float:
+        t0 = time.perf_counter()
+        for key in self.bucket_keys():
+            self._executable(key, self._dummy_inputs(key))
+        self._prelude()
+        return time.perf_counter() - t0
+
+    def _executable(self, key: StepKey, inputs: StepInputs):
+        exe = self._compiled.get(key)
+        if exe is None:
+            if self.warmed_up:
+                logger.warning("compiling a new step shape after warm-up: %s", key)
+            t0 = time.perf_counter()
+            fn = jax.jit(
+                functools.partial(
+                    _step, cfg=self.cfg, key=key, backend=self.config.attention_backend
+                ),
+                donate_argnums=(1,),
+            )
+            exe = fn.lower(self.params, self.state, inputs).compile()
+            self.compile_seconds += time.perf_counter() - t0
+            self._compiled[key] = exe
+        return exe
+
+    def _prelude(self):
+        if self._prelude_fn is None:
+            updates = np.zeros((_PRELUDE_UPDATES, 3), np.int32)
+            copies = np.zeros((_PRELUDE_COPIES, 2), np.int32)
+            self._prelude_fn = (
+                jax.jit(_prelude, donate_argnums=(0,)).lower(self.state, updates, copies).compile()
+            )
+        return self._prelude_fn
+
+    def _dummy_inputs(self, key: StepKey) -> StepInputs:
+        plan = StepPlan(rows=(), page_updates=(), page_copies=(), num_tokens=0)
+        return self._pack(plan, key, self._update_capacity(key), key.num_seqs)
+
+    # -- execution -------------------------------------------------------------------------
+    def execute(self, plan: StepPlan, eos_token_ids: tuple[int, ...]) -> SamplerOutput:
+        """Runs one step; returns numpy arrays of the sampled tokens (row order of the plan)."""
+        key = self._key(plan)
+        cap = self._update_capacity(key)
+        updates, copies = list(plan.page_updates), list(plan.page_copies)
+        # What does not fit the step's share goes through the prelude first.
+        while len(updates) > cap or len(copies) > key.num_seqs:
+            upd = updates[:_PRELUDE_UPDATES] if len(updates) > cap else []
+            cps = copies[:_PRELUDE_COPIES] if len(copies) > key.num_seqs else []
+            updates, copies = updates[len(upd) :], copies[len(cps) :]
+            self.state = self._prelude()(
+                self.state,
+                self._pad_rows(upd, _PRELUDE_UPDATES, (self.scratch_row, 0, 0)),
+                self._pad_rows(cps, _PRELUDE_COPIES, (0, 0)),
+            )
+        plan = dataclasses.replace(plan, page_updates=tuple(updates), page_copies=tuple(copies))
+        inputs = self._pack(plan, key, cap, key.num_seqs, eos_token_ids)
+        exe = self._executable(key, inputs)
+        out, self.state = exe(self.params, self.state, inputs)
+        return SamplerOutput(*jax.device_get(tuple(out)))
+
+    def _key(self, plan: StepPlan) -> StepKey:
+        c = self.config
+        num_seqs = _bucket(c.seq_buckets, len(plan))
+        max_pages = max(
+            math.ceil((r.start + r.num_new_tokens) / self.page_size) for r in plan.rows
+        )
+        cols = _bucket(c.page_buckets, max(max_pages, 1))
+        num_logprobs = (
+            MAX_LOGPROBS if any(r.seq.params.logprobs is not None for r in plan.rows) else 0
+        )
+        penalty_shape = None
+        pen_rows = [r.seq for r in plan.rows if r.seq.params.uses_penalties]
+        if pen_rows:
+            penalty_shape = (
+                _pow2(max(s.num_prompt_tokens for s in pen_rows)),
+                _pow2(max(s.num_output_tokens for s in pen_rows)),
+            )
+        if plan.decode_only:
+            return StepKey(num_seqs, num_seqs, cols, True, num_logprobs, penalty_shape)
+        num_tokens = _bucket(c.token_buckets, max(plan.num_tokens, 1))
+        return StepKey(num_tokens, num_seqs, cols, False, num_logprobs, penalty_shape)
+
+    def _update_capacity(self, key: StepKey) -> int:
+        return _pow2(2 * key.num_seqs + key.num_tokens // self.page_size)
+
+    @staticmethod
+    def _pad_rows(rows, n: int, fill) -> np.ndarray:
+        out = np.empty((n, len(fill)), np.int32)
+        out[:] = fill
+        if rows:
+            out[: len(rows)] = rows
+        return out
+
+    def _pack(self, plan: StepPlan, key: StepKey, cap: int, s_pad: int, eos=()) -> StepInputs:
+        t_pad, ps = key.num_tokens, self.page_size
+        token_ids = np.zeros(t_pad, np.int32)
+        positions = np.zeros(t_pad, np.int32)
+        slot_mapping = np.zeros(t_pad, np.int32)
+        slot_ids = np.full(s_pad, self.scratch_row, np.int32)
+        context_lens = np.zeros(s_pad, np.int32)
+        query_start = np.zeros(s_pad + 1, np.int32)
+        logits_indices = np.zeros(s_pad, np.int32)
+        temperature = np.zeros(s_pad, np.float32)
+        top_k = np.zeros(s_pad, np.int32)
+        top_p = np.ones(s_pad, np.float32)
+        min_p = np.zeros(s_pad, np.float32)
+        key_data = np.zeros((s_pad, 2), np.uint32)
+        num_generated = np.zeros(s_pad, np.int32)
+        banned = np.full((s_pad, _MAX_BANNED), -1, np.int32)
+        t = 0
+        for i, row in enumerate(plan.rows):
+            seq, n, start = row.seq, row.num_new_tokens, row.start
+            if n:
+                pos = np.arange(start, start + n)
+                token_ids[t : t + n] = seq.token_ids[start : start + n]
+                positions[t : t + n] = pos
+                pages = np.asarray(seq.pages, np.int32)
+                slot_mapping[t : t + n] = pages[pos // ps] * ps + pos % ps
+            t += n
+            slot_ids[i] = seq.slot
+            context_lens[i] = start + n
+            query_start[i + 1] = t
+            p = seq.params
+            temperature[i] = 0.0 if p.greedy else p.temperature
+            top_k[i] = max(p.top_k, 0)
+            top_p[i] = p.top_p
+            min_p[i] = p.min_p
+            key_data[i] = seed_to_key_data(seq.seed)
+            num_generated[i] = seq.num_output_tokens
+            if seq.num_output_tokens < p.min_tokens:
+                stops = ([] if p.ignore_eos else list(eos)) + p.stop_token_ids
+                banned[i, : len(stops[:_MAX_BANNED])] = stops[:_MAX_BANNED]
+        query_start[len(plan.rows) + 1 :] = t
+        for i, row in enumerate(plan.rows):
+            logits_indices[i] = max(query_start[row.sample_row + 1] - 1, 0)
+        penalties = None
+        if key.penalty_shape is not None:
+            penalties = self._penalties(plan, key.penalty_shape, s_pad)
+        return StepInputs(
+            token_ids=token_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            slot_ids=slot_ids,
+            context_lens=context_lens,
+            query_start=query_start,
+            logits_indices=logits_indices,
+            page_updates=self._pad_rows(list(plan.page_updates), cap, (self.scratch_row, 0, 0)),
+            page_copies=self._pad_rows(list(plan.page_copies), key.num_seqs, (0, 0)),
+            sampling=SamplingInputs(
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                min_p=min_p,
+                key_data=key_data,
+                num_generated=num_generated,
+                banned=banned,
+                penalties=penalties,
+            ),
+        )
+
+    @staticmethod
+    def _penalties(plan: StepPlan, shape: tuple[int, int], s_pad: int) -> Penalties:
+        hp, ho = shape
+        prompt = np.full((s_pad, hp), -1, np.int32)
+        output = np.full((s_pad, ho), -1, np.int32)
+        presence = np.zeros(s_pad, np.float32)
+        frequency = np.zeros(s_pad, np.float32)
+        repetition = np.ones(s_pad, np.float32)
+        for i, row in enumerate(plan.rows):
+            seq, p = row.seq, row.seq.params
+            if not p.uses_penalties:
+                continue
+            prompt[i, : seq.num_prompt_tokens] = seq.token_ids[: seq.num_prompt_tokens]
+            out = seq.output_token_ids
+            output[i, : len(out)] = out
+            presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
+            repetition[i] = p.repetition_penalty
+        return Penalties(prompt, output, presence, frequency, repetition)

@@ -1,0 +1,129 @@
+"""On-device sampling, per row, inside the step's jit.
+
+Each row carries its own parameters. A row's random stream is its sequence's key folded with
+the number of tokens it has generated, so a seeded request samples the same tokens whatever
+else shares the batch (and after preemption). Order of processing, as in vLLM:
+banned tokens (min_tokens) and penalties -> greedy argmax, or temperature -> top-k -> top-p
+-> min-p -> Gumbel-max. Log-probabilities are those of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_LOGPROBS = 20
+_NEG_INF = -jnp.inf
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Penalties:
+    prompt_tokens: jax.Array  # int32[S, Hp], -1 padded: tokens seen in the prompt
+    output_tokens: jax.Array  # int32[S, Ho], -1 padded: tokens generated so far
+    presence: jax.Array  # float32[S]
+    frequency: jax.Array  # float32[S]
+    repetition: jax.Array  # float32[S]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingInputs:
+    temperature: jax.Array  # float32[S]; 0 = greedy
+    top_k: jax.Array  # int32[S]; 0 = no limit
+    top_p: jax.Array  # float32[S]
+    min_p: jax.Array  # float32[S]
+    key_data: jax.Array  # uint32[S, 2]: the sequence's threefry key
+    num_generated: jax.Array  # int32[S]: folded into the key
+    banned: jax.Array  # int32[S, K], -1 padded: tokens masked out (EOS before min_tokens)
+    penalties: Penalties | None = None
+
+
+class SamplerOutput(NamedTuple):
+    tokens: jax.Array  # int32[S]
+    logprobs: jax.Array  # float32[S]: raw log-probability of each sampled token
+    top_ids: jax.Array | None  # int32[S, MAX_LOGPROBS]
+    top_logprobs: jax.Array | None  # float32[S, MAX_LOGPROBS]
+
+
+def seed_to_key_data(seed: int) -> np.ndarray:
+    """uint32[2] threefry key data for a 64-bit seed (both halves of the seed are used)."""
+    return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], dtype=np.uint32)
+
+
+def _counts(tokens: jax.Array, vocab: int) -> jax.Array:
+    """int32[S, H] (-1 padded) -> int32[S, V] occurrence counts."""
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    idx = jnp.where(tokens >= 0, tokens, vocab)
+    return jnp.zeros((tokens.shape[0], vocab), jnp.int32).at[rows, idx].add(1, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, p: Penalties) -> jax.Array:
+    """vLLM semantics: repetition over prompt and output tokens; presence and frequency over
+    output tokens."""
+    vocab = logits.shape[-1]
+    out_counts = _counts(p.output_tokens, vocab)
+    seen = (_counts(p.prompt_tokens, vocab) + out_counts) > 0
+    rep = p.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - p.frequency[:, None] * out_counts
+    return logits - p.presence[:, None] * (out_counts > 0)
+
+
+def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array):
+    """Masks each row's logits [S, V] outside its top-k, top-p and min-p sets."""
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)  # [S, V]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # [S, 1]
+    logits = jnp.where(logits < kth, _NEG_INF, logits)
+    sorted_desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], sorted_desc, _NEG_INF)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    exclusive = jnp.cumsum(probs, axis=-1) - probs
+    keep = exclusive < top_p[:, None]  # always keeps the first
+    num_keep = jnp.sum(keep, axis=-1)
+    pth = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
+    logits = jnp.where(logits < pth, _NEG_INF, logits)
+    probs = jax.nn.softmax(logits, axis=-1)
+    max_prob = jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where(probs < min_p[:, None] * max_prob, _NEG_INF, logits)
+
+
+def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> SamplerOutput:
+    """logits float32[S, V] -> one token per row (and log-probabilities)."""
+    vocab = logits.shape[-1]
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    rows = jnp.arange(logits.shape[0])
+    banned_idx = jnp.where(inputs.banned >= 0, inputs.banned, vocab)
+    ban = jnp.zeros(logits.shape, bool).at[rows[:, None], banned_idx].set(True, mode="drop")
+    logits = jnp.where(ban, _NEG_INF, logits)
+    if inputs.penalties is not None:
+        logits = apply_penalties(logits, inputs.penalties)
+
+    greedy = inputs.temperature <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, inputs.temperature)[:, None]
+    needs_filter = jnp.any((inputs.top_k > 0) | (inputs.top_p < 1.0) | (inputs.min_p > 0.0))
+    scaled = jax.lax.cond(
+        needs_filter,
+        lambda x: _filter(x, inputs.top_k, inputs.top_p, inputs.min_p),
+        lambda x: x,
+        scaled,
+    )
+
+    def gumbel(key_data, n):
+        key = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl="threefry2x32"), n)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+    noise = jax.vmap(gumbel)(inputs.key_data, inputs.num_generated)
+    sampled = jnp.argmax(scaled + noise, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_ids = top_lp = None
+    if num_logprobs > 0:
+        top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+        top_ids = top_ids.astype(jnp.int32)
+    return SamplerOutput(tokens, chosen, top_ids, top_lp)

@@ -1,0 +1,337 @@
+"""Host-side scheduler: continuous batching over a paged KV cache.
+
+The scheduler owns the waiting and running queues, the slots (rows of the device page table)
+and the host mirror of the page table; the PageAllocator owns pages. Each `schedule()` returns
+one frozen StepPlan; `commit()` takes the sampled tokens back.
+
+One rule drives everything (vLLM v1): each step gives every running sequence as many of its
+uncomputed tokens as the token budget allows. A decode is one token; a prompt is many
+(chunked when it exceeds the budget); a prefix-cache hit starts with num_computed_tokens > 0.
+
+Memory: pages are taken for exactly the tokens computed in the step ("paged"), or for the
+whole prompt + max_tokens at admission ("reserve", a contiguous-allocation server's policy,
+kept for comparison). When pages run out, the most recently admitted running sequences are
+preempted (pages freed, recomputed later, with the prefix cache usually serving most of it).
+A write into a page shared with another sequence copies it first (copy-on-write).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import numpy as np
+
+from jpaged.config import EngineConfig
+from jpaged.page_allocator import NULL_PAGE, PageAllocator, page_hash
+from jpaged.sequence import RequestGroup, SeqStatus, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed for this sequence in the step (0 for a fresh fork)
+    start: int  # num_computed_tokens before the step
+    sample_row: int  # row whose last token's hidden state this row samples from
+    keep_sample: bool  # the sampled token is appended (the sequence's tokens are all computed)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    rows: tuple[ScheduledSeq, ...]
+    page_updates: tuple[tuple[int, int, int], ...]  # (slot, column, page) to write on device
+    page_copies: tuple[tuple[int, int], ...]  # (src, dst) page copies before the step (CoW)
+    num_tokens: int
+
+    @property
+    def decode_only(self) -> bool:
+        return all(
+            r.num_new_tokens == 1 and r.sample_row == i for i, r in enumerate(self.rows)
+        )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        allocator: PageAllocator,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.config = config
+        self.sched = config.scheduler
+        self.page_size = config.cache.page_size
+        self.allocator = allocator
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        # Row max_num_seqs is a scratch row that padding writes go to.
+        self.page_table = np.zeros(
+            (self.sched.max_num_seqs + 1, config.max_pages_per_seq), dtype=np.int32
+        )
+        self._free_slots = list(range(self.sched.max_num_seqs - 1, -1, -1))  # pop() -> 0 first
+        self._reserved_slots: dict[int, list[int]] = {}  # parent seq_id -> slots for its forks
+        self._updates: list[tuple[int, int, int]] = []
+        self._copies: list[tuple[int, int]] = []
+        self._next_seq_id = 0
+        self.num_preemptions = 0
+        self.prefix_cache_query_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    # -- requests --------------------------------------------------------------------------
+    def add(self, group: RequestGroup, seed: int) -> None:
+        seq = self._new_seq(group, 0, list(group.prompt_token_ids), seed)
+        seq.needs_fork = group.params.n > 1
+        group.seqs.append(seq)
+        self.waiting.append(seq)
+
+    def abort(self, group: RequestGroup) -> None:
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.finish(seq, "abort")
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling ------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.sched.max_num_batched_tokens
+        rows: list[ScheduledSeq] = []
+        preempted = False
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while not self._grow(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SeqStatus.RUNNING:
+                rows.append(self._row(seq, num_new, len(rows)))
+                budget -= num_new
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            num_new = self._admit(seq, budget)
+            if num_new == 0:
+                break
+            rows.append(self._row(seq, num_new, len(rows)))
+            budget -= num_new
+        for i in range(len(rows)):
+            if rows[i].seq.needs_fork and rows[i].keep_sample:
+                rows.extend(self._fork(rows[i].seq, i))
+        plan = StepPlan(
+            rows=tuple(rows),
+            page_updates=tuple(self._updates),
+            page_copies=tuple(self._copies),
+            num_tokens=sum(r.num_new_tokens for r in rows),
+        )
+        self._updates, self._copies = [], []
+        return plan
+
+    def _row(self, seq: Sequence, num_new: int, row: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        keep = start + num_new == seq.num_tokens
+        return ScheduledSeq(seq, num_new, start, row, keep)
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Admits the waiting head if slots, pages and budget allow; returns its new tokens."""
+        slots_needed = seq.group.params.n if seq.needs_fork else 1
+        if len(self.running) + slots_needed > self.sched.max_num_seqs:
+            return 0
+        if len(self._free_slots) < slots_needed:
+            return 0
+        hits = self._prefix_hits(seq)
+        computed = len(hits) * self.page_size
+        num_new = min(seq.num_tokens - computed, budget)
+        if num_new < seq.num_tokens - computed and not self.sched.enable_chunked_prefill:
+            return 0
+        revived = sum(1 for p in hits if self.allocator.ref_counts[p] == 0)
+        if self.config.cache.kv_allocation == "reserve":
+            total = seq.num_prompt_tokens + (seq.params.max_tokens or self.sched.max_model_len)
+            upto = min(max(total, seq.num_tokens), self.sched.max_model_len)
+        else:
+            upto = computed + num_new
+        need = math.ceil(upto / self.page_size) - len(hits)
+        if need > self.allocator.num_free() - revived:
+            return 0
+        self.waiting.popleft()
+        for p in hits:
+            self.allocator.take_cached(p)
+        seq.slot = self._free_slots.pop()
+        if seq.needs_fork:
+            self._reserved_slots[seq.seq_id] = [
+                self._free_slots.pop() for _ in range(seq.group.params.n - 1)
+            ]
+        seq.status = SeqStatus.RUNNING
+        seq.num_computed_tokens = computed
+        self.running.append(seq)
+        self._append_pages(seq, hits)
+        self._append_pages(seq, self.allocator.allocate(need))
+        if seq.num_output_tokens == 0 and seq.index == 0:
+            seq.group.num_cached_tokens = computed
+        self.prefix_cache_query_tokens += seq.num_tokens
+        self.prefix_cache_hit_tokens += computed
+        return num_new
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached pages matching the sequence's leading full pages (at least one token is left
+        to compute, so the step has a hidden state to sample from)."""
+        hits: list[int] = []
+        seq.page_hashes = []
+        parent = None
+        for i in range((seq.num_tokens - 1) // self.page_size):
+            tokens = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
+            h = page_hash(parent, tokens, seq.group.cache_salt)
+            page = self.allocator.lookup(h, tokens)
+            if page is None:
+                break
+            hits.append(page)
+            seq.page_hashes.append(h)
+            parent = h
+        return hits
+
+    def _grow(self, seq: Sequence, num_new: int) -> bool:
+        """Makes seq's pages cover the step's writes; False (nothing changed) if pages lack."""
+        first = seq.num_computed_tokens // self.page_size
+        last = (seq.num_computed_tokens + num_new - 1) // self.page_size
+        shared = [
+            i for i in range(first, min(last + 1, len(seq.pages)))
+            if self.allocator.ref_counts[seq.pages[i]] > 1
+        ]
+        need = max(0, last + 1 - len(seq.pages)) + len(shared)
+        if not self.allocator.can_allocate(need):
+            return False
+        for i in shared:
+            (new,) = self.allocator.allocate(1)
+            self._copies.append((seq.pages[i], new))
+            self.allocator.free([seq.pages[i]])
+            seq.pages[i] = new
+            self.page_table[seq.slot, i] = new
+            self._updates.append((seq.slot, i, new))
+        self._append_pages(seq, self.allocator.allocate(need - len(shared)))
+        return True
+
+    def _append_pages(self, seq: Sequence, pages: list[int]) -> None:
+        for p in pages:
+            col = len(seq.pages)
+            seq.pages.append(p)
+            self.page_table[seq.slot, col] = p
+            self._updates.append((seq.slot, col, p))
+
+    def _fork(self, parent: Sequence, parent_row: int) -> list[ScheduledSeq]:
+        """Forks n - 1 children sharing every page of the parent; they sample from its row."""
+        parent.needs_fork = False
+        rows = []
+        group = parent.group
+        for index, slot in enumerate(self._reserved_slots.pop(parent.seq_id), start=1):
+            child = self._new_seq(
+                group, index, list(parent.token_ids), seed=hash((parent.seed, index)) % 2**63
+            )
+            child.slot = slot
+            child.status = SeqStatus.RUNNING
+            child.num_computed_tokens = parent.num_tokens  # computed by the parent's step
+            child.page_hashes = list(parent.page_hashes)
+            for p in parent.pages:
+                self.allocator.share(p)
+            self._append_pages(child, list(parent.pages))
+            group.seqs.append(child)
+            self.running.append(child)
+            rows.append(ScheduledSeq(child, 0, child.num_computed_tokens, parent_row, True))
+        return rows
+
+    def _new_seq(self, group: RequestGroup, index: int, token_ids: list[int], seed: int):
+        seq = Sequence(
+            seq_id=self._next_seq_id,
+            group=group,
+            index=index,
+            token_ids=token_ids,
+            num_prompt_tokens=len(group.prompt_token_ids),
+            seed=seed,
+        )
+        self._next_seq_id += 1
+        return seq
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        """Frees a sequence's pages (tail first) and its slot(s)."""
+        self.allocator.free(seq.pages[::-1])
+        seq.pages = []
+        seq.page_hashes = []
+        self.page_table[seq.slot] = NULL_PAGE
+        self._free_slots.append(seq.slot)
+        self._free_slots.extend(self._reserved_slots.pop(seq.seq_id, []))
+        seq.slot = -1
+
+    # -- results ---------------------------------------------------------------------------
+    def commit(self, plan: StepPlan, out) -> list[Sequence]:
+        """Applies a step's SamplerOutput (numpy, rows in plan order); returns the sequences
+        that got a new token."""
+        result = []
+        for i, row in enumerate(plan.rows):
+            seq = row.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.num_computed_tokens = row.start + row.num_new_tokens
+            self._cache_full_pages(seq)
+            if not row.keep_sample:
+                continue
+            token = int(out.tokens[i])
+            seq.token_ids.append(token)
+            seq.cumulative_logprob += float(out.logprobs[i])
+            n = seq.params.logprobs
+            if n is not None:
+                top = {int(t): float(lp) for t, lp in zip(out.top_ids[i, :n], out.top_logprobs[i, :n])}
+                seq.logprobs.append({token: float(out.logprobs[i]), **top})
+            result.append(seq)
+            self._check_stop(seq, token)
+        return result
+
+    def _cache_full_pages(self, seq: Sequence) -> None:
+        if not self.allocator.enable_prefix_caching:
+            return
+        ps = self.page_size
+        parent = seq.page_hashes[-1] if seq.page_hashes else None
+        for i in range(len(seq.page_hashes), seq.num_computed_tokens // ps):
+            tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
+            h = page_hash(parent, tokens, seq.group.cache_salt)
+            self.allocator.cache_page(seq.pages[i], h, tokens)
+            seq.page_hashes.append(h)
+            parent = h
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                self.finish(seq, "stop")
+                return
+            if token in p.stop_token_ids:
+                self.finish(seq, "stop", token)
+                return
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            self.finish(seq, "length")
+        elif seq.num_tokens >= self.sched.max_model_len:
+            self.finish(seq, "length")

@@ -1,0 +1,85 @@
+"""Requests and their sequences, as the scheduler sees them.
+
+A request (RequestGroup) has one prompt and n completions; each completion is a Sequence.
+A request with n > 1 starts as one sequence (the parent); when its prompt is computed the
+scheduler forks n - 1 children that share the parent's pages. From then on each sequence is
+independent: it is scheduled, preempted and finished on its own.
+
+A sequence moves toward its num_tokens by num_computed_tokens; there are no separate
+prefill and decode phases: a prefill is a sequence with many tokens still to compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from jpaged.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    cache_salt: str | None = None
+    seqs: list[Sequence] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(
+            s.status is SeqStatus.FINISHED for s in self.seqs
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    group: RequestGroup
+    index: int  # completion index within the group
+    token_ids: list[int]  # prompt + generated
+    num_prompt_tokens: int
+    seed: int  # sampling stream of this sequence: key = fold_in(seed, num_output_tokens)
+    num_computed_tokens: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    page_hashes: list[int] = dataclasses.field(default_factory=list)  # of the full pages
+    slot: int = -1  # row of the device page table while running
+    status: SeqStatus = SeqStatus.WAITING
+    needs_fork: bool = False  # an unforked parent of an n > 1 request
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    # Incremental detokenization (written only by the output processor).
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.group.params
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,170 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) as pure functions over a params pytree.
+
+`forward` runs one ragged batch of new tokens through the model: it writes each token's K/V
+into its slot of the paged pool and attends over the sequence's pages. The pool comes in and
+goes out (the caller donates it), so under jit the update is in place.
+
+Layer loop: unrolled in Python over per-layer pools, so each layer's attention reads a plain
+[num_kv_heads, num_pages, page_size, head_dim] array (a kernel operand), never a slice copy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from models.config import ModelConfig
+
+# Per-layer (k_pages, v_pages), each [num_kv_heads, num_pages, page_size, head_dim].
+KVCaches = list[tuple[jax.Array, jax.Array]]
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2], with Llama 3 scaling when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    rs = cfg.rope_scaling
+    if rs is not None:
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * np.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x [T, H, Dh] rotated by positions [T] (Hugging Face rotate-half layout)."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, Dh]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def _write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Writes new [T, Hkv, Dh] into flat slots (page * page_size + offset) of pages."""
+    hkv, num_pages, page_size, dh = pages.shape
+    flat = pages.reshape(hkv, num_pages * page_size, dh)
+    flat = flat.at[:, slot_mapping].set(jnp.swapaxes(new, 0, 1).astype(pages.dtype))
+    return flat.reshape(hkv, num_pages, page_size, dh)
+
+
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    kv_caches: KVCaches,
+    token_ids: jax.Array,  # int32[T]
+    positions: jax.Array,  # int32[T]
+    slot_mapping: jax.Array,  # int32[T]: flat pool slot of each token (padding -> null page)
+    context_lens: jax.Array,  # int32[S]: cached tokens per sequence after this step
+    page_table: jax.Array,  # int32[S, P]
+    query_start: jax.Array,  # int32[S + 1]
+    *,
+    decode_only: bool = False,
+    attention_backend: str | None = None,
+) -> tuple[jax.Array, KVCaches]:
+    """Runs the decoder over a ragged batch; returns final hidden states [T, D] and the pool.
+
+    decode_only (static): every sequence has exactly one query token and row s of the
+    token arrays belongs to sequence s (T == S), so the decode kernel can serve the step.
+    """
+    attn_kwargs = dict(sm_scale=cfg.sm_scale, sliding_window=cfg.sliding_window)
+    if attention_backend is not None:
+        attn_kwargs["backend"] = attention_backend
+    inv_freq = rope_inv_freq(cfg)
+    x = params["embed"][token_ids]  # [T, D]
+    new_caches = []
+    for layer, (k_pages, v_pages) in zip(params["layers"], kv_caches, strict=True):
+        h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
+        q = jnp.einsum("td,dhk->thk", h, layer["wq"])
+        k = jnp.einsum("td,dhk->thk", h, layer["wk"])
+        v = jnp.einsum("td,dhk->thk", h, layer["wv"])
+        if cfg.attention_bias:
+            q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
+        if cfg.qk_norm:
+            q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        k_pages = _write_kv(k_pages, k, slot_mapping)
+        v_pages = _write_kv(v_pages, v, slot_mapping)
+        if decode_only:
+            attn = pallas_kernels.paged_decode_attention(
+                q, k_pages, v_pages, context_lens, page_table, **attn_kwargs
+            )
+        else:
+            attn = pallas_kernels.paged_prefill_attention(
+                q, k_pages, v_pages, context_lens, page_table, query_start, **attn_kwargs
+            )
+        x = x + jnp.einsum("thk,hkd->td", attn, layer["wo"])
+        h = rms_norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)
+        gate = jax.nn.silu(h @ layer["w_gate"])
+        x = x + (gate * (h @ layer["w_up"])) @ layer["w_down"]
+        new_caches.append((k_pages, v_pages))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_caches
+
+
+def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """hidden [N, D] -> float32 logits [N, vocab]."""
+    if cfg.tie_word_embeddings or "lm_head" not in params:
+        logits = hidden @ params["embed"].T
+    else:
+        logits = hidden @ params["lm_head"]
+    return logits.astype(jnp.float32)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float = 0.02) -> dict:
+    """Random params in the layout of models.config (numpy RNG, deterministic)."""
+    rng = np.random.default_rng(seed)
+    d, f, hq, hkv, dh = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+    )
+
+    def w(*shape):
+        return jnp.asarray(rng.normal(0.0, scale, shape).astype(np.float32), dtype=dtype)
+
+    def ones(*shape):
+        return jnp.ones(shape, dtype=dtype)
+
+    layers = []
+    for _ in range(cfg.num_layers):
+        layer = dict(
+            input_norm=ones(d),
+            post_attn_norm=ones(d),
+            wq=w(d, hq, dh),
+            wk=w(d, hkv, dh),
+            wv=w(d, hkv, dh),
+            wo=w(hq, dh, d),
+            w_gate=w(d, f),
+            w_up=w(d, f),
+            w_down=w(f, d),
+        )
+        if cfg.attention_bias:
+            layer.update(bq=w(hq, dh), bk=w(hkv, dh), bv=w(hkv, dh))
+        if cfg.qk_norm:
+            layer.update(q_norm=ones(dh), k_norm=ones(dh))
+        layers.append(layer)
+    params = dict(embed=w(cfg.vocab_size, d), layers=layers, final_norm=ones(d))
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = w(d, cfg.vocab_size)
+    return params
