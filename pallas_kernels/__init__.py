@@ -1,9 +1,121 @@
 """Paged attention: Pallas kernels for GPU and TPU, with pure-jnp references.
 
-`paged_decode_attention` and `paged_prefill_attention` dispatch on the backend: the reference
-on CPU (and wherever no kernel applies), Pallas kernels on GPU and TPU.
+`paged_decode_attention` and `paged_prefill_attention` dispatch on the backend:
+
+  backend  kernel                                   when
+  "gpu"    gpu_decode / gpu_prefill (Pallas Triton)  head_dim and page_size powers of two,
+                                                     head_dim >= 16
+  "tpu"    tpu_decode / tpu_prefill (Mosaic TPU)     page_size a multiple of 8
+  "cpu"    reference                                 always; also any shape a kernel refuses
+
+The backend is `jax.default_backend()` unless forced with `backend=`. With `interpret=True`
+and no forced backend on a CPU host, the GPU kernel runs in the Pallas interpreter (so the
+engine can exercise the kernel path without an accelerator). Soft capping and sliding
+windows are implemented in every kernel. All functions are traceable inside jit; backend
+selection happens at trace time.
 """
 
-from pallas_kernels.reference import paged_decode_attention, paged_prefill_attention
+from __future__ import annotations
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention"]
+import jax
+
+from pallas_kernels import reference
+from pallas_kernels.reference import MASK_VALUE
+
+__all__ = [
+    "MASK_VALUE",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "reference",
+    "select_backend",
+]
+
+_BACKENDS = ("gpu", "tpu", "cpu")
+
+
+def select_backend(q_shape, k_shape, *, interpret: bool, backend: str | None) -> str:
+    """Which implementation runs: "gpu", "tpu" or "cpu" (the reference)."""
+    if backend is None:
+        backend = jax.default_backend()
+        if backend == "cpu" and interpret:
+            backend = "gpu"
+    if backend in ("cuda", "rocm"):
+        backend = "gpu"
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
+    if backend == "gpu":
+        from pallas_kernels import gpu_decode
+
+        return "gpu" if gpu_decode.supports(q_shape, k_shape) else "cpu"
+    if backend == "tpu":
+        from pallas_kernels import tpu_decode
+
+        return "tpu" if tpu_decode.supports(q_shape, k_shape) else "cpu"
+    return "cpu"
+
+
+def paged_decode_attention(
+    q: jax.Array,  # [batch, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    lengths: jax.Array,  # int32[batch]; 0 gives zeros
+    page_table: jax.Array,  # int32[batch, pages_per_seq]
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+    backend: str | None = None,
+) -> jax.Array:  # [batch, num_q_heads, head_dim], q's dtype
+    """Decode attention (one query per sequence at position lengths[b] - 1), dispatched.
+
+    See reference.paged_decode_attention for the contract. `backend` forces "gpu", "tpu"
+    or "cpu"; `interpret` runs a Pallas kernel in the interpreter.
+    """
+    kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend)
+    if which == "gpu":
+        from pallas_kernels import gpu_decode
+
+        return gpu_decode.paged_decode_attention(
+            q, k_pages, v_pages, lengths, page_table, interpret=interpret, **kwargs
+        )
+    if which == "tpu":
+        from pallas_kernels import tpu_decode
+
+        return tpu_decode.paged_decode_attention(
+            q, k_pages, v_pages, lengths, page_table, interpret=interpret, **kwargs
+        )
+    return reference.paged_decode_attention(q, k_pages, v_pages, lengths, page_table, **kwargs)
+
+
+def paged_prefill_attention(
+    q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    context_lens: jax.Array,  # int32[num_seqs]
+    page_table: jax.Array,  # int32[num_seqs, pages_per_seq]
+    query_start: jax.Array,  # int32[num_seqs + 1]
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+    backend: str | None = None,
+) -> jax.Array:  # [num_tokens, num_q_heads, head_dim], q's dtype
+    """Ragged paged attention (prefill chunks and decode tokens in one call), dispatched.
+
+    See reference.paged_prefill_attention for the contract.
+    """
+    kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    args = (q, k_pages, v_pages, context_lens, page_table, query_start)
+    which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend)
+    if which == "gpu":
+        from pallas_kernels import gpu_prefill
+
+        return gpu_prefill.paged_prefill_attention(*args, interpret=interpret, **kwargs)
+    if which == "tpu":
+        from pallas_kernels import tpu_prefill
+
+        return tpu_prefill.paged_prefill_attention(*args, interpret=interpret, **kwargs)
+    return reference.paged_prefill_attention(*args, **kwargs)

@@ -1,0 +1,147 @@
+"""Pieces shared by the Pallas kernels: the online-softmax step, the split merge, and the few
+API names that differ between the jax versions we support (0.10.x here, 0.11.x on GPUs).
+
+Everything here is traceable inside a kernel body (Triton or Mosaic) or in plain jnp.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.reference import MASK_VALUE
+
+
+def dot_f32(a, b, *, trans_b: bool = False):
+    """a @ b (or a @ b.T), accumulated in float32."""
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def online_softmax_step(s, valid, v, v_valid, carry, *, soft_cap, keepdims=False):
+    """One flash-attention step over a KV block.
+
+    Args:
+      s: f32[R, L] scaled logits; valid: bool[R, L] (or broadcastable) visible keys.
+      v: [L, D] values; v_valid: bool[L, 1] (or [L, D]) rows that hold written tokens.
+      carry: (acc f32[R, D], m, l) with m, l f32[R] (or [R, 1] when keepdims).
+    Masked logits become MASK_VALUE and their probabilities exactly 0; unwritten V rows are
+    zeroed so 0 * NaN cannot happen.
+    """
+    acc, m, l = carry
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(valid, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=keepdims))
+    alpha = jnp.exp(m - m_new)
+    m_b = m_new if keepdims else m_new[:, None]
+    p = jnp.where(valid, jnp.exp(s - m_b), 0.0)
+    l_new = alpha * l + jnp.sum(p, axis=1, keepdims=keepdims)
+    v = jnp.where(v_valid, v, jnp.zeros_like(v))
+    alpha_b = alpha if keepdims else alpha[:, None]
+    acc = acc * alpha_b + dot_f32(p.astype(v.dtype), v)
+    return acc, m_new, l_new
+
+
+def finish(acc, l):
+    """acc / l, with rows that saw no key (l == 0) set to exactly zero. l broadcasts to acc."""
+    return jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
+
+
+def merge_splits(acc, m, l):
+    """Log-sum-exp merge over axis 0 of split partials: acc [S, ..., D]; m, l [S, ...]."""
+    m_max = jnp.max(m, axis=0)
+    w = jnp.exp(m - m_max[None])
+    l_tot = jnp.sum(w * l, axis=0)
+    o = jnp.sum(w[..., None] * acc, axis=0)
+    return finish(o, l_tot[..., None])
+
+
+# --- names that moved between jax versions -------------------------------------------------
+
+
+def any_memory_space():
+    """HBM-resident operand (no automatic copy): pl.ANY on new jax, pltpu.ANY before."""
+    if hasattr(pl, "ANY"):
+        return pl.ANY
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.ANY
+
+
+def tpu_compiler_params(num_grid_dims: int):
+    """All grid dimensions parallel (independent programs; megacore may split them)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    params_cls = getattr(pltpu, "CompilerParams", None) or pltpu.TPUCompilerParams
+    parallel = getattr(pltpu, "PARALLEL", "parallel")
+    return params_cls(dimension_semantics=(parallel,) * num_grid_dims)
+
+
+def triton_call_kwargs(*, num_warps: int, num_stages: int) -> dict:
+    """pallas_call keywords pinning the Triton lowering on GPU.
+
+    From jax 0.9 Mosaic GPU is the default GPU lowering; passing Triton compiler params
+    (and `backend="triton"` where pallas_call has that argument) keeps these kernels on
+    Triton, which they are written for (gathers by a vector of page ids).
+    """
+    from jax.experimental.pallas import triton as pl_triton
+
+    kwargs = {
+        "compiler_params": pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    }
+    if "backend" in inspect.signature(pl.pallas_call).parameters:
+        kwargs["backend"] = "triton"
+    return kwargs
+
+
+# --- ragged prefill bookkeeping (plain jnp, outside the kernels) ----------------------------
+
+
+def ragged_layout(q, context_lens, query_start, *, num_kv_heads: int, group_rows: int,
+                  block_q: int):
+    """Lays out a ragged query batch for the prefill kernels.
+
+    Query rows are token-major within a KV head: row r of block i is token
+    i * block_q + r // group_rows, query head (r % group_rows) of the group.
+
+        q [T, Hq, D] -> q_rows [Hkv, T_pad * group_rows, D]   (pad heads, pad tokens)
+
+    Returns (q_rows, row_seq, row_pos, block_lo, block_hi):
+      row_seq, row_pos: int32[T_pad * group_rows]: the row's sequence and absolute position
+        (-1 for padding rows, which then match no key and give zeros).
+      block_lo, block_hi: int32[T_pad // block_q]: the sequences [lo, hi) whose query rows
+        meet token block i.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_seqs = context_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    padded_tokens = -(-num_tokens // block_q) * block_q
+    qs = query_start.astype(jnp.int32)
+
+    t = jnp.arange(padded_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(qs[1:], t, side="right").astype(jnp.int32)
+    valid = t < qs[num_seqs]
+    seq_c = jnp.clip(seq, 0, num_seqs - 1)
+    pos = context_lens.astype(jnp.int32)[seq_c] - (qs[seq_c + 1] - t)
+    row_seq = jnp.repeat(jnp.where(valid, seq_c, -1), group_rows)
+    row_pos = jnp.repeat(jnp.where(valid, pos, -1), group_rows)
+
+    starts = jnp.arange(padded_tokens // block_q, dtype=jnp.int32) * block_q
+    block_lo = jnp.searchsorted(qs[1:], starts, side="right").astype(jnp.int32)
+    block_hi = jnp.searchsorted(qs[:-1], starts + block_q, side="left").astype(jnp.int32)
+
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, padded_tokens - num_tokens), (0, 0), (0, group_rows - group), (0, 0)))
+    q_rows = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * group_rows, head_dim)
+    return q_rows, row_seq, row_pos, block_lo, block_hi
+
+
+def unlayout(out_rows, *, num_tokens: int, group: int, group_rows: int):
+    """Inverse of ragged_layout's query layout: [Hkv, T_pad * Gp, D] -> [T, Hkv * group, D]."""
+    num_kv_heads, _, head_dim = out_rows.shape
+    out = out_rows.reshape(num_kv_heads, -1, group_rows, head_dim)[:, :num_tokens, :group]
+    return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_kv_heads * group, head_dim)

@@ -1,0 +1,182 @@
+"""Paged decode attention for GPU: a Pallas kernel lowered through Triton (flash-decoding).
+
+Grid (batch, num_kv_heads, num_splits). One program holds the whole query-head group of one
+KV head (padded to >= 16 rows so both dots use tensor cores), so each K/V byte is read once
+per group. GPU lowerings have no scalar prefetch: the page-table row is an ordinary input,
+and the program loops over its share of the *valid* pages only, `pages_per_block` pages per
+iteration, gathering them straight from the pool:
+
+    pages of seq b:  | blk 0 | blk 1 | blk 2 | blk 3 | blk 4 |..unused..|
+    split 0 ---------^^^^^^^^^^^^^^^^^^^^^^^ (blocks 0-2)
+    split 1 ---------------------------------^^^^^^^^^^^^^^^ (blocks 3-4)
+    (the valid blocks are divided evenly among splits, per sequence, at run time)
+
+Each split writes an unnormalised float32 partial (acc, running max m, running sum l); the
+wrapper merges splits by their log-sum-exp. Masking never multiplies by garbage: logits past
+the length become MASK_VALUE, their probabilities are zeroed and their V rows are zeroed,
+so NaN in unused page slots cannot reach the output. Length 0 gives zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import tuning
+from pallas_kernels.common import (
+    dot_f32,
+    merge_splits,
+    online_softmax_step,
+    triton_call_kwargs,
+)
+from pallas_kernels.reference import MASK_VALUE
+
+
+def supports(q_shape, k_shape) -> bool:
+    """Shapes the Triton kernel takes (loaded tiles must be powers of two)."""
+    _, num_q_heads, head_dim = q_shape
+    num_kv_heads, _, page_size, _ = k_shape
+    return (
+        num_q_heads % num_kv_heads == 0
+        and tuning.is_pow2(head_dim)
+        and head_dim >= 16
+        and tuning.is_pow2(page_size)
+    )
+
+
+def _decode_kernel(
+    lengths_ref,  # int32[1]: this sequence's length
+    table_ref,  # int32[pages_per_seq_padded]: this sequence's page-table row
+    q_ref,  # [rows, D]
+    k_ref,  # [num_pages, page_size, D]: this KV head's pool
+    v_ref,
+    acc_ref,  # f32[rows, D]
+    m_ref,  # f32[rows]
+    l_ref,  # f32[rows]
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    pages_per_block: int,
+    num_splits: int,
+):
+    split = pl.program_id(2)
+    rows, head_dim = q_ref.shape
+    page_size = k_ref.shape[1]
+    block_tokens = pages_per_block * page_size
+
+    length = lengths_ref[0]
+    num_pages = (length + page_size - 1) // page_size
+    if sliding_window is None:
+        first_page = 0
+        window_start = 0
+    else:
+        window_start = jnp.maximum(length - sliding_window, 0)
+        first_page = window_start // page_size
+    num_blocks = (num_pages - first_page + pages_per_block - 1) // pages_per_block
+    per_split = (num_blocks + num_splits - 1) // num_splits
+    blk_lo = jnp.minimum(split * per_split, num_blocks)
+    blk_hi = jnp.minimum(blk_lo + per_split, num_blocks)
+
+    q = q_ref[...]
+
+    def body(blk, carry):
+        page0 = first_page + blk * pages_per_block
+        pages = table_ref[pl.ds(page0, pages_per_block)]
+        k = k_ref[pages].reshape(block_tokens, head_dim)
+        v = v_ref[pages].reshape(block_tokens, head_dim)
+        s = dot_f32(q, k, trans_b=True) * sm_scale
+        pos = page0 * page_size + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
+        valid = (pos < length) & (pos >= window_start)
+        pos_r = page0 * page_size + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
+        return online_softmax_step(
+            s, valid, v, pos_r < length, carry, soft_cap=soft_cap
+        )
+
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, m, l = lax.fori_loop(blk_lo, blk_hi, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret", "blocks")
+)
+def paged_decode_attention(
+    q: jax.Array,  # [batch, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,
+    lengths: jax.Array,  # int32[batch]
+    page_table: jax.Array,  # int32[batch, pages_per_seq]
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+    blocks: tuning.DecodeBlocks | None = None,
+) -> jax.Array:  # [batch, num_q_heads, head_dim], q's dtype
+    """Decode attention with the Triton kernel; same contract as reference.paged_decode_attention.
+
+    `blocks` overrides the tuning table (benchmarks and tests only).
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    pages_per_seq = page_table.shape[1]
+    group = num_q_heads // num_kv_heads
+    if blocks is None:
+        blocks = tuning.gpu_decode_blocks(
+            batch=batch, num_kv_heads=num_kv_heads, group=group, page_size=page_size,
+            pages_per_seq=pages_per_seq, head_dim=head_dim, itemsize=k_pages.dtype.itemsize,
+        )
+    rows, ppb, splits = blocks.group_rows, blocks.pages_per_block, blocks.num_splits
+
+    # Pad the table so a block's page slice never leaves it (window start may be unaligned);
+    # padding points at the null page 0, and its tokens are masked anyway.
+    padded = tuning.cdiv(pages_per_seq, ppb) * ppb + (ppb if sliding_window else 0)
+    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, padded - pages_per_seq)))
+    qg = q.reshape(batch, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    lengths2 = lengths.astype(jnp.int32).reshape(batch, 1)
+
+    kernel = functools.partial(
+        _decode_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        pages_per_block=ppb, num_splits=splits,
+    )
+    part = (batch, num_kv_heads, splits, rows)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, splits),
+        in_specs=[
+            pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),
+            pl.BlockSpec((None, padded), lambda b, h, s: (b, 0)),
+            pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, s: (h, 0, 0, 0)),
+            pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, s: (h, 0, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+        ],
+        interpret=interpret,
+        name="jpaged_gpu_decode",
+        **triton_call_kwargs(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+    )(lengths2, table, qg, k_pages, v_pages)
+
+    out = merge_splits(jnp.moveaxis(acc, 2, 0), jnp.moveaxis(m, 2, 0), jnp.moveaxis(l, 2, 0))
+    out = out[:, :, :group].reshape(batch, num_q_heads, head_dim)
+    return out.astype(q.dtype)

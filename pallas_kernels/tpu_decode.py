@@ -1,0 +1,214 @@
+"""Paged decode attention for TPU: a Pallas Mosaic kernel with double-buffered page DMAs.
+
+Grid (batch, num_kv_heads), both parallel. Lengths and the (flattened) page table are
+scalar-prefetched into SMEM; K/V stay in HBM (memory space ANY). Each program walks only
+the valid pages of its sequence, `pages_per_block` pages per block, copying each page by
+async DMA into one of two VMEM buffers; the next block's copies are started before the
+current block is computed:
+
+    iter i:   wait(buf i%2)  ->  start(block i+1 -> buf (i+1)%2)  ->  compute(buf i%2)
+
+Every (buffer, K/V) pair has its own DMA semaphore, so a wait can never be satisfied by
+another buffer's copy. Pages past the length are not copied; the rows they would fill are
+masked (logits, probabilities and V rows), so stale or NaN VMEM never reaches the output.
+The page table is flattened to 1-D because SMEM pads 2-D arrays heavily.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import tuning
+from pallas_kernels.common import (
+    any_memory_space,
+    dot_f32,
+    finish,
+    online_softmax_step,
+    tpu_compiler_params,
+)
+from pallas_kernels.reference import MASK_VALUE
+
+
+def supports(q_shape, k_shape) -> bool:
+    _, num_q_heads, head_dim = q_shape
+    num_kv_heads, _, page_size, _ = k_shape
+    return num_q_heads % num_kv_heads == 0 and page_size % 8 == 0
+
+
+class PageBlockCopier:
+    """Starts and waits for the DMAs of one block of pages into one VMEM buffer slot.
+
+    Only pages with index < num_valid_pages are copied (a loop with a dynamic trip count,
+    the same on start and wait, so the semaphore counts always balance).
+    """
+
+    def __init__(self, k_hbm, v_hbm, k_buf, v_buf, sems, table_ref, *, head, table_base,
+                 first_page, num_valid_pages, pages_per_block, page_size):
+        self.k_hbm, self.v_hbm, self.k_buf, self.v_buf = k_hbm, v_hbm, k_buf, v_buf
+        self.sems, self.table_ref, self.head = sems, table_ref, head
+        self.table_base, self.first_page = table_base, first_page
+        self.num_valid_pages = num_valid_pages
+        self.pages_per_block, self.page_size = pages_per_block, page_size
+
+    def _each(self, blk, slot, fn):
+        block_first = self.first_page + blk * self.pages_per_block
+        count = jnp.clip(self.num_valid_pages - block_first, 0, self.pages_per_block)
+
+        def one_page(j, _):
+            page = self.table_ref[self.table_base + block_first + j]
+            dst = pl.ds(pl.multiple_of(j * self.page_size, self.page_size), self.page_size)
+            for kv, (src, buf) in enumerate(((self.k_hbm, self.k_buf),
+                                             (self.v_hbm, self.v_buf))):
+                fn(pltpu.make_async_copy(
+                    src.at[self.head, page], buf.at[slot, dst], self.sems.at[slot, kv]))
+            return 0
+
+        lax.fori_loop(0, count, one_page, 0)
+
+    def start(self, blk, slot):
+        self._each(blk, slot, lambda c: c.start())
+
+    def wait(self, blk, slot):
+        self._each(blk, slot, lambda c: c.wait())
+
+
+def _decode_kernel(
+    lengths_ref,  # SMEM int32[batch]
+    table_ref,  # SMEM int32[batch * pages_per_seq_padded]
+    q_ref,  # VMEM [rows, D]
+    k_hbm,  # ANY [Hkv, num_pages, page_size, D]
+    v_hbm,
+    o_ref,  # VMEM [rows, D]
+    k_buf,  # VMEM [2, block_tokens, D]
+    v_buf,
+    sems,  # DMA semaphores [2 buffers, 2 (K, V)]
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    pages_per_block: int,
+    table_width: int,
+):
+    b, h = pl.program_id(0), pl.program_id(1)
+    rows, head_dim = q_ref.shape
+    page_size = k_hbm.shape[2]
+    block_tokens = pages_per_block * page_size
+
+    length = lengths_ref[b]
+    num_pages = (length + page_size - 1) // page_size
+    if sliding_window is None:
+        window_start = 0
+    else:
+        window_start = jnp.maximum(length - sliding_window, 0)
+    first_page = window_start // page_size
+    num_blocks = (num_pages - first_page + pages_per_block - 1) // pages_per_block
+    copier = PageBlockCopier(
+        k_hbm, v_hbm, k_buf, v_buf, sems, table_ref, head=h, table_base=b * table_width,
+        first_page=first_page, num_valid_pages=num_pages, pages_per_block=pages_per_block,
+        page_size=page_size,
+    )
+
+    @pl.when(num_blocks > 0)
+    def _():
+        copier.start(0, 0)
+
+    q = q_ref[...]
+
+    def body(blk, carry):
+        slot = blk % 2
+        copier.wait(blk, slot)
+
+        @pl.when(blk + 1 < num_blocks)
+        def _():
+            copier.start(blk + 1, 1 - slot)
+
+        k = k_buf[slot]
+        v = v_buf[slot]
+        s = dot_f32(q, k, trans_b=True) * sm_scale
+        tok0 = (first_page + blk * pages_per_block) * page_size
+        pos = tok0 + lax.broadcasted_iota(jnp.int32, (rows, block_tokens), 1)
+        valid = (pos < length) & (pos >= window_start)
+        pos_r = tok0 + lax.broadcasted_iota(jnp.int32, (block_tokens, head_dim), 0)
+        return online_softmax_step(s, valid, v, pos_r < length, carry, soft_cap=soft_cap,
+                                   keepdims=True)
+
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows, 1), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+    )
+    acc, _, l = lax.fori_loop(0, num_blocks, body, init)
+    o_ref[...] = finish(acc, l).astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret", "blocks")
+)
+def paged_decode_attention(
+    q: jax.Array,  # [batch, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,
+    lengths: jax.Array,  # int32[batch]
+    page_table: jax.Array,  # int32[batch, pages_per_seq]
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    interpret=False,
+    blocks: tuning.DecodeBlocks | None = None,
+) -> jax.Array:  # [batch, num_q_heads, head_dim], q's dtype
+    """Decode attention with the Mosaic TPU kernel; contract of reference.paged_decode_attention.
+
+    `interpret` may be True (Pallas HLO interpreter) or a pltpu InterpretParams (TPU
+    interpreter that models DMAs and semaphores and can detect races).
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    pages_per_seq = page_table.shape[1]
+    group = num_q_heads // num_kv_heads
+    if blocks is None:
+        blocks = tuning.tpu_decode_blocks(
+            batch=batch, num_kv_heads=num_kv_heads, group=group, page_size=page_size,
+            pages_per_seq=pages_per_seq, head_dim=head_dim, itemsize=k_pages.dtype.itemsize,
+        )
+    rows, ppb = blocks.group_rows, blocks.pages_per_block
+    block_tokens = ppb * page_size
+    width = tuning.cdiv(pages_per_seq, ppb) * ppb + (ppb if sliding_window else 0)
+    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, width - pages_per_seq)))
+    qg = q.reshape(batch, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+
+    kernel = functools.partial(
+        _decode_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        pages_per_block=ppb, table_width=width,
+    )
+    qo_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, *_: (b, h, 0, 0))
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(batch, num_kv_heads),
+            in_specs=[
+                qo_spec,
+                pl.BlockSpec(memory_space=any_memory_space()),
+                pl.BlockSpec(memory_space=any_memory_space()),
+            ],
+            out_specs=qo_spec,
+            scratch_shapes=[
+                pltpu.VMEM((2, block_tokens, head_dim), k_pages.dtype),
+                pltpu.VMEM((2, block_tokens, head_dim), v_pages.dtype),
+                pltpu.SemaphoreType.DMA((2, 2)),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        compiler_params=tpu_compiler_params(2),
+        interpret=interpret,
+        name="jpaged_tpu_decode",
+    )(lengths.astype(jnp.int32), table.reshape(-1), qg, k_pages, v_pages)
+    return out[:, :, :group].reshape(batch, num_q_heads, head_dim)
