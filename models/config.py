@@ -113,19 +113,27 @@ class ModelConfig:
         num_heads = need("num_attention_heads")
         hidden = need("hidden_size")
         head_dim = hf.get("head_dim") or hidden // num_heads
+        # transformers >= 5 writes "rope_parameters" (rope_theta inside it); older versions
+        # write "rope_scaling" and a top-level "rope_theta".
+        rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+        rs = hf.get(rope_key) or {}
+        if not isinstance(rs, dict):
+            raise ValueError(f"{source}: field {rope_key!r} must be an object, got {rs!r}")  # noqa: TRY004
+        rope_theta = hf.get("rope_theta", rs.get("rope_theta", 10000.0))
         rope_scaling = None
-        rs = hf.get("rope_scaling")
-        if rs:
-            rtype = rs.get("rope_type", rs.get("type"))
-            if rtype == "llama3":
+        rtype = rs.get("rope_type", rs.get("type", "default"))
+        if rtype == "llama3":
+            try:
                 rope_scaling = RopeScaling(
                     factor=float(rs["factor"]),
                     low_freq_factor=float(rs["low_freq_factor"]),
                     high_freq_factor=float(rs["high_freq_factor"]),
                     original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
                 )
-            elif rtype != "default":
-                raise ValueError(f"{source}: rope_scaling type {rtype!r} is not supported")
+            except KeyError as e:
+                raise ValueError(f"{source}: {rope_key} is missing field {e.args[0]!r}") from None
+        elif rtype != "default":
+            raise ValueError(f"{source}: {rope_key} type {rtype!r} is not supported")
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         sliding = hf.get("sliding_window")
@@ -141,7 +149,7 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

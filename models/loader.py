@@ -1,0 +1,333 @@
+"""Loads a Hugging Face checkpoint directory into a ModelConfig, a params pytree and a tokenizer.
+
+Reads config.json, model.safetensors (or shards listed by model.safetensors.index.json),
+tokenizer.json and generation_config.json. torch Linear weights are stored [out, in]; they
+are transposed and split into heads to give the layout documented in models/config.py.
+
+Invariants: every tensor the config implies is present with exactly its expected shape, and
+no tensor of the checkpoint is left unused (an unused bias would silently change the model).
+Every failure is a ValueError or FileNotFoundError whose message names the file and the field
+or tensor at fault.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from models.config import ModelConfig
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_FILE = "tokenizer.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+# Tensors that some checkpoints carry and that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig  # eos_token_ids already resolved as below
+    params: dict[str, Any]  # layout of models/config.py, jax arrays
+    tokenizer: Any  # tokenizers.Tokenizer, or None when the directory has no tokenizer.json
+    eos_token_ids: tuple[int, ...]  # generation_config.json's if present, else config.json's
+    path: Path
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorSpec:
+    """One HF tensor and how it maps into the params layout."""
+
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    to_layout: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _linear(out_dim: int, in_dim: int, layout_shape: tuple[int, ...]):
+    """torch Linear weight [out, in] <-> layout array: [in, out] transposed, then split.
+
+    wq [D, Hq, Dh] and w_gate [D, F] split the out dim; wo [Hq, Dh, D] splits the in dim.
+    """
+
+    def to_layout(w: np.ndarray) -> np.ndarray:
+        return w.T.reshape(layout_shape)
+
+    def to_hf(x: np.ndarray) -> np.ndarray:
+        return x.reshape(in_dim, out_dim).T
+
+    return to_layout, to_hf
+
+
+def _split(hf_dim: int, layout_shape: tuple[int, ...]):
+    """A bias [H * Dh] <-> [H, Dh]."""
+    return (lambda w: w.reshape(layout_shape)), (lambda x: x.reshape(hf_dim))
+
+
+def tensor_specs(cfg: ModelConfig) -> dict[tuple, _TensorSpec]:
+    """Maps each params path (("embed",), ("layers", i, "wq"), ...) to its HF tensor."""
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def plain(name: str, shape: tuple[int, ...]) -> _TensorSpec:
+        return _TensorSpec(name, shape, _identity, _identity)
+
+    def linear(name: str, out_dim: int, in_dim: int, layout_shape: tuple[int, ...]):
+        return _TensorSpec(name, (out_dim, in_dim), *_linear(out_dim, in_dim, layout_shape))
+
+    def bias(name: str, heads: int) -> _TensorSpec:
+        return _TensorSpec(name, (heads * dh,), *_split(heads * dh, (heads, dh)))
+
+    specs: dict[tuple, _TensorSpec] = {("embed",): plain("model.embed_tokens.weight", (v, d))}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_norm": plain(p + "input_layernorm.weight", (d,)),
+            "post_attn_norm": plain(p + "post_attention_layernorm.weight", (d,)),
+            "wq": linear(p + "self_attn.q_proj.weight", hq * dh, d, (d, hq, dh)),
+            "wk": linear(p + "self_attn.k_proj.weight", hkv * dh, d, (d, hkv, dh)),
+            "wv": linear(p + "self_attn.v_proj.weight", hkv * dh, d, (d, hkv, dh)),
+            "wo": linear(p + "self_attn.o_proj.weight", d, hq * dh, (hq, dh, d)),
+            "w_gate": linear(p + "mlp.gate_proj.weight", f, d, (d, f)),
+            "w_up": linear(p + "mlp.up_proj.weight", f, d, (d, f)),
+            "w_down": linear(p + "mlp.down_proj.weight", d, f, (f, d)),
+        }
+        if cfg.attention_bias:
+            layer["bq"] = bias(p + "self_attn.q_proj.bias", hq)
+            layer["bk"] = bias(p + "self_attn.k_proj.bias", hkv)
+            layer["bv"] = bias(p + "self_attn.v_proj.bias", hkv)
+        if cfg.qk_norm:
+            layer["q_norm"] = plain(p + "self_attn.q_norm.weight", (dh,))
+            layer["k_norm"] = plain(p + "self_attn.k_norm.weight", (dh,))
+        for key, spec in layer.items():
+            specs[("layers", i, key)] = spec
+    specs[("final_norm",)] = plain("model.norm.weight", (d,))
+    if not cfg.tie_word_embeddings:
+        specs[("lm_head",)] = linear("lm_head.weight", v, d, (d, v))
+    return specs
+
+
+def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise FileNotFoundError(f"{path}: file not found")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not readable JSON: {e}") from None
+    if not isinstance(data, dict):
+        # A ValueError like every other malformed-file error, so callers catch one type.
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")  # noqa: TRY004
+    return data
+
+
+def _eos_ids(value: Any, source: Path) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+        raise ValueError(f"{source}: field 'eos_token_id' must be an int or a list of ints")
+    return tuple(values)
+
+
+def _weight_files(model_dir: Path) -> tuple[dict[str, Path], Path]:
+    """Maps each tensor name to the safetensors file holding it (from the index if sharded).
+
+    Returns the map and the file that lists the tensors (the index, or model.safetensors).
+    """
+    index_path = model_dir / WEIGHTS_INDEX_FILE
+    single = model_dir / WEIGHTS_FILE
+    if index_path.is_file():
+        index = _read_json(index_path)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(f, str) for k, f in weight_map.items()
+        ):
+            raise ValueError(f"{index_path}: field 'weight_map' must map tensor names to files")
+        files = {name: model_dir / fname for name, fname in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if not path.is_file():
+                raise FileNotFoundError(f"{index_path}: shard {path.name!r} not found")
+        return files, index_path
+    if single.is_file():
+        return {name: single for name in _tensor_names(single)}, single
+    raise FileNotFoundError(f"{model_dir}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} found")
+
+
+def _open(path: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="np")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file: {e}") from None
+
+
+def _tensor_names(path: Path) -> list[str]:
+    with _open(path) as f:
+        return list(f.keys())
+
+
+def _read_tensor(handle, path: Path, name: str) -> np.ndarray:
+    """One tensor as a numpy array; bfloat16 comes back as ml_dtypes.bfloat16."""
+    from safetensors import SafetensorError
+
+    try:
+        return handle.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: cannot read tensor {name!r}: {e}") from None
+
+
+def _resolve_dtype(dtype: Any):
+    import jax
+    import jax.numpy as jnp
+
+    if dtype is None:
+        return jnp.dtype(jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32)
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype {dtype!r} is not a dtype") from None
+    if not jnp.issubdtype(resolved, jnp.floating):
+        raise ValueError(f"dtype must be a floating point type, got {resolved}")
+    return resolved
+
+
+def _set(params: dict[str, Any], key: tuple, value: Any) -> None:
+    if key[0] == "layers":
+        params["layers"][key[1]][key[2]] = value
+    else:
+        params[key[0]] = value
+
+
+def load_hf_model(path: str | os.PathLike, *, dtype: Any = None) -> LoadedModel:
+    """Loads a Hugging Face model directory.
+
+    Args:
+      path: directory with config.json, model.safetensors (or shards with
+        model.safetensors.index.json), and optionally tokenizer.json and
+        generation_config.json.
+      dtype: dtype of every param (str or jnp dtype); default bfloat16 on an accelerator,
+        float32 on CPU.
+
+    Returns:
+      LoadedModel. tokenizer is None when there is no tokenizer.json (the engine can still
+      run on token ids). eos_token_ids come from generation_config.json when it has
+      eos_token_id, else from config.json; config.eos_token_ids is set to the same.
+
+    Raises:
+      FileNotFoundError: the directory, config.json, the weights or a shard is missing.
+      ValueError: unreadable JSON or safetensors, an unsupported architecture or field, a
+        missing, unexpected or wrongly shaped tensor. The message names the file and field.
+    """
+    import jax.numpy as jnp
+
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir}: model directory not found")
+    target_dtype = _resolve_dtype(dtype)
+
+    config_path = model_dir / CONFIG_FILE
+    config = ModelConfig.from_hf_config(_read_json(config_path), source=str(config_path))
+    eos_token_ids = config.eos_token_ids
+    gen_path = model_dir / GENERATION_CONFIG_FILE
+    gen = _read_json(gen_path, required=False)
+    if gen is not None and gen.get("eos_token_id") is not None:
+        eos_token_ids = _eos_ids(gen["eos_token_id"], gen_path)
+    config = dataclasses.replace(config, eos_token_ids=eos_token_ids)
+
+    files, weights_source = _weight_files(model_dir)
+    specs = tensor_specs(config)
+    wanted = {spec.hf_name for spec in specs.values()}
+    unexpected = sorted(
+        name
+        for name in files
+        if name not in wanted
+        and not name.endswith(_IGNORED_SUFFIXES)
+        and not (config.tie_word_embeddings and name == "lm_head.weight")
+    )
+    if unexpected:
+        shown = ", ".join(repr(n) for n in unexpected[:5])
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        raise ValueError(
+            f"{files[unexpected[0]]}: unexpected tensor(s) {shown}{more} for "
+            f"{config.architecture} as described by {config_path}"
+        )
+
+    params: dict[str, Any] = {"layers": [{} for _ in range(config.num_layers)]}
+    handles: dict[Path, Any] = {}
+    with contextlib.ExitStack() as stack:
+        for key, spec in specs.items():
+            file = files.get(spec.hf_name)
+            if file is None:
+                raise ValueError(f"{weights_source}: missing tensor {spec.hf_name!r}")
+            if file not in handles:
+                handles[file] = stack.enter_context(_open(file))
+            array = _read_tensor(handles[file], file, spec.hf_name)
+            if tuple(array.shape) != spec.hf_shape:
+                raise ValueError(
+                    f"{file}: tensor {spec.hf_name!r} has shape {list(array.shape)}, "
+                    f"expected {list(spec.hf_shape)} from {config_path}"
+                )
+            _set(params, key, jnp.asarray(spec.to_layout(array), dtype=target_dtype))
+
+    tokenizer = None
+    tokenizer_path = model_dir / TOKENIZER_FILE
+    if tokenizer_path.is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
+            raise ValueError(f"{tokenizer_path}: not a readable tokenizer: {e}") from None
+    return LoadedModel(
+        config=config,
+        params=params,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids,
+        path=model_dir,
+    )
+
+
+def save_hf_model(path: str | os.PathLike, config: dict[str, Any], params: dict[str, Any]) -> Path:
+    """Writes params (layout of models/config.py) as a Hugging Face checkpoint.
+
+    The inverse of load_hf_model's weight mapping: config.json and one model.safetensors
+    that transformers can load too. Arrays are written in their own dtype (numpy, so not
+    bfloat16 unless ml_dtypes provides it).
+
+    Args:
+      path: directory, created if missing.
+      config: the config.json dict; must describe params.
+      params: numpy (or jax) arrays in the params layout.
+
+    Returns:
+      The directory.
+    """
+    from safetensors.numpy import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = ModelConfig.from_hf_config(config, source="config")
+    tensors = {}
+    for key, spec in tensor_specs(cfg).items():
+        value = params[key[0]][key[1]][key[2]] if key[0] == "layers" else params[key[0]]
+        hf = np.ascontiguousarray(spec.to_hf(np.asarray(value)))
+        if hf.shape != spec.hf_shape:
+            raise ValueError(f"params{list(key)}: shape {list(value.shape)} does not match config")
+        tensors[spec.hf_name] = hf
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    return out

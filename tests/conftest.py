@@ -1,0 +1,47 @@
+"""Shared test setup: JAX on CPU in 32-bit mode, tiny checkpoints and the demo model.
+
+Tests import helpers from tests/checkpoints.py (a plain module); this file only holds
+fixtures and the environment defaults that must be set before JAX is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["JAX_ENABLE_X64"] = "0"
+
+import pytest
+
+# Make `import checkpoints` work from any test folder, and the repo importable without install.
+_TESTS = Path(__file__).resolve().parent
+for _p in (_TESTS, _TESTS.parent):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import jax
+
+jax.config.update("jax_enable_x64", False)
+
+from checkpoints import ARCHS, make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """arch -> directory of a tiny random checkpoint (see tests/checkpoints.py), built once."""
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    return {arch: make_tiny_checkpoint(root / arch, arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory) -> Path:
+    """The demo model, built once per session under a temporary JPAGED_CACHE_DIR."""
+    from models.demo import ensure_demo_model
+
+    cache = tmp_path_factory.mktemp("jpaged_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JPAGED_CACHE_DIR", str(cache))
+        path = ensure_demo_model()
+        yield path
