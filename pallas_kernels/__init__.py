@@ -72,7 +72,7 @@ def paged_decode_attention(
     See reference.paged_decode_attention for the contract. `backend` forces "gpu", "tpu"
     or "cpu"; `interpret` runs a Pallas kernel in the interpreter.
     """
-    kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend)
     if which == "gpu":
         from pallas_kernels import gpu_decode
@@ -107,7 +107,7 @@ def paged_prefill_attention(
 
     See reference.paged_prefill_attention for the contract.
     """
-    kwargs = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
+    kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     args = (q, k_pages, v_pages, context_lens, page_table, query_start)
     which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend)
     if which == "gpu":

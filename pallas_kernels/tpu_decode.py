@@ -36,7 +36,7 @@ from pallas_kernels.reference import MASK_VALUE
 
 
 def supports(q_shape, k_shape) -> bool:
-    _, num_q_heads, head_dim = q_shape
+    _, num_q_heads, _head_dim = q_shape
     num_kv_heads, _, page_size, _ = k_shape
     return num_q_heads % num_kv_heads == 0 and page_size % 8 == 0
 

@@ -141,7 +141,7 @@ def paged_prefill_attention(
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
-    num_seqs, pages_per_seq = page_table.shape
+    _num_seqs, pages_per_seq = page_table.shape
     group = num_q_heads // num_kv_heads
     if blocks is None:
         blocks = tuning.tpu_prefill_blocks(
