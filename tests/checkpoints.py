@@ -81,6 +81,7 @@ def make_tiny_checkpoint(
     arch: str,
     *,
     seed: int = 0,
+    dtype: str = "float32",
     max_shard_size: str | None = None,
     **overrides: Any,
 ) -> Path:
@@ -90,12 +91,13 @@ def make_tiny_checkpoint(
       path: output directory.
       arch: one of ARCHS.
       seed: torch.manual_seed for the weights.
+      dtype: torch dtype name the weights are stored in (made in float32, then cast).
       max_shard_size: passed to save_pretrained (e.g. "20KB") to get a sharded checkpoint
         with model.safetensors.index.json.
       **overrides: transformers config fields (e.g. num_hidden_layers=1).
 
     Returns:
-      path, holding config.json, model.safetensors (or shards and index),
+      path, holding config.json, model.safetensors (or shards and an index),
       generation_config.json (eos_token_id as a list) and tokenizer.json.
     """
     import torch
@@ -105,12 +107,13 @@ def make_tiny_checkpoint(
     config = tiny_hf_config(arch, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager", torch_dtype=torch.float32
+        config, attn_implementation="eager", dtype=torch.float32
     )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 param.add_(0.1 * torch.randn_like(param))
+    model = model.to(getattr(torch, dtype))
     kwargs = {"safe_serialization": True}
     if max_shard_size is not None:
         kwargs["max_shard_size"] = max_shard_size
@@ -128,6 +131,6 @@ def load_torch_model(path: str | Path):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", torch_dtype=torch.float32
+        path, attn_implementation="eager", dtype=torch.float32
     )
     return model.eval()
