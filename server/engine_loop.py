@@ -1,0 +1,382 @@
+"""The engine's step loop, in a thread of its own, and the bridge to asyncio.
+
+Invariants:
+  - Only the step thread touches the engine (it is not thread-safe). Requests, aborts and
+    tokenizer calls reach it through one FIFO command queue, so an abort queued after an
+    add is always seen after it.
+  - The step thread never waits on the network: each step's results go back to the event
+    loop in one loop.call_soon_threadsafe, as per-request deltas that the request's handle
+    accumulates. A slow client only makes its own handle's buffer longer (bounded by its
+    max_tokens); it never slows the step loop.
+  - Engine request ids are made here and are unique for the server's lifetime, so a late
+    result of an aborted request can never reach a newer request that reused its client id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from jpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger("jpaged.server")
+
+# Seconds the idle step thread waits for a command before refreshing its stats.
+_IDLE_POLL_S = 0.2
+
+
+class Overloaded(Exception):
+    """More requests are waiting than the server allows."""
+
+
+class Draining(Exception):
+    """The server is shutting down and takes no new requests."""
+
+
+class DuplicateRequestId(Exception):
+    """A request with this client id is already in flight."""
+
+
+@dataclasses.dataclass
+class ChoiceDelta:
+    """What one choice produced in one step, as seen by the step thread."""
+
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    text: str  # cumulative
+    finish_reason: str | None
+    stop_reason: int | str | None
+    cumulative_logprob: float | None
+
+
+@dataclasses.dataclass
+class Update:
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finished: bool
+    choices: list[ChoiceDelta]
+
+
+@dataclasses.dataclass
+class ChoiceState:
+    """A choice as the handler sees it: tokens not yet sent, and the latest text."""
+
+    index: int
+    pending_token_ids: list[int] = dataclasses.field(default_factory=list)
+    pending_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    num_tokens: int = 0
+    text: str = ""
+    sent_text_len: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+
+
+class RequestHandle:
+    """One in-flight request on the event-loop side. Only the event loop touches it."""
+
+    def __init__(self, client_id: str, engine_id: str, n: int, num_prompt_tokens: int) -> None:
+        self.client_id = client_id
+        self.engine_id = engine_id
+        self.choices = [ChoiceState(index=j) for j in range(n)]
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = 0
+        self.finished = False
+        self.aborted = False  # by Abort or by the server's drain; the stream ends as "abort"
+        self.error: ValueError | Exception | None = None
+        self.arrival_time = time.monotonic()
+        self._event = asyncio.Event()
+
+    def apply(self, update: Update) -> None:
+        self.num_prompt_tokens = update.num_prompt_tokens
+        self.num_cached_tokens = update.num_cached_tokens
+        for d in update.choices:
+            c = self.choices[d.index]
+            c.pending_token_ids.extend(d.new_token_ids)
+            if d.new_logprobs is not None:
+                c.pending_logprobs.extend(d.new_logprobs)
+            c.num_tokens += len(d.new_token_ids)
+            c.text = d.text
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+            c.cumulative_logprob = d.cumulative_logprob
+        self.finished = update.finished
+        self._event.set()
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self._event.set()
+
+    def mark_aborted(self) -> None:
+        self.aborted = True
+        self._event.set()
+
+    async def wait(self) -> None:
+        """Returns once something changed since the last wait."""
+        await self._event.wait()
+        self._event.clear()
+
+
+class EngineLoop:
+    """Owns the engine's thread. submit/abort/call are for the event loop's thread only."""
+
+    def __init__(self, engine, *, max_waiting: int | None = None, metrics=None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._handles: dict[str, RequestHandle] = {}  # by engine id
+        self._by_client_id: dict[str, RequestHandle] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # guards the two waiting counts below
+        self._num_queued_adds = 0
+        self._engine_num_waiting = 0
+        self._draining = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle = asyncio.Event()
+        self.stats: dict[str, int] = dict(engine.stats(), num_running=0, num_waiting=0)
+
+    # ---- event-loop side ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Aborts whatever is left and joins the step thread."""
+        self._commands.put(("stop",))
+        await asyncio.to_thread(self._thread.join)
+
+    def num_waiting(self) -> int:
+        with self._lock:
+            return self._num_queued_adds + self._engine_num_waiting
+
+    def num_in_flight(self) -> int:
+        return len(self._handles)
+
+    def submit(
+        self,
+        client_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+    ) -> RequestHandle:
+        """Queues a request for the engine. Raises Draining, Overloaded or DuplicateRequestId.
+
+        Validation by the engine happens on its thread; a rejection arrives on the handle as
+        a ValueError.
+        """
+        if self._draining:
+            raise Draining("the server is shutting down")
+        if client_id in self._by_client_id:
+            raise DuplicateRequestId(f"request_id {client_id!r} is already in flight")
+        if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
+            raise Overloaded(f"{self.num_waiting()} requests are waiting (max {self.max_waiting})")
+        engine_id = f"{client_id}#{next(self._ids)}"
+        num_prompt = 0 if isinstance(prompt, str) else len(prompt)
+        handle = RequestHandle(client_id, engine_id, params.n, num_prompt)
+        self._handles[engine_id] = handle
+        self._by_client_id[client_id] = handle
+        self._idle.clear()
+        with self._lock:
+            self._num_queued_adds += 1
+        self._commands.put(("add", engine_id, prompt, params, cache_salt))
+        return handle
+
+    def release(self, handle: RequestHandle) -> None:
+        """The handler is done with handle: aborts it in the engine unless it finished."""
+        if not handle.finished and handle.error is None:
+            self._commands.put(("abort", [handle.engine_id]))
+        self._handles.pop(handle.engine_id, None)
+        if self._by_client_id.get(handle.client_id) is handle:
+            del self._by_client_id[handle.client_id]
+        if not self._handles:
+            self._idle.set()
+
+    def abort(self, client_ids: list[str]) -> list[str]:
+        """Aborts in-flight requests by client id; returns the ids that were in flight."""
+        found = [
+            self._by_client_id[c] for c in dict.fromkeys(client_ids) if c in self._by_client_id
+        ]
+        found = [h for h in found if not h.finished and not h.aborted]
+        if found:
+            self._commands.put(("abort", [h.engine_id for h in found]))
+        for h in found:
+            h.mark_aborted()
+        return [h.client_id for h in found]
+
+    def abort_all(self) -> list[str]:
+        return self.abort(list(self._by_client_id))
+
+    def start_draining(self) -> None:
+        self._draining = True
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Runs fn(engine) on the step thread and returns its result (or raises its error)."""
+        future = self._loop.create_future()
+        self._commands.put(("call", fn, future))
+        return await future
+
+    def _deliver(self, updates: list[tuple[str, Update]], errors: list[tuple[str, Exception]]):
+        for engine_id, update in updates:
+            handle = self._handles.get(engine_id)
+            if handle is not None and not handle.aborted:
+                handle.apply(update)
+        for engine_id, error in errors:
+            handle = self._handles.get(engine_id)
+            if handle is not None:
+                handle.fail(error)
+
+    # ---- step-thread side -------------------------------------------------------------
+
+    def _post(self, fn: Callable, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _run(self) -> None:
+        """The step loop: take commands, one engine step, hand the results to the loop."""
+        # Engine id -> tokens forwarded so far, per choice. Only this thread touches it.
+        self._active: dict[str, list[int]] = {}
+        stopping = False
+        while not stopping:
+            errors: list[tuple[str, Exception]] = []
+            commands = self._take_commands(block=not self.engine.has_unfinished_requests())
+            for cmd in commands:
+                stopping |= self._apply(cmd, errors)
+            updates = [] if stopping else self._step(errors)
+            if stopping and self._active:
+                errors += self._abort_active(Draining("the server shut down"))
+            self._refresh_stats(sum(cmd[0] == "add" for cmd in commands))
+            if updates or errors:
+                self._post(self._deliver, updates, errors)
+
+    def _take_commands(self, *, block: bool) -> list[tuple]:
+        """All queued commands; when block (the engine is idle), waits a while for one."""
+        commands = []
+        if block:
+            try:
+                commands.append(self._commands.get(timeout=_IDLE_POLL_S))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, cmd: tuple, errors: list) -> bool:
+        """Carries out one command; returns True for "stop"."""
+        kind = cmd[0]
+        if kind == "add":
+            _, engine_id, prompt, params, salt = cmd
+            try:
+                self.engine.add_request(engine_id, prompt, params, cache_salt=salt)
+                self._active[engine_id] = [0] * params.n
+            # ValueError is bad input; anything else is an engine bug that must fail this
+            # request, not the step thread.
+            except Exception as e:  # noqa: BLE001
+                errors.append((engine_id, e))
+        elif kind == "abort":
+            ids = [i for i in cmd[1] if i in self._active]
+            if ids:
+                self.engine.abort_request(ids)
+                for i in ids:
+                    del self._active[i]
+        elif kind == "call":
+            _, fn, future = cmd
+            try:
+                result, exc = fn(self.engine), None
+            except Exception as e:  # noqa: BLE001 - handed back to the caller, which maps it
+                result, exc = None, e
+            self._post(_settle, future, result, exc)
+        return kind == "stop"
+
+    def _step(self, errors: list) -> list[tuple[str, Update]]:
+        if not self.engine.has_unfinished_requests():
+            return []
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; failing %d requests", len(self._active))
+            errors += self._abort_active(e)
+            return []
+        updates = []
+        for out in outputs:
+            sent = self._active.get(out.request_id)
+            if sent is None:  # not ours, or aborted meanwhile
+                continue
+            updates.append((out.request_id, _update_from(out, sent)))
+            if out.finished:
+                del self._active[out.request_id]
+        return updates
+
+    def _abort_active(self, error: Exception) -> list[tuple[str, Exception]]:
+        ids = list(self._active)
+        self.engine.abort_request(ids)
+        self._active.clear()
+        return [(i, error) for i in ids]
+
+    def _refresh_stats(self, num_adds: int) -> None:
+        stats = dict(
+            self.engine.stats(),
+            num_running=self.engine.num_running(),
+            num_waiting=self.engine.num_waiting(),
+        )
+        with self._lock:
+            self._num_queued_adds -= num_adds
+            self._engine_num_waiting = stats["num_waiting"]
+        self.stats = stats  # replaced whole, so readers on other threads see one snapshot
+        if self.metrics is not None:
+            self.metrics.observe_engine(stats)
+
+
+def _update_from(out, sent: list[int]) -> Update:
+    """The part of a cumulative RequestOutput not yet forwarded; advances sent."""
+    choices = []
+    for c in out.outputs:
+        k = sent[c.index]
+        new = list(c.token_ids[k:])
+        if not new and c.finish_reason is None:
+            continue
+        sent[c.index] = k + len(new)
+        choices.append(
+            ChoiceDelta(
+                index=c.index,
+                new_token_ids=new,
+                new_logprobs=None if c.logprobs is None else list(c.logprobs[k:]),
+                text=c.text,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                cumulative_logprob=c.cumulative_logprob,
+            )
+        )
+    return Update(
+        num_prompt_tokens=len(out.prompt_token_ids),
+        num_cached_tokens=out.num_cached_tokens,
+        finished=out.finished,
+        choices=choices,
+    )
+
+
+def _settle(future: asyncio.Future, result, exc: Exception | None) -> None:
+    if future.cancelled():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -1,0 +1,153 @@
+"""Prometheus metrics for the server, on their own registry and HTTP port.
+
+Request metrics are recorded by the gRPC handlers when a call ends; engine metrics (queues,
+KV pages, prefix cache, preemptions) are copied from the engine's stats() by the step thread
+after every step. prometheus-client metrics are thread-safe, so both sides write directly.
+"""
+
+from __future__ import annotations
+
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+# Outcomes of a Generate call, the label of jpaged_requests_total.
+OUTCOMES = (
+    "stop",  # finished: EOS, stop token or stop string
+    "length",  # finished: max_tokens or context
+    "abort",  # Abort RPC or drain
+    "cancelled",  # the client cancelled, disconnected or passed its deadline
+    "invalid_argument",
+    "resource_exhausted",
+    "unavailable",  # refused while draining
+    "internal",
+)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "jpaged_requests", "Generate calls by outcome", ["outcome"], registry=r
+        )
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)  # export zeros, so rates exist from the start
+        self.prompt_tokens = Counter(
+            "jpaged_prompt_tokens", "Prompt tokens of finished or aborted requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "jpaged_generation_tokens", "Tokens generated (all choices)", registry=r
+        )
+        self.ttft = Histogram(
+            "jpaged_time_to_first_token_seconds",
+            "From receiving a request to its first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "jpaged_time_per_output_token_seconds",
+            "Mean time between tokens after the first, per request",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "jpaged_request_latency_seconds",
+            "From receiving a request to its end",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.num_running = Gauge("jpaged_num_requests_running", "Requests running", registry=r)
+        self.num_waiting = Gauge("jpaged_num_requests_waiting", "Requests waiting", registry=r)
+        self.pages_total = Gauge("jpaged_kv_pages_total", "KV-cache pages in the pool", registry=r)
+        self.pages_used = Gauge("jpaged_kv_pages_used", "KV-cache pages held", registry=r)
+        self.pages_free = Gauge("jpaged_kv_pages_free", "KV-cache pages free", registry=r)
+        self.pages_cached = Gauge(
+            "jpaged_kv_pages_cached", "Free pages still holding prefix-cache content", registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "jpaged_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache / prompt tokens looked up",
+            registry=r,
+        )
+        self.prefix_query_tokens = Counter(
+            "jpaged_prefix_cache_query_tokens", "Prompt tokens looked up", registry=r
+        )
+        self.prefix_hit_tokens = Counter(
+            "jpaged_prefix_cache_hit_tokens", "Prompt tokens found in the cache", registry=r
+        )
+        self.preemptions = Counter("jpaged_preemptions", "Requests preempted", registry=r)
+        self._last = {
+            "prefix_cache_query_tokens": 0,
+            "prefix_cache_hit_tokens": 0,
+            "num_preemptions": 0,
+        }
+        self._http: WSGIServer | None = None
+
+    def observe_engine(self, stats: dict) -> None:
+        """Copies one engine stats() snapshot (plus num_running / num_waiting) into gauges."""
+        self.num_running.set(stats["num_running"])
+        self.num_waiting.set(stats["num_waiting"])
+        self.pages_total.set(stats["pages_total"])
+        self.pages_used.set(stats["pages_used"])
+        self.pages_free.set(stats["pages_free"])
+        self.pages_cached.set(stats["pages_cached"])
+        query, hit = stats["prefix_cache_query_tokens"], stats["prefix_cache_hit_tokens"]
+        self.prefix_hit_rate.set(hit / query if query else 0.0)
+        for key, counter in (
+            ("prefix_cache_query_tokens", self.prefix_query_tokens),
+            ("prefix_cache_hit_tokens", self.prefix_hit_tokens),
+            ("num_preemptions", self.preemptions),
+        ):
+            delta = stats[key] - self._last[key]
+            if delta > 0:
+                counter.inc(delta)
+            self._last[key] = stats[key]
+
+    def observe_request(
+        self,
+        outcome: str,
+        *,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        ttft_s: float | None = None,
+        tpot_s: float | None = None,
+        latency_s: float | None = None,
+    ) -> None:
+        self.requests.labels(outcome).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+        if latency_s is not None:
+            self.e2e.observe(latency_s)
+
+    def start_http(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serves /metrics on host:port (0 picks a free port); returns the port."""
+        self._http = make_server(
+            host, port, make_wsgi_app(self.registry), _ThreadingWSGIServer, _QuietHandler
+        )
+        threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True).start()
+        return self._http.server_port
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # scrapes every few seconds would flood the log
+        pass

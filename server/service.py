@@ -1,0 +1,340 @@
+"""The jpaged.v1.Generation servicer (grpc.aio), on top of an EngineLoop.
+
+Every request is validated before it reaches the engine thread where that can be done here
+(wire-level checks, prompt shape, SamplingParams); the engine validates the rest and its
+ValueErrors come back as INVALID_ARGUMENT. A handler that ends for any reason before its
+request finished (client cancel, disconnect, deadline, error) aborts the request in its
+`finally`, so the engine frees its pages at the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+
+import grpc
+
+from jpaged.sampling_params import SamplingParams
+from server import wire
+from server.engine_loop import Draining, DuplicateRequestId, EngineLoop, Overloaded, RequestHandle
+from server.proto.jpaged.v1 import generation_pb2 as pb
+
+logger = logging.getLogger("jpaged.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
+_FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+_MAX_REQUEST_ID_LEN = 256
+
+
+class GenerationService:
+    def __init__(self, loop: EngineLoop, *, model_name: str, metrics=None, max_n: int = 64) -> None:
+        self._loop = loop
+        self._metrics = metrics
+        self._max_n = max_n
+        engine = loop.engine
+        self._model_name = model_name
+        self._vocab_size = int(engine.model_config.vocab_size)
+        self._max_model_len = int(engine.max_model_len)
+        self._architecture = str(getattr(engine.model_config, "architecture", ""))
+        eos = getattr(engine, "eos_token_ids", None)
+        if eos is None:
+            eos = getattr(engine.model_config, "eos_token_ids", ())
+        self._eos_token_ids = [int(t) for t in eos]
+
+    # ---- Generate -----------------------------------------------------------------------
+
+    async def Generate(self, request, context: grpc.aio.ServicerContext):
+        start = time.monotonic()
+        try:
+            wire.raise_if_invalid(request)
+            client_id, prompt, params, salt = self._parse(request)
+        except ValueError as e:
+            await self._reject(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "invalid_argument",
+                e,
+                getattr(request, "request_id", ""),
+            )
+        try:
+            handle = self._loop.submit(client_id, prompt, params, salt)
+        except Overloaded as e:
+            await self._reject(
+                context, grpc.StatusCode.RESOURCE_EXHAUSTED, "resource_exhausted", e, client_id
+            )
+        except Draining as e:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "unavailable", e, client_id)
+        except DuplicateRequestId as e:
+            await self._reject(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", e, client_id
+            )
+
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        outcome, first_token_time = "cancelled", None
+        try:
+            await context.send_initial_metadata((("x-request-id", client_id),))
+            while True:
+                await handle.wait()
+                if handle.error is not None:
+                    outcome, code = _error_status(handle.error)
+                    await context.abort(code, _error_message(handle.error))
+                done = handle.finished or handle.aborted
+                message = _response(handle, holdback, final=done)
+                if first_token_time is None and any(c.num_tokens for c in handle.choices):
+                    first_token_time = time.monotonic()
+                if done:
+                    outcome = "abort" if handle.aborted else _outcome(handle)
+                    yield message
+                    return
+                if message.choices:
+                    yield message
+        finally:
+            self._loop.release(handle)
+            self._record(handle, outcome, start, first_token_time)
+
+    def _parse(self, request) -> tuple[str, str | list[int], SamplingParams, str | None]:
+        if request.HasField("request_id"):
+            client_id = request.request_id
+            if not client_id or len(client_id) > _MAX_REQUEST_ID_LEN:
+                raise ValueError(
+                    f"request_id must have 1 to {_MAX_REQUEST_ID_LEN} characters, "
+                    f"got {len(client_id)}"
+                )
+        else:
+            client_id = uuid.uuid4().hex
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise ValueError("prompt is required: set text or token_ids")
+        if which == "text":
+            if not request.text:
+                raise ValueError("prompt text must not be empty")
+            prompt = request.text
+        else:
+            prompt = list(request.token_ids.ids)
+            if not prompt:
+                raise ValueError("prompt token_ids must not be empty")
+            for i, t in enumerate(prompt):
+                if not 0 <= t < self._vocab_size:
+                    raise ValueError(
+                        f"prompt token_ids[{i}] = {t} is out of range [0, {self._vocab_size})"
+                    )
+        params = sampling_params_from_proto(request.sampling)
+        if params.n > self._max_n:
+            raise ValueError(f"n must be <= {self._max_n} on this server, got {params.n}")
+        for i, t in enumerate(params.stop_token_ids):
+            if t >= self._vocab_size:
+                raise ValueError(
+                    f"stop_token_ids[{i}] = {t} is out of range [0, {self._vocab_size})"
+                )
+        salt = None
+        if request.HasField("cache_salt"):
+            if not request.cache_salt:
+                raise ValueError("cache_salt must not be empty when set")
+            salt = request.cache_salt
+        return client_id, prompt, params, salt
+
+    async def _reject(self, context, code, outcome: str, error: Exception, request_id: str):
+        logger.info(
+            "request rejected",
+            extra={"fields": {"request_id": request_id, "code": code.name, "error": str(error)}},
+        )
+        if self._metrics is not None:
+            self._metrics.observe_request(outcome)
+        await context.abort(code, str(error))
+
+    def _record(self, handle: RequestHandle, outcome: str, start: float, first: float | None):
+        end = time.monotonic()
+        completion = sum(c.num_tokens for c in handle.choices)
+        max_tokens = max((c.num_tokens for c in handle.choices), default=0)
+        ttft = None if first is None else first - start
+        tpot = (end - first) / (max_tokens - 1) if first is not None and max_tokens > 1 else None
+        fields = {
+            "request_id": handle.client_id,
+            "outcome": outcome,
+            "prompt_tokens": handle.num_prompt_tokens,
+            "completion_tokens": completion,
+            "cached_prompt_tokens": handle.num_cached_tokens,
+            "ttft_ms": None if ttft is None else round(ttft * 1e3, 2),
+            "latency_ms": round((end - start) * 1e3, 2),
+        }
+        if handle.error is not None:
+            fields["error"] = str(handle.error)
+        logger.info("request done", extra={"fields": fields})
+        if self._metrics is not None:
+            self._metrics.observe_request(
+                outcome,
+                prompt_tokens=handle.num_prompt_tokens,
+                completion_tokens=completion,
+                ttft_s=ttft,
+                tpot_s=tpot,
+                latency_s=end - start,
+            )
+
+    # ---- the small RPCs -----------------------------------------------------------------
+
+    async def Abort(self, request, context):
+        try:
+            wire.raise_if_invalid(request)
+            if not request.request_ids:
+                raise ValueError("request_ids must not be empty")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        aborted = self._loop.abort(list(request.request_ids))
+        logger.info("abort", extra={"fields": {"request_ids": ",".join(aborted)}})
+        return pb.AbortResponse(aborted_request_ids=aborted)
+
+    async def GetModelInfo(self, request, context):
+        try:
+            wire.raise_if_invalid(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        s = self._loop.stats
+        return pb.GetModelInfoResponse(
+            model=self._model_name,
+            architecture=self._architecture,
+            vocab_size=self._vocab_size,
+            max_model_len=self._max_model_len,
+            eos_token_ids=self._eos_token_ids,
+            stats=pb.EngineStats(
+                **{f.name: int(s[f.name]) for f in pb.EngineStats.DESCRIPTOR.fields}
+            ),
+        )
+
+    async def Tokenize(self, request, context):
+        try:
+            wire.raise_if_invalid(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        text = request.text
+        ids = await self._loop.call(lambda engine: engine.tokenizer.encode(text))
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(self, request, context):
+        try:
+            wire.raise_if_invalid(request)
+            ids = list(request.token_ids)
+            for i, t in enumerate(ids):
+                if not 0 <= t < self._vocab_size:
+                    raise ValueError(
+                        f"token_ids[{i}] = {t} is out of range [0, {self._vocab_size})"
+                    )
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        text = await self._loop.call(lambda engine: engine.tokenizer.decode(ids))
+        return pb.DetokenizeResponse(text=text)
+
+
+def sampling_params_from_proto(msg: pb.SamplingParameters) -> SamplingParams:
+    """Set fields become SamplingParams arguments; unset ones keep its defaults.
+
+    Raises the ValueError SamplingParams raises, which names the field.
+    """
+    kwargs = {}
+    for f in msg.DESCRIPTOR.fields:
+        if f.is_repeated:
+            values = list(getattr(msg, f.name))
+            if values:
+                kwargs[f.name] = values
+        elif msg.HasField(f.name):
+            kwargs[f.name] = getattr(msg, f.name)
+    return SamplingParams(**kwargs)
+
+
+def _response(handle: RequestHandle, holdback: int, *, final: bool) -> pb.GenerateResponse:
+    """The choices' progress since the last message; the whole rest when final."""
+    msg = pb.GenerateResponse(request_id=handle.client_id, finished=final)
+    for c in handle.choices:
+        token_ids, c.pending_token_ids = c.pending_token_ids, []
+        logprobs, c.pending_logprobs = c.pending_logprobs, []
+        text_delta = _text_delta(c, holdback, final or c.finish_reason is not None)
+        if not (token_ids or text_delta or final):
+            continue
+        delta = msg.choices.add(index=c.index, token_ids=token_ids, text=text_delta)
+        for t, position in zip(token_ids, logprobs):
+            entry = delta.logprobs.add(token_id=t, logprob=position.get(t, math.nan))
+            for top_id, lp in sorted(position.items(), key=lambda kv: -kv[1]):
+                entry.top_logprobs.add(token_id=top_id, logprob=lp)
+        if final:
+            reason = c.finish_reason or ("abort" if handle.aborted else None)
+            delta.finish_reason = _FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
+            if isinstance(c.stop_reason, str):
+                delta.stop_string = c.stop_reason
+            elif isinstance(c.stop_reason, int):
+                delta.stop_token_id = c.stop_reason
+            if c.cumulative_logprob is not None:
+                delta.cumulative_logprob = c.cumulative_logprob
+    if final:
+        msg.usage.prompt_tokens = handle.num_prompt_tokens
+        msg.usage.completion_tokens = sum(c.num_tokens for c in handle.choices)
+        msg.usage.cached_prompt_tokens = handle.num_cached_tokens
+    return msg
+
+
+def _text_delta(c, holdback: int, done: bool) -> str:
+    """The text not sent yet, less what a stop string or an unfinished character may change.
+
+    A stop string is cut from the text only once it is complete, so its first len-1
+    characters may already be in the text: those are held back until the choice ends.
+    A trailing U+FFFD is a character whose bytes have not all arrived yet.
+    """
+    end = len(c.text)
+    if not done:
+        end -= holdback
+        while end > c.sent_text_len and c.text[end - 1] == "\ufffd":
+            end -= 1
+    if end <= c.sent_text_len:
+        return ""
+    delta = c.text[c.sent_text_len : end]
+    c.sent_text_len = end
+    return delta
+
+
+def _outcome(handle: RequestHandle) -> str:
+    reasons = {c.finish_reason for c in handle.choices}
+    return "stop" if reasons == {"stop"} else "length" if "length" in reasons else "stop"
+
+
+def _error_status(error: Exception) -> tuple[str, grpc.StatusCode]:
+    if isinstance(error, ValueError):
+        return "invalid_argument", grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, Draining):
+        return "unavailable", grpc.StatusCode.UNAVAILABLE
+    return "internal", grpc.StatusCode.INTERNAL
+
+
+def _error_message(error: Exception) -> str:
+    if isinstance(error, (ValueError, Draining)):
+        return str(error)
+    return f"engine error: {type(error).__name__}: {error}"
+
+
+def add_to_server(service: GenerationService, server: grpc.aio.Server) -> None:
+    """Registers the service, with request parsers that keep wire-level problems for the
+    handlers to report as INVALID_ARGUMENT (a parser that raised would give INTERNAL)."""
+
+    def unary(fn, req, resp):
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=wire.parser(req), response_serializer=resp.SerializeToString
+        )
+
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate,
+            request_deserializer=wire.parser(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "Abort": unary(service.Abort, pb.AbortRequest, pb.AbortResponse),
+        "GetModelInfo": unary(
+            service.GetModelInfo, pb.GetModelInfoRequest, pb.GetModelInfoResponse
+        ),
+        "Tokenize": unary(service.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
+        "Detokenize": unary(service.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
