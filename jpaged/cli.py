@@ -1,0 +1,153 @@
+"""The `jpaged` command line: generate, batch, and (from server/) serve and client.
+
+Flags are parsed only here, at the edge; everything below takes configs and SamplingParams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+ENGINE_FLAGS = (
+    # (flag, type, default, help)
+    ("--dtype", str, None, "bfloat16 or float32 (default: bfloat16 on accelerators, float32 on CPU)"),
+    ("--page-size", int, 16, "tokens per KV page"),
+    ("--num-pages", int, None, "KV pages in the pool (default: from memory)"),
+    ("--max-num-seqs", int, 32, "sequences per step"),
+    ("--max-model-len", int, None, "longest prompt + output"),
+    ("--max-num-batched-tokens", int, None, "tokens per step (chunked prefill budget)"),
+    ("--kv-memory-fraction", float, 0.8, "share of free accelerator memory for KV pages"),
+    ("--kv-allocation", str, "paged", "paged (default) or reserve"),
+    ("--seed", int, 0, "engine seed for requests without their own"),
+    ("--attention-backend", str, None, "reference, pallas or pallas_interpret (default: best)"),
+)
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory (default: the demo model)")
+    for flag, typ, default, help_ in ENGINE_FLAGS:
+        p.add_argument(flag, type=typ, default=default, help=help_)
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--precompile", action="store_true", help="compile every bucket at start-up")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    kw = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, *_ in ENGINE_FLAGS}
+    kw["enable_prefix_caching"] = not args.no_prefix_caching
+    kw["precompile"] = args.precompile
+    return kw
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--request-seed", type=int, default=None,
+                   help="per-request seed (reproducible sampling)")
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None)
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from jpaged.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.request_seed,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        stop=args.stop,
+        stop_token_ids=args.stop_token_ids,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jpaged.engine import LLMEngine
+
+    params = sampling_params_from_args(args)
+    engine = LLMEngine.from_args(model=args.model, **engine_kwargs(args))
+    engine.add_request("cli-0", args.prompt, params)
+    printed = [0] * params.n
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+            if args.stream and params.n == 1:
+                text = out.outputs[0].text
+                sys.stdout.write(text[printed[0] :])
+                sys.stdout.flush()
+                printed[0] = len(text)
+    if args.stream and params.n == 1:
+        sys.stdout.write("\n")
+    else:
+        for c in final.outputs:
+            prefix = f"[{c.index}] " if params.n > 1 else ""
+            print(f"{prefix}{c.text}")
+    for c in final.outputs:
+        print(f"# choice {c.index}: {len(c.token_ids)} tokens, finish_reason={c.finish_reason}",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from jpaged.batch import run_batch
+
+    return run_batch(args.input, args.output, model=args.model, engine_kwargs=engine_kwargs(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jpaged", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate from one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    add_engine_flags(gen)
+    add_sampling_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    batch = sub.add_parser("batch", help="offline batch inference over a JSONL file")
+    batch.add_argument("input", help="JSONL: one {\"prompt\": ..., sampling params...} per line")
+    batch.add_argument("output", help="JSONL of results, in input order")
+    add_engine_flags(batch)
+    batch.set_defaults(func=cmd_batch)
+
+    try:
+        from server.cli import add_client_parser, add_serve_parser
+    except ImportError:  # the server package is optional for the offline CLI
+        pass
+    else:
+        add_serve_parser(sub)
+        add_client_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except ValueError as e:
+        print(f"jpaged: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
