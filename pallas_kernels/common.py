@@ -15,6 +15,15 @@ from jax.experimental import pallas as pl
 from pallas_kernels.reference import MASK_VALUE
 
 
+def idiv(a, b):
+    """a // b for non-negative int32 scalars, as truncating division.
+
+    jnp's floor division emits a `sign` op that Mosaic TPU lowers only when it can query a
+    real TPU, so the TPU kernels use this instead (and lowering works on a CPU host).
+    """
+    return lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
 def dot_f32(a, b, *, trans_b: bool = False):
     """a @ b (or a @ b.T), accumulated in float32."""
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))

@@ -29,6 +29,7 @@ from pallas_kernels.common import (
     any_memory_space,
     dot_f32,
     finish,
+    idiv,
     online_softmax_step,
     tpu_compiler_params,
 )
@@ -101,13 +102,13 @@ def _decode_kernel(
     block_tokens = pages_per_block * page_size
 
     length = lengths_ref[b]
-    num_pages = (length + page_size - 1) // page_size
+    num_pages = idiv(length + page_size - 1, page_size)
     if sliding_window is None:
         window_start = 0
     else:
         window_start = jnp.maximum(length - sliding_window, 0)
-    first_page = window_start // page_size
-    num_blocks = (num_pages - first_page + pages_per_block - 1) // pages_per_block
+    first_page = idiv(window_start, page_size)
+    num_blocks = idiv(num_pages - first_page + pages_per_block - 1, pages_per_block)
     copier = PageBlockCopier(
         k_hbm, v_hbm, k_buf, v_buf, sems, table_ref, head=h, table_base=b * table_width,
         first_page=first_page, num_valid_pages=num_pages, pages_per_block=pages_per_block,
@@ -121,7 +122,7 @@ def _decode_kernel(
     q = q_ref[...]
 
     def body(blk, carry):
-        slot = blk % 2
+        slot = lax.rem(blk, 2)
         copier.wait(blk, slot)
 
         @pl.when(blk + 1 < num_blocks)

@@ -25,6 +25,7 @@ from pallas_kernels.common import (
     any_memory_space,
     dot_f32,
     finish,
+    idiv,
     online_softmax_step,
     ragged_layout,
     tpu_compiler_params,
@@ -74,11 +75,10 @@ def _prefill_kernel(
     def seq_body(s, carry):
         start, end = seq_kv_range(ctx_ref[s], qs_ref[s], qs_ref[s + 1], t_lo, t_hi,
                                   sliding_window=sliding_window)
-        first_page = start // page_size
-        num_pages = (end + page_size - 1) // page_size
-        num_blocks = (jnp.maximum(num_pages - first_page, 0) + pages_per_block - 1) // (
-            pages_per_block
-        )
+        first_page = idiv(start, page_size)
+        num_pages = idiv(end + page_size - 1, page_size)
+        num_blocks = idiv(jnp.maximum(num_pages - first_page, 0) + pages_per_block - 1,
+                          pages_per_block)
         copier = PageBlockCopier(
             k_hbm, v_hbm, k_buf, v_buf, sems, table_ref, head=h, table_base=s * width,
             first_page=first_page, num_valid_pages=num_pages,
@@ -90,7 +90,7 @@ def _prefill_kernel(
             copier.start(0, 0)
 
         def kv_body(blk, carry):
-            slot = blk % 2
+            slot = lax.rem(blk, 2)
             copier.wait(blk, slot)
 
             @pl.when(blk + 1 < num_blocks)

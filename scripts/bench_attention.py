@@ -124,7 +124,7 @@ def main():
     if on_cpu:
         print("CPU: 'ours' runs the GPU kernel in the Pallas interpreter (a smoke test only)")
     copy_bw = copy_bandwidth((16 if args.quick else 2048) << 20, iters)
-    print(f"copy bandwidth (read+write): {copy_bw / 1e9:.1f} GB/s")
+    print(f"copy bandwidth (read+write): {copy_bw / 1e9:.4g} GB/s")
     print(f"{'batch':>5} {'ctx':>5} {'hq':>3} {'hkv':>3} {'d':>4} {'page':>4}  "
           f"{'impl':<12} {'time_us':>10} {'KV_GB/s':>9} {'%copy':>6}")
     for shape in shapes:
@@ -136,7 +136,7 @@ def main():
                 print(f"{head}  {name:<12} {t}")
                 continue
             bw = kv_bytes / t
-            print(f"{head}  {name:<12} {t * 1e6:>10.1f} {bw / 1e9:>9.1f} {100 * bw / copy_bw:>6.1f}")
+            print(f"{head}  {name:<12} {t * 1e6:>10.1f} {bw / 1e9:>9.4g} {100 * bw / copy_bw:>6.1f}")
 
 
 if __name__ == "__main__":
