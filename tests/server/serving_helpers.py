@@ -1,0 +1,96 @@
+"""Helpers for the server tests: a real grpc.aio server on 127.0.0.1 in a background thread,
+and a client-side view of a Generate stream.
+
+The server runs its own event loop in a thread, so tests are plain synchronous pytest
+functions that talk to it with ordinary (sync) grpc stubs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+
+from server.app import Server, ServerOptions
+from server.proto.jpaged.v1 import generation_pb2 as pb
+from server.proto.jpaged.v1 import generation_pb2_grpc as pb_grpc
+
+
+class RunningServer:
+    def __init__(self, engine, *, model_name: str = "fake", **options) -> None:
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        opts = ServerOptions(host="127.0.0.1", port=0, metrics_port=0, **options)
+        self.server = Server(engine, opts, model_name=model_name)
+        self._run(self.server.start())
+        self.address = f"127.0.0.1:{self.server.port}"
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self._closed = False
+
+    def _run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stats(self) -> pb.EngineStats:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest()).stats
+
+    def wait_until(self, predicate, timeout: float = 5.0) -> pb.EngineStats:
+        """Polls the server's stats until predicate(stats) holds; returns those stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if predicate(s):
+                return s
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not reached in {timeout}s; stats: {s}")
+            time.sleep(0.01)
+
+    def close(self, grace_s: float = 0.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.channel.close()
+        self._run(self.server.drain(grace_s))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+class Collected:
+    """A Generate stream gathered per choice, as a client would assemble it."""
+
+    def __init__(self, messages: list[pb.GenerateResponse]) -> None:
+        self.messages = messages
+        self.final = messages[-1]
+        self.request_id = self.final.request_id
+        self.token_ids: dict[int, list[int]] = {}
+        self.text: dict[int, str] = {}
+        self.logprobs: dict[int, list[pb.TokenLogprob]] = {}
+        self.finish_reason: dict[int, int] = {}
+        for m in messages:
+            for c in m.choices:
+                self.token_ids.setdefault(c.index, []).extend(c.token_ids)
+                self.text[c.index] = self.text.get(c.index, "") + c.text
+                self.logprobs.setdefault(c.index, []).extend(c.logprobs)
+        for c in self.final.choices:
+            self.finish_reason[c.index] = c.finish_reason
+        self.final_choice = {c.index: c for c in self.final.choices}
+
+
+def collect(stub, request: pb.GenerateRequest, **kwargs) -> Collected:
+    return Collected(list(stub.Generate(request, **kwargs)))
+
+
+def request(prompt, **sampling) -> pb.GenerateRequest:
+    """A GenerateRequest for a text or token-id prompt; extra keywords are sampling fields
+    except request_id and cache_salt."""
+    top = {k: sampling.pop(k) for k in ("request_id", "cache_salt") if k in sampling}
+    if isinstance(prompt, str):
+        return pb.GenerateRequest(text=prompt, sampling=pb.SamplingParameters(**sampling), **top)
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParameters(**sampling), **top
+    )

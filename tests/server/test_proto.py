@@ -1,0 +1,55 @@
+"""The committed stubs are what scripts/gen_proto.sh makes from the committed proto."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PROTO_DIR = pathlib.Path("server/proto/jpaged/v1")
+GENERATED = ("generation_pb2.py", "generation_pb2_grpc.py")
+
+
+def test_regenerating_gives_the_committed_stubs(tmp_path):
+    (tmp_path / PROTO_DIR).mkdir(parents=True)
+    shutil.copy(ROOT / PROTO_DIR / "generation.proto", tmp_path / PROTO_DIR)
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts/gen_proto.sh", tmp_path / "scripts")
+    subprocess.run(
+        ["bash", str(tmp_path / "scripts/gen_proto.sh")],
+        check=True,
+        env={"PATH": str(pathlib.Path(sys.executable).parent) + ":/usr/bin:/bin"},
+    )
+    for name in GENERATED:
+        fresh = (tmp_path / PROTO_DIR / name).read_text()
+        committed = (ROOT / PROTO_DIR / name).read_text()
+        assert fresh == committed, f"{name} is stale: run scripts/gen_proto.sh"
+
+
+def test_stubs_import_and_describe_the_service():
+    from server.proto.jpaged.v1 import generation_pb2 as pb
+    from server.proto.jpaged.v1 import generation_pb2_grpc as pb_grpc
+
+    service = pb.DESCRIPTOR.services_by_name["Generation"]
+    assert service.full_name == "jpaged.v1.Generation"
+    assert {
+        m.name: (m.input_type.name, m.output_type.name, m.server_streaming) for m in service.methods
+    } == {
+        "Generate": ("GenerateRequest", "GenerateResponse", True),
+        "Abort": ("AbortRequest", "AbortResponse", False),
+        "GetModelInfo": ("GetModelInfoRequest", "GetModelInfoResponse", False),
+        "Tokenize": ("TokenizeRequest", "TokenizeResponse", False),
+        "Detokenize": ("DetokenizeRequest", "DetokenizeResponse", False),
+    }
+    assert hasattr(pb_grpc, "GenerationStub")
+    # Every SamplingParams field is in the proto, with presence for the scalar ones.
+    import dataclasses
+
+    from jpaged.sampling_params import SamplingParams
+
+    fields = pb.SamplingParameters.DESCRIPTOR.fields_by_name
+    assert set(fields) == {f.name for f in dataclasses.fields(SamplingParams)}
+    for f in fields.values():
+        assert f.is_repeated or f.has_presence, f.name
