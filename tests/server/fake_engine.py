@@ -329,10 +329,17 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--step-delay", type=float, default=0.01)
     parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=64)
+    parser.add_argument("--num-pages", type=int, default=1024)
     app.add_server_args(parser)
     args = parser.parse_args(argv)
     app.configure_logging(args.log_level, args.log_format)
-    engine = FakeEngine(step_delay_s=args.step_delay, max_num_seqs=args.max_num_seqs)
+    engine = FakeEngine(
+        step_delay_s=args.step_delay,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        num_pages=args.num_pages,
+    )
     return app.run(engine, app.ServerOptions.from_args(args), model_name="fake")
 
 

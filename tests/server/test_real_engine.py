@@ -2,6 +2,8 @@
 
 One LLM is built; its offline generate() runs first, then its engine is served (one thread
 drives it at a time, so sharing it is safe and the compiled programs are reused).
+Marked slow: building and compiling the demo model on a 2-core CPU took 514 s when measured
+(under load from other jobs); the fake-engine tests cover the same protocol on every run.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from serving_helpers import RunningServer, collect, request
 
 from jpaged import LLM, SamplingParams
 from server.proto.jpaged.v1 import generation_pb2 as pb
+
+pytestmark = pytest.mark.slow
 
 ENGINE_ARGS = {"max_num_seqs": 4, "max_model_len": 128, "page_size": 16}
 
