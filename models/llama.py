@@ -17,6 +17,15 @@ import numpy as np
 import pallas_kernels
 from models.config import ModelConfig
 
+# attention_backend -> dispatcher arguments: None/"pallas" pick the platform's best (the
+# reference on CPU); "pallas_interpret" runs the GPU kernel in the Pallas interpreter.
+_ATTENTION_BACKENDS = {
+    None: {},
+    "pallas": {},
+    "reference": {"backend": "cpu"},
+    "pallas_interpret": {"interpret": True},
+}
+
 # Per-layer (k_pages, v_pages), each [num_kv_heads, num_pages, page_size, head_dim].
 KVCaches = list[tuple[jax.Array, jax.Array]]
 
@@ -84,9 +93,11 @@ def forward(
     decode_only (static): every sequence has exactly one query token and row s of the
     token arrays belongs to sequence s (T == S), so the decode kernel can serve the step.
     """
-    attn_kwargs = dict(sm_scale=cfg.sm_scale, sliding_window=cfg.sliding_window)
-    if attention_backend is not None:
-        attn_kwargs["backend"] = attention_backend
+    attn_kwargs = dict(
+        sm_scale=cfg.sm_scale,
+        sliding_window=cfg.sliding_window,
+        **_ATTENTION_BACKENDS[attention_backend],
+    )
     inv_freq = rope_inv_freq(cfg)
     x = params["embed"][token_ids]  # [T, D]
     new_caches = []

@@ -5,6 +5,7 @@ import pytest
 import torch
 import transformers
 
+import jax
 import jax.numpy as jnp
 
 from models.llama import compute_logits, forward
@@ -12,6 +13,7 @@ from models.loader import load_hf_model
 from checkpoints import ARCHS
 
 PAGE = 8
+_forward = jax.jit(forward, static_argnums=(1,), static_argnames=("decode_only",))
 
 
 def paged_logits(loaded, chunks: list[int], token_ids: list[int], *, num_pages=64, shuffle=True):
@@ -30,7 +32,7 @@ def paged_logits(loaded, chunks: list[int], token_ids: list[int], *, num_pages=6
     out, start = [], 0
     for n in chunks:
         pos = np.arange(start, start + n)
-        hidden, caches = forward(
+        hidden, caches = _forward(
             loaded.params,
             cfg,
             caches,

@@ -1,0 +1,44 @@
+"""The command line end to end on the demo model: generate, batch (with a malformed line)."""
+
+import json
+import subprocess
+import sys
+
+ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64",
+          "--num-pages", "40"]
+
+
+def run(args, env):
+    return subprocess.run(
+        [sys.executable, "-m", "jpaged.cli", *args], capture_output=True, text=True, env=env,
+        timeout=600, check=False,
+    )
+
+
+def test_generate_and_batch(demo_model_dir, tmp_path, monkeypatch):
+    import os
+
+    env = dict(os.environ, JPAGED_CACHE_DIR=str(demo_model_dir.parent), JAX_PLATFORMS="cpu")
+    res = run(["generate", "Hello there", "--max-tokens", "5", "--temperature", "0",
+               "--ignore-eos", *ENGINE], env)
+    assert res.returncode == 0, res.stderr
+    assert "5 tokens, finish_reason=length" in res.stderr
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(
+        json.dumps({"prompt": "one", "max_tokens": 3, "temperature": 0, "ignore_eos": True}) + "\n"
+        + "{not json\n"
+        + json.dumps({"prompt": "two", "max_tokens": 2, "top_p": 7}) + "\n"
+        + json.dumps({"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "id": "x"}) + "\n"
+    )
+    out = tmp_path / "out.jsonl"
+    res = run(["batch", str(inp), str(out), *ENGINE], env)
+    assert res.returncode == 1, res.stderr  # some lines were malformed
+    assert f"{inp}:2: invalid JSON" in res.stderr
+    assert f"{inp}:3: top_p must be in (0, 1]" in res.stderr
+    assert "output tokens/s" in res.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["line"] for r in rows] == [1, 2, 3, 4]
+    assert len(rows[0]["outputs"][0]["token_ids"]) == 3
+    assert "error" in rows[1] and "error" in rows[2]
+    assert rows[3]["id"] == "x" and len(rows[3]["outputs"][0]["token_ids"]) == 4
