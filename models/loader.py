@@ -232,7 +232,7 @@ def load_hf_model(path: str | os.PathLike, *, dtype: Any = None) -> LoadedModel:
       ValueError: unreadable JSON or safetensors, an unsupported architecture or field, a
         missing, unexpected or wrongly shaped tensor. The message names the file and field.
     """
-    import jax.numpy as jnp
+    import jax
 
     model_dir = Path(path)
     if not model_dir.is_dir():
@@ -281,7 +281,10 @@ def load_hf_model(path: str | os.PathLike, *, dtype: Any = None) -> LoadedModel:
                     f"{file}: tensor {spec.hf_name!r} has shape {list(array.shape)}, "
                     f"expected {list(spec.hf_shape)} from {config_path}"
                 )
-            _set(params, key, jnp.asarray(spec.to_layout(array), dtype=target_dtype))
+            # Cast on the host (ml_dtypes for bfloat16): jnp.asarray(x, dtype=...) would compile
+            # one XLA convert per distinct tensor shape.
+            value = np.ascontiguousarray(spec.to_layout(array), dtype=target_dtype)
+            _set(params, key, jax.device_put(value))
 
     tokenizer = None
     tokenizer_path = model_dir / TOKENIZER_FILE

@@ -111,7 +111,8 @@ def test_default_dtype_is_float32_on_cpu(tiny_checkpoints):
 def test_bf16_override(tiny_checkpoints, dtype):
     f32 = load_hf_model(tiny_checkpoints["qwen2"], dtype="float32").params
     bf16 = load_hf_model(tiny_checkpoints["qwen2"], dtype=dtype).params
-    _assert_same_tree(bf16, jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), f32))
+    expected = jax.tree_util.tree_map(lambda x: np.asarray(x).astype(jnp.bfloat16), f32)
+    _assert_same_tree(bf16, expected)
 
 
 def test_bf16_checkpoint_loads(tmp_path):
