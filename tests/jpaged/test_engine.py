@@ -3,25 +3,18 @@
 import numpy as np
 import pytest
 
-from jpaged import LLM, SamplingParams
+from jpaged import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def llm(demo_model_dir):
-    return LLM(
-        str(demo_model_dir),
-        max_num_seqs=8,
-        max_model_len=256,
-        max_num_batched_tokens=64,
-        page_size=16,
-        num_pages=96,
-    )
+@pytest.fixture
+def llm(demo_llm):
+    return demo_llm
 
 
 def test_compiled_programs_stay_within_the_bucket_count(llm):
     rng = np.random.default_rng(0)
     vocab = llm.llm_engine.model_config.vocab_size
-    prompts = [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(1, 120, 50)]
+    prompts = [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(1, 100, 50)]
     params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True)
               for m in rng.integers(1, 24, 50)]
     outs = llm.generate(prompts, params)

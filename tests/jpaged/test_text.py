@@ -2,7 +2,7 @@
 
 import pytest
 
-from jpaged import LLM, SamplingParams
+from jpaged import SamplingParams
 from jpaged.tokenizer import Tokenizer
 from models.demo import build_tokenizer
 
@@ -21,10 +21,9 @@ def test_incremental_decode_never_emits_half_a_character():
     assert out == text
 
 
-@pytest.fixture(scope="module")
-def llm(demo_model_dir):
-    return LLM(str(demo_model_dir), max_num_seqs=4, max_model_len=128,
-               max_num_batched_tokens=64, num_pages=40)
+@pytest.fixture
+def llm(demo_llm):
+    return demo_llm
 
 
 def test_stop_string_spanning_tokens(llm):
