@@ -1,7 +1,7 @@
 """Builds and runs the gRPC server: Generation, Health, reflection, metrics, SIGTERM drain.
 
-Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING and the server stops taking calls at
-once; requests in flight get `grace_s` to finish; whatever is left is then aborted (its
+Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING and new calls are refused with
+UNAVAILABLE at once; requests in flight get `grace_s` to finish; whatever is left is then aborted (its
 stream ends with FINISH_REASON_ABORT), the engine thread stops and the process exits 0.
 """
 
@@ -134,7 +134,7 @@ class Server:
         )
 
     async def drain(self, grace_s: float | None = None) -> None:
-        """Stops taking calls, gives in-flight requests grace_s, aborts the rest, stops."""
+        """Refuses new calls, gives in-flight requests grace_s, aborts the rest, stops."""
         grace_s = self.options.grace_s if grace_s is None else grace_s
         start = time.monotonic()
         logger.info(
@@ -142,15 +142,17 @@ class Server:
             extra={"fields": {"in_flight": self.engine_loop.num_in_flight(), "grace_s": grace_s}},
         )
         await self.health.enter_graceful_shutdown()
+        # The port stays open through the grace period so that every new call gets a clean
+        # UNAVAILABLE from the service (stopping grpc first races: a call caught between
+        # accept and handler would see CANCELLED instead).
         self.engine_loop.start_draining()
-        # grpc's own grace is a backstop: by then every stream has ended on its own.
-        stopped = asyncio.ensure_future(self.grpc_server.stop(grace_s + 10))
         try:
             await asyncio.wait_for(self.engine_loop.wait_idle(), grace_s)
         except TimeoutError:
             aborted = self.engine_loop.abort_all()
             logger.info("grace period over", extra={"fields": {"aborted": len(aborted)}})
-        await stopped
+        # Every stream has ended (or been told to) by now; grpc's grace is only a backstop.
+        await self.grpc_server.stop(5)
         await self.engine_loop.stop()
         self.metrics.stop_http()
         logger.info("stopped", extra={"fields": {"drain_s": round(time.monotonic() - start, 3)}})
