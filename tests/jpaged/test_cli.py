@@ -4,14 +4,26 @@ import json
 import subprocess
 import sys
 
-ENGINE = ["--max-num-seqs", "4", "--max-model-len", "128", "--max-num-batched-tokens", "64",
-          "--num-pages", "40"]
+ENGINE = [
+    "--max-num-seqs",
+    "4",
+    "--max-model-len",
+    "128",
+    "--max-num-batched-tokens",
+    "64",
+    "--num-pages",
+    "40",
+]
 
 
 def run(args, env):
     return subprocess.run(
-        [sys.executable, "-m", "jpaged.cli", *args], capture_output=True, text=True, env=env,
-        timeout=600, check=False,
+        [sys.executable, "-m", "jpaged.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
     )
 
 
@@ -19,17 +31,31 @@ def test_generate_and_batch(demo_model_dir, tmp_path, monkeypatch):
     import os
 
     env = dict(os.environ, JPAGED_CACHE_DIR=str(demo_model_dir.parent), JAX_PLATFORMS="cpu")
-    res = run(["generate", "Hello there", "--max-tokens", "5", "--temperature", "0",
-               "--ignore-eos", *ENGINE], env)
+    res = run(
+        [
+            "generate",
+            "Hello there",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            *ENGINE,
+        ],
+        env,
+    )
     assert res.returncode == 0, res.stderr
     assert "5 tokens, finish_reason=length" in res.stderr
 
     inp = tmp_path / "in.jsonl"
     inp.write_text(
-        json.dumps({"prompt": "one", "max_tokens": 3, "temperature": 0, "ignore_eos": True}) + "\n"
+        json.dumps({"prompt": "one", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+        + "\n"
         + "{not json\n"
-        + json.dumps({"prompt": "two", "max_tokens": 2, "top_p": 7}) + "\n"
-        + json.dumps({"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "id": "x"}) + "\n"
+        + json.dumps({"prompt": "two", "max_tokens": 2, "top_p": 7})
+        + "\n"
+        + json.dumps({"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "id": "x"})
+        + "\n"
     )
     out = tmp_path / "out.jsonl"
     res = run(["batch", str(inp), str(out), *ENGINE], env)
@@ -42,3 +68,43 @@ def test_generate_and_batch(demo_model_dir, tmp_path, monkeypatch):
     assert len(rows[0]["outputs"][0]["token_ids"]) == 3
     assert "error" in rows[1] and "error" in rows[2]
     assert rows[3]["id"] == "x" and len(rows[3]["outputs"][0]["token_ids"]) == 4
+
+
+class Recorder:
+    """A stdout that keeps every write separately."""
+
+    def __init__(self):
+        self.writes: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.writes.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_generate_stream_writes_the_same_text_piece_by_piece(demo_model_dir, monkeypatch):
+    from jpaged import cli
+
+    monkeypatch.setenv("JPAGED_CACHE_DIR", str(demo_model_dir.parent))
+    args = [
+        "generate",
+        "Once upon",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        *ENGINE,
+    ]
+    streamed, whole = Recorder(), Recorder()
+    monkeypatch.setattr("sys.stdout", streamed)
+    assert cli.main([*args, "--stream"]) == 0
+    monkeypatch.setattr("sys.stdout", whole)
+    assert cli.main(args) == 0
+    text = "".join(whole.writes)
+    assert text.strip()
+    assert "".join(streamed.writes) == text
+    pieces = [w for w in streamed.writes if w.strip()]
+    assert len(pieces) >= 4  # written as tokens arrive, not once at the end
