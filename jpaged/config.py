@@ -1,8 +1,9 @@
 """Engine configuration: frozen, validated on construction, hashable.
 
-CacheConfig sizes the page pool; SchedulerConfig bounds each step; EngineConfig holds both
-with the model path and numeric settings. The shape buckets every step is padded into are
-derived here, so the number of compiled programs is known before anything runs.
+CacheConfig sizes the page pool; SchedulerConfig bounds each step; ParallelConfig says how
+many devices a replica spans (tensor parallel) and how many replicas serve (data parallel);
+EngineConfig holds them with the model path and numeric settings. The shape buckets every
+step is padded into are derived here, so the number of compiled programs is known before anything runs.
 """
 
 from __future__ import annotations
@@ -85,6 +86,20 @@ class SchedulerConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # devices per replica (weights and KV heads split over them)
+    data_parallel_size: int = 1  # replicas, each with its own pool and scheduler
+
+    def __post_init__(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("data_parallel_size", self.data_parallel_size)
+
+    @property
+    def num_devices(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: str | None = None  # None: the built-in demo model
     dtype: str | None = None  # None: bfloat16 on accelerators, float32 on CPU
@@ -93,6 +108,7 @@ class EngineConfig:
     precompile: bool = False
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

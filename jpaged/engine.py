@@ -59,17 +59,12 @@ def resolve_num_pages(
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, loaded=None) -> None:
-        from models.loader import load_hf_model
-
         t0 = time.perf_counter()
         self.config = config
         if loaded is None:
-            path = config.model
-            if path is None:
-                from models.demo import ensure_demo_model
+            from jpaged.parallel import load_for_config
 
-                path = ensure_demo_model()
-            loaded = load_hf_model(path, dtype=config.dtype)
+            loaded = load_for_config(config)  # sharded when config.parallel asks for it
         self.model_config: ModelConfig = loaded.config
         self.eos_token_ids = tuple(loaded.eos_token_ids)
         self.tokenizer = (
@@ -84,7 +79,9 @@ class LLMEngine:
             self.num_pages, enable_prefix_caching=config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.allocator, self.eos_token_ids)
-        self.runner = ModelRunner(config, self.model_config, loaded.params, self.num_pages, dtype)
+        self.runner = ModelRunner(
+            config, self.model_config, loaded.params, self.num_pages, dtype, mesh=loaded.mesh
+        )
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._groups: dict[str, RequestGroup] = {}
         self._arrivals = 0

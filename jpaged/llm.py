@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
+from jpaged.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from jpaged.engine import LLMEngine
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import SamplingParams
@@ -30,6 +30,8 @@ def engine_config_from_args(
     enable_chunked_prefill: bool = True,
     attention_backend: str | None = None,
     precompile: bool = False,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
 ) -> EngineConfig:
     """One flat set of keyword arguments (the LLM's, the CLI's and the server's) -> config.
 
@@ -59,6 +61,9 @@ def engine_config_from_args(
             max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
         ),
+        parallel=ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size
+        ),
     )
 
 
@@ -82,7 +87,10 @@ class LLM:
     """Offline batched generation. Keyword arguments are those of engine_config_from_args."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.llm_engine = LLMEngine(engine_config_from_args(model, **kwargs))
+        from jpaged.parallel import make_engine
+
+        # An LLMEngine, or data-parallel replicas behind the same interface.
+        self.llm_engine: LLMEngine = make_engine(engine_config_from_args(model, **kwargs))
         self._ids = itertools.count()
 
     def get_tokenizer(self):

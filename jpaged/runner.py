@@ -8,6 +8,13 @@ StepPlan into padded StepInputs (numpy, bucketed shapes), and runs the jitted st
 Inside the step: page-table updates (.at[].set), copy-on-write page copies, the model over
 the ragged batch (writing each token's K/V into its slot), logits for one row per sequence,
 and sampling. Programs are compiled ahead of time per bucket key and counted.
+
+Under a mesh (tensor parallelism, models/sharding.py) the same step body runs inside one
+shard_map over the replica's devices: params and pools arrive as shards (pools split over KV
+heads), step inputs and the page table are replicated, the logits are all-gathered and every
+device samples the same tokens. The step is still one jit, with explicit in/out shardings and
+the state donated. Across processes (jax.distributed), process 0 broadcasts each device call's
+inputs (StepBroadcast) and the other processes replay them in `follow`.
 """
 
 from __future__ import annotations
@@ -22,11 +29,20 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jpaged.config import EngineConfig
-from jpaged.sampler import MAX_LOGPROBS, Penalties, SamplerOutput, SamplingInputs, sample
-from jpaged.sampler import seed_to_key_data
+from jpaged.sampler import (
+    MAX_LOGPROBS,
+    Penalties,
+    SamplerOutput,
+    SamplingInputs,
+    sample,
+    seed_to_key_data,
+)
 from jpaged.scheduler import StepPlan
+from models import sharding
 from models.config import ModelConfig
 from models.llama import compute_logits, forward
 
@@ -90,10 +106,14 @@ def _apply_updates(page_table, updates):
 
 
 def _prelude(state: DeviceState, updates, copies) -> DeviceState:
-    return DeviceState(_copy_pages(state.kv_caches, copies), _apply_updates(state.page_table, updates))
+    return DeviceState(
+        _copy_pages(state.kv_caches, copies), _apply_updates(state.page_table, updates)
+    )
 
 
-def _step(params, state: DeviceState, inputs: StepInputs, *, cfg, key: StepKey, backend):
+def _step(
+    params, state: DeviceState, inputs: StepInputs, *, cfg, key: StepKey, backend, tp_axis=None
+):
     page_table = _apply_updates(state.page_table, inputs.page_updates)
     kv_caches = _copy_pages(state.kv_caches, inputs.page_copies)
     table = page_table[inputs.slot_ids, : key.num_page_cols]  # [S, P]
@@ -109,8 +129,9 @@ def _step(params, state: DeviceState, inputs: StepInputs, *, cfg, key: StepKey, 
         inputs.query_start,
         decode_only=key.decode_only,
         attention_backend=backend,
+        tp_axis=tp_axis,
     )
-    logits = compute_logits(params, cfg, hidden[inputs.logits_indices])
+    logits = compute_logits(params, cfg, hidden[inputs.logits_indices], tp_axis)
     out = sample(logits, inputs.sampling, num_logprobs=key.num_logprobs)
     return out, DeviceState(kv_caches, page_table)
 
@@ -123,23 +144,43 @@ class ModelRunner:
         params,
         num_pages: int,
         dtype,
+        *,
+        mesh=None,
     ) -> None:
+        """mesh: the replica's Mesh (models/sharding.py) params are sharded over, or None."""
         self.config = config
         self.cfg = model_config
         self.params = params
         self.num_pages = num_pages
         self.page_size = config.cache.page_size
         self.scratch_row = config.scheduler.max_num_seqs
+        self.mesh = mesh
+        self.broadcast = None
+        if mesh is not None and jax.process_count() > 1:
+            from jpaged.multihost import StepBroadcast
+
+            self.broadcast = StepBroadcast(self)
         shape = (model_config.num_kv_heads, num_pages, self.page_size, model_config.head_dim)
-        self.state = DeviceState(
-            kv_caches=[
-                (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                for _ in range(model_config.num_layers)
-            ],
-            page_table=jnp.zeros(
-                (config.scheduler.max_num_seqs + 1, config.max_pages_per_seq), jnp.int32
-            ),
-        )
+        table_shape = (config.scheduler.max_num_seqs + 1, config.max_pages_per_seq)
+
+        def zeros():
+            return DeviceState(
+                kv_caches=[
+                    (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                    for _ in range(model_config.num_layers)
+                ],
+                page_table=jnp.zeros(table_shape, jnp.int32),
+            )
+
+        if mesh is None:
+            self.state = zeros()
+        else:  # made in place on every device: each holds only its KV heads
+            self._state_specs = DeviceState(
+                kv_caches=[(sharding.POOL_SPEC,) * 2] * model_config.num_layers,
+                page_table=P(),
+            )
+            self._param_specs = sharding.param_specs(model_config, sharding.tp_size(mesh))
+            self.state = jax.jit(zeros, out_shardings=self._named(self._state_specs))()
         self._compiled: dict[StepKey, object] = {}
         self._prelude_fn = None
         self.compile_seconds = 0.0
@@ -168,7 +209,7 @@ class ModelRunner:
     def precompile(self) -> float:
         t0 = time.perf_counter()
         for key in self.bucket_keys():
-            self._executable(key, self._dummy_inputs(key))
+            self._executable(key, self.dummy_inputs(key))
         self._prelude()
         return time.perf_counter() - t0
 
@@ -178,12 +219,18 @@ class ModelRunner:
             if self.warmed_up:
                 logger.warning("compiling a new step shape after warm-up: %s", key)
             t0 = time.perf_counter()
-            fn = jax.jit(
-                functools.partial(
-                    _step, cfg=self.cfg, key=key, backend=self.config.attention_backend
-                ),
-                donate_argnums=(1,),
+            body = functools.partial(
+                _step, cfg=self.cfg, key=key, backend=self.config.attention_backend
             )
+            if self.mesh is None:
+                fn = jax.jit(body, donate_argnums=(1,))
+            else:
+                fn = self._sharded_jit(
+                    functools.partial(body, tp_axis=sharding.TP),
+                    in_specs=(self._param_specs, self._state_specs, P()),
+                    out_specs=(P(), self._state_specs),
+                    donate=1,
+                )
             exe = fn.lower(self.params, self.state, inputs).compile()
             self.compile_seconds += time.perf_counter() - t0
             self._compiled[key] = exe
@@ -193,12 +240,32 @@ class ModelRunner:
         if self._prelude_fn is None:
             updates = np.zeros((_PRELUDE_UPDATES, 3), np.int32)
             copies = np.zeros((_PRELUDE_COPIES, 2), np.int32)
-            self._prelude_fn = (
-                jax.jit(_prelude, donate_argnums=(0,)).lower(self.state, updates, copies).compile()
-            )
+            if self.mesh is None:
+                fn = jax.jit(_prelude, donate_argnums=(0,))
+            else:
+                specs = self._state_specs
+                fn = self._sharded_jit(
+                    _prelude, in_specs=(specs, P(), P()), out_specs=specs, donate=0
+                )
+            self._prelude_fn = fn.lower(self.state, updates, copies).compile()
         return self._prelude_fn
 
-    def _dummy_inputs(self, key: StepKey) -> StepInputs:
+    def _named(self, specs):
+        return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs)
+
+    def _sharded_jit(self, body, *, in_specs, out_specs, donate: int):
+        """One jit over the mesh: the body runs per device inside shard_map."""
+        mapped = jax.shard_map(
+            body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
+        return jax.jit(
+            mapped,
+            in_shardings=self._named(in_specs),
+            out_shardings=self._named(out_specs),
+            donate_argnums=(donate,),
+        )
+
+    def dummy_inputs(self, key: StepKey) -> StepInputs:
         plan = StepPlan(rows=(), page_updates=(), page_copies=(), num_tokens=0)
         return self._pack(plan, key, self._update_capacity(key), key.num_seqs)
 
@@ -213,23 +280,41 @@ class ModelRunner:
             upd = updates[:_PRELUDE_UPDATES] if len(updates) > cap else []
             cps = copies[:_PRELUDE_COPIES] if len(copies) > key.num_seqs else []
             updates, copies = updates[len(upd) :], copies[len(cps) :]
-            self.state = self._prelude()(
-                self.state,
+            self.run_prelude(
                 self._pad_rows(upd, _PRELUDE_UPDATES, (self.scratch_row, 0, 0)),
                 self._pad_rows(cps, _PRELUDE_COPIES, (0, 0)),
             )
         plan = dataclasses.replace(plan, page_updates=tuple(updates), page_copies=tuple(copies))
-        inputs = self._pack(plan, key, cap, key.num_seqs, eos_token_ids)
+        out = self.run_step(key, self._pack(plan, key, cap, key.num_seqs, eos_token_ids))
+        if self.broadcast is not None:  # replicated: this process's shard is the whole value
+            out = [None if x is None else x.addressable_data(0) for x in out]
+        return SamplerOutput(*jax.device_get(tuple(out)))
+
+    def run_prelude(self, updates: np.ndarray, copies: np.ndarray) -> None:
+        if self.broadcast is not None:
+            updates, copies = self.broadcast.prelude(updates, copies)
+        self.state = self._prelude()(self.state, updates, copies)
+
+    def run_step(self, key: StepKey, inputs: StepInputs) -> SamplerOutput:
+        if self.broadcast is not None:
+            inputs = self.broadcast.step(key, inputs)
         exe = self._executable(key, inputs)
         out, self.state = exe(self.params, self.state, inputs)
-        return SamplerOutput(*jax.device_get(tuple(out)))
+        return out
+
+    def follow(self) -> None:
+        """Processes other than 0: replay process 0's device calls until it stops."""
+        self.broadcast.follow()
+
+    def stop_followers(self) -> None:
+        """Process 0: release the processes waiting in `follow` (no-op in one process)."""
+        if self.broadcast is not None:
+            self.broadcast.stop()
 
     def _key(self, plan: StepPlan) -> StepKey:
         c = self.config
         num_seqs = _bucket(c.seq_buckets, len(plan))
-        max_pages = max(
-            math.ceil((r.start + r.num_new_tokens) / self.page_size) for r in plan.rows
-        )
+        max_pages = max(math.ceil((r.start + r.num_new_tokens) / self.page_size) for r in plan.rows)
         cols = _bucket(c.page_buckets, max(max_pages, 1))
         num_logprobs = (
             MAX_LOGPROBS if any(r.seq.params.logprobs is not None for r in plan.rows) else 0

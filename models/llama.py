@@ -6,6 +6,11 @@ goes out (the caller donates it), so under jit the update is in place.
 
 Layer loop: unrolled in Python over per-layer pools, so each layer's attention reads a plain
 [num_kv_heads, num_pages, page_size, head_dim] array (a kernel operand), never a slice copy.
+
+Tensor parallelism: with `tp_axis` set, the functions run inside shard_map on one device's
+shards (layout of models/sharding.py): the same code over local heads and columns, plus one
+psum after each row-parallel matmul (wo, w_down), one for the vocab-parallel embedding, and an
+all-gather of the logits. With tp_axis None nothing changes.
 """
 
 from __future__ import annotations
@@ -87,11 +92,13 @@ def forward(
     *,
     decode_only: bool = False,
     attention_backend: str | None = None,
+    tp_axis: str | tuple[str, ...] | None = None,
 ) -> tuple[jax.Array, KVCaches]:
     """Runs the decoder over a ragged batch; returns final hidden states [T, D] and the pool.
 
     decode_only (static): every sequence has exactly one query token and row s of the
     token arrays belongs to sequence s (T == S), so the decode kernel can serve the step.
+    tp_axis (static): the shard_map axis params and pools are split over (None: unsplit).
     """
     attn_kwargs = dict(
         sm_scale=cfg.sm_scale,
@@ -99,7 +106,7 @@ def forward(
         **_ATTENTION_BACKENDS[attention_backend],
     )
     inv_freq = rope_inv_freq(cfg)
-    x = params["embed"][token_ids]  # [T, D]
+    x = _embed(params["embed"], cfg, token_ids, tp_axis)  # [T, D]
     new_caches = []
     for layer, (k_pages, v_pages) in zip(params["layers"], kv_caches, strict=True):
         h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
@@ -123,21 +130,42 @@ def forward(
             attn = pallas_kernels.paged_prefill_attention(
                 q, k_pages, v_pages, context_lens, page_table, query_start, **attn_kwargs
             )
-        x = x + jnp.einsum("thk,hkd->td", attn, layer["wo"])
+        x = x + _reduce(jnp.einsum("thk,hkd->td", attn, layer["wo"]), tp_axis)
         h = rms_norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)
         gate = jax.nn.silu(h @ layer["w_gate"])
-        x = x + (gate * (h @ layer["w_up"])) @ layer["w_down"]
+        x = x + _reduce((gate * (h @ layer["w_up"])) @ layer["w_down"], tp_axis)
         new_caches.append((k_pages, v_pages))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_caches
 
 
-def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
-    """hidden [N, D] -> float32 logits [N, vocab]."""
+def compute_logits(
+    params: dict, cfg: ModelConfig, hidden: jax.Array, tp_axis: str | tuple[str, ...] | None = None
+) -> jax.Array:
+    """hidden [N, D] -> float32 logits [N, vocab] (gathered over tp_axis when vocab-split)."""
     if cfg.tie_word_embeddings or "lm_head" not in params:
         logits = hidden @ params["embed"].T
     else:
         logits = hidden @ params["lm_head"]
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    if tp_axis is not None and logits.shape[-1] != cfg.vocab_size:
+        logits = jax.lax.all_gather(logits, tp_axis, axis=1, tiled=True)
+    return logits
+
+
+def _reduce(x: jax.Array, tp_axis) -> jax.Array:
+    """Sums a row-parallel matmul's partial results over the tensor-parallel devices."""
+    return x if tp_axis is None else jax.lax.psum(x, tp_axis)
+
+
+def _embed(table: jax.Array, cfg: ModelConfig, token_ids: jax.Array, tp_axis) -> jax.Array:
+    """Embedding lookup; a vocab-split table [V / T, D] looks up its own ids and all-reduces."""
+    rows = table.shape[0]
+    if tp_axis is None or rows == cfg.vocab_size:
+        return table[token_ids]
+    local = token_ids - jax.lax.axis_index(tp_axis) * rows
+    mine = (local >= 0) & (local < rows)
+    x = jnp.where(mine[:, None], table[jnp.clip(local, 0, rows - 1)], 0)
+    return jax.lax.psum(x, tp_axis)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float = 0.02) -> dict:

@@ -41,6 +41,7 @@ class LoadedModel:
     tokenizer: Any  # tokenizers.Tokenizer, or None when the directory has no tokenizer.json
     eos_token_ids: tuple[int, ...]  # generation_config.json's if present, else config.json's
     path: Path
+    mesh: Any = None  # jax.sharding.Mesh the params are sharded over (None: one device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +191,7 @@ def _read_tensor(handle, path: Path, name: str) -> np.ndarray:
         raise ValueError(f"{path}: cannot read tensor {name!r}: {e}") from None
 
 
-def _resolve_dtype(dtype: Any):
+def resolve_dtype(dtype: Any):
     import jax
     import jax.numpy as jnp
 
@@ -212,7 +213,27 @@ def _set(params: dict[str, Any], key: tuple, value: Any) -> None:
         params[key[0]] = value
 
 
-def load_hf_model(path: str | os.PathLike, *, dtype: Any = None) -> LoadedModel:
+def _place(value: np.ndarray, sharding: Any):
+    """A host array onto its sharding: each device receives only its own slice."""
+    import jax
+
+    if sharding is None:
+        return jax.device_put(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def load_model(path: str | os.PathLike, *, dtype: Any = None, mesh: Any = None) -> LoadedModel:
+    """A model directory, Hugging Face or converted to Orbax (models/orbax_checkpoint.py)."""
+    from models import orbax_checkpoint
+
+    if orbax_checkpoint.is_orbax_dir(path):
+        return orbax_checkpoint.load_orbax_model(path, dtype=dtype, mesh=mesh)
+    return load_hf_model(path, dtype=dtype, mesh=mesh)
+
+
+def load_hf_model(
+    path: str | os.PathLike, *, dtype: Any = None, mesh: Any = None, on_host: bool = False
+) -> LoadedModel:
     """Loads a Hugging Face model directory.
 
     Args:
@@ -221,6 +242,9 @@ def load_hf_model(path: str | os.PathLike, *, dtype: Any = None) -> LoadedModel:
         generation_config.json.
       dtype: dtype of every param (str or jnp dtype); default bfloat16 on an accelerator,
         float32 on CPU.
+      mesh: a Mesh of models.sharding; each tensor is read once on the host and each device
+        receives only its shard (None: every param on the default device).
+      on_host: keep params as numpy arrays (for conversion), ignoring mesh.
 
     Returns:
       LoadedModel. tokenizer is None when there is no tokenizer.json (the engine can still
@@ -232,24 +256,17 @@ def load_hf_model(path: str | os.PathLike, *, dtype: Any = None) -> LoadedModel:
       ValueError: unreadable JSON or safetensors, an unsupported architecture or field, a
         missing, unexpected or wrongly shaped tensor. The message names the file and field.
     """
-    import jax
-
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"{model_dir}: model directory not found")
-    target_dtype = _resolve_dtype(dtype)
-
+    target_dtype = resolve_dtype(dtype)
     config_path = model_dir / CONFIG_FILE
-    config = ModelConfig.from_hf_config(_read_json(config_path), source=str(config_path))
+    config = read_config(model_dir)
     eos_token_ids = config.eos_token_ids
-    gen_path = model_dir / GENERATION_CONFIG_FILE
-    gen = _read_json(gen_path, required=False)
-    if gen is not None and gen.get("eos_token_id") is not None:
-        eos_token_ids = _eos_ids(gen["eos_token_id"], gen_path)
-    config = dataclasses.replace(config, eos_token_ids=eos_token_ids)
 
     files, weights_source = _weight_files(model_dir)
     specs = tensor_specs(config)
+    shardings = _shardings(config, mesh)
     wanted = {spec.hf_name for spec in specs.values()}
     unexpected = sorted(
         name
@@ -284,8 +301,42 @@ def load_hf_model(path: str | os.PathLike, *, dtype: Any = None) -> LoadedModel:
             # Cast on the host (ml_dtypes for bfloat16): jnp.asarray(x, dtype=...) would compile
             # one XLA convert per distinct tensor shape.
             value = np.ascontiguousarray(spec.to_layout(array), dtype=target_dtype)
-            _set(params, key, jax.device_put(value))
+            _set(params, key, value if on_host else _place(value, shardings.get(key)))
+    return LoadedModel(
+        config=config,
+        params=params,
+        tokenizer=load_tokenizer(model_dir),
+        eos_token_ids=eos_token_ids,
+        path=model_dir,
+        mesh=mesh,
+    )
 
+
+def read_config(model_dir: Path) -> ModelConfig:
+    """config.json, with eos_token_ids from generation_config.json when it has them."""
+    config_path = model_dir / CONFIG_FILE
+    config = ModelConfig.from_hf_config(_read_json(config_path), source=str(config_path))
+    gen_path = model_dir / GENERATION_CONFIG_FILE
+    gen = _read_json(gen_path, required=False)
+    if gen is not None and gen.get("eos_token_id") is not None:
+        config = dataclasses.replace(config, eos_token_ids=_eos_ids(gen["eos_token_id"], gen_path))
+    return config
+
+
+def _shardings(config: ModelConfig, mesh: Any) -> dict[tuple, Any]:
+    """params path -> NamedSharding ({} without a mesh)."""
+    if mesh is None:
+        return {}
+    import jax
+
+    from models.sharding import param_shardings
+
+    flat = jax.tree_util.tree_flatten_with_path(param_shardings(config, mesh))[0]
+    return {tuple(getattr(k, "key", getattr(k, "idx", None)) for k in p): s for p, s in flat}
+
+
+def load_tokenizer(model_dir: Path):
+    """tokenizer.json as a tokenizers.Tokenizer, or None when there is none."""
     tokenizer = None
     tokenizer_path = model_dir / TOKENIZER_FILE
     if tokenizer_path.is_file():
@@ -295,13 +346,7 @@ def load_hf_model(path: str | os.PathLike, *, dtype: Any = None) -> LoadedModel:
             tokenizer = Tokenizer.from_file(str(tokenizer_path))
         except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
             raise ValueError(f"{tokenizer_path}: not a readable tokenizer: {e}") from None
-    return LoadedModel(
-        config=config,
-        params=params,
-        tokenizer=tokenizer,
-        eos_token_ids=eos_token_ids,
-        path=model_dir,
-    )
+    return tokenizer
 
 
 def save_hf_model(path: str | os.PathLike, config: dict[str, Any], params: dict[str, Any]) -> Path:

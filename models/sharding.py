@@ -1,0 +1,158 @@
+"""Tensor-parallel layout of the params and the KV pools: a Mesh and one PartitionSpec per array.
+
+Mesh axes ("data", "kv", "rep") of shape (D, kv, rep), with T = kv * rep devices per replica:
+
+    kv  = min(T, num_kv_heads)    KV heads are split over "kv"
+    rep = T // kv                 each KV head is held by `rep` devices (T > num_kv_heads)
+
+The tensor-parallel axis is the pair TP = ("kv", "rep"), kv-major. Query heads, the MLP's
+intermediate dim and the vocab are split over TP; the K/V projections and the page pools only
+over "kv" (replicated over "rep"). Because query head h uses KV head h // (Hq / Hkv) and TP is
+kv-major, the device at (i, r) holds query heads whose KV head is exactly its KV head i:
+
+    q heads:  | kv 0: r0 r1 | kv 1: r0 r1 |      (T = 4, Hkv = 2, Hq = 8: 2 q heads each)
+    kv heads: | 0     0     | 1     1     |
+
+Megatron layout: wq/wk/wv, w_gate/w_up and lm_head are column-parallel (output dim split),
+wo and w_down row-parallel (input dim split, followed by one all-reduce each), embed is
+vocab-parallel (masked lookup + all-reduce). Norms are replicated. Per-device pool bytes are
+total / min(T, num_kv_heads).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.config import ModelConfig
+
+DATA = "data"
+KV = "kv"
+REP = "rep"
+TP = (KV, REP)  # the tensor-parallel axis (kv-major)
+POOL_SPEC = P(KV, None, None, None)  # [num_kv_heads, num_pages, page_size, head_dim]
+
+
+def tp_split(num_kv_heads: int, tensor_parallel_size: int) -> tuple[int, int]:
+    """(kv, rep): KV-head shards and the replication of each KV head."""
+    kv = min(tensor_parallel_size, num_kv_heads)
+    return kv, tensor_parallel_size // kv
+
+
+def check_tp(cfg: ModelConfig, tensor_parallel_size: int) -> None:
+    """Raises ValueError naming the dimension that tensor_parallel_size does not divide."""
+    t = tensor_parallel_size
+    if t < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {t}")
+    hkv = cfg.num_kv_heads
+    if (hkv % t) if t <= hkv else (t % hkv):
+        raise ValueError(
+            f"tensor_parallel_size ({t}) must divide num_key_value_heads ({hkv}) or be a "
+            "multiple of it"
+        )
+    for name, size in (
+        ("num_attention_heads", cfg.num_heads),
+        ("intermediate_size", cfg.intermediate_size),
+    ):
+        if size % t:
+            raise ValueError(f"tensor_parallel_size ({t}) must divide {name} ({size})")
+
+
+def make_mesh(
+    cfg: ModelConfig, tensor_parallel_size: int, data_parallel_size: int = 1, devices=None
+) -> Mesh:
+    """Mesh ("data", "kv", "rep") over the first D * T devices (jax.devices() by default)."""
+    check_tp(cfg, tensor_parallel_size)
+    devices = list(jax.devices() if devices is None else devices)
+    n = tensor_parallel_size * data_parallel_size
+    if n > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size * data_parallel_size ({tensor_parallel_size} x "
+            f"{data_parallel_size}) exceeds the {len(devices)} devices available"
+        )
+    kv, rep = tp_split(cfg.num_kv_heads, tensor_parallel_size)
+    return Mesh(np.array(devices[:n]).reshape(data_parallel_size, kv, rep), (DATA, KV, REP))
+
+
+def replica_mesh(mesh: Mesh, index: int) -> Mesh:
+    """The (1, kv, rep) sub-mesh of data-parallel replica `index`."""
+    return Mesh(mesh.devices[index : index + 1], mesh.axis_names)
+
+
+def tp_size(mesh: Mesh) -> int:
+    return mesh.shape[KV] * mesh.shape[REP]
+
+
+def vocab_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> bool:
+    """Embedding and LM head are split over the vocab when it divides evenly (else replicated)."""
+    return cfg.vocab_size % tensor_parallel_size == 0
+
+
+def param_specs(cfg: ModelConfig, tensor_parallel_size: int) -> dict:
+    """PartitionSpecs in the params layout of models/config.py."""
+    vocab = TP if vocab_parallel(cfg, tensor_parallel_size) else None
+    col = P(None, TP)  # [hidden, F]
+    heads_q = P(None, TP, None)  # [hidden, H, Dh]
+    heads_kv = P(None, KV, None)
+    layer = {
+        "input_norm": P(),
+        "post_attn_norm": P(),
+        "wq": heads_q,
+        "wk": heads_kv,
+        "wv": heads_kv,
+        "wo": P(TP, None, None),  # [Hq, Dh, hidden]: row-parallel
+        "w_gate": col,
+        "w_up": col,
+        "w_down": P(TP, None),  # [F, hidden]: row-parallel
+    }
+    if cfg.attention_bias:
+        layer.update(bq=P(TP, None), bk=P(KV, None), bv=P(KV, None))
+    if cfg.qk_norm:
+        layer.update(q_norm=P(), k_norm=P())
+    specs = {
+        "embed": P(vocab, None),
+        "layers": [dict(layer) for _ in range(cfg.num_layers)],
+        "final_norm": P(),
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = P(None, vocab)
+    return specs
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
+    """NamedShardings in the params layout (replicated over "data")."""
+    specs = param_specs(cfg, tp_size(mesh))
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs)
+
+
+def comm_bytes_per_step(
+    *,
+    hidden: int,
+    num_layers: int,
+    vocab: int,
+    num_tokens: int,
+    num_seqs: int,
+    tensor_parallel_size: int,
+    itemsize: int = 2,
+) -> dict[str, float]:
+    """Bytes each device sends in one step under this layout (ring collectives).
+
+    Per layer two all-reduces of the [tokens, hidden] activations (after wo and w_down), one
+    for the vocab-parallel embedding, and one all-gather of float32 logits [seqs, vocab]. A
+    ring all-reduce of B bytes sends 2 (T - 1) / T * B per device; an all-gather (T - 1) / T * B.
+    """
+    t = tensor_parallel_size
+    act = num_tokens * hidden * itemsize
+    all_reduce = 2 * (t - 1) / t * act
+    layers = 2 * num_layers * all_reduce
+    embed = all_reduce
+    logits = (t - 1) / t * num_seqs * vocab * 4
+    return {
+        "all_reduces": 2 * num_layers + 1,
+        "layers": layers,
+        "embedding": embed,
+        "logits": logits,
+        "total": layers + embed + logits,
+    }
