@@ -106,6 +106,9 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str | None = None  # None: the best for the platform
     precompile: bool = False
+    # JAX's persistent compilation cache: "auto" = $JPAGED_CACHE_DIR/xla or ~/.cache/jpaged/xla,
+    # a path, or None to turn it off (see jpaged/compilation_cache.py).
+    compilation_cache_dir: str | None = "auto"
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import jax
 import numpy as np
 
+from jpaged import compilation_cache
 from jpaged.config import CacheConfig, EngineConfig
 from jpaged.output_processor import OutputProcessor
 from jpaged.outputs import RequestOutput
@@ -61,6 +62,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, loaded=None) -> None:
         t0 = time.perf_counter()
         self.config = config
+        self.compilation_cache_dir = compilation_cache.enable(config.compilation_cache_dir)
         if loaded is None:
             from jpaged.parallel import load_for_config
 

@@ -32,6 +32,7 @@ def engine_config_from_args(
     precompile: bool = False,
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
+    compilation_cache_dir: str | None = "auto",
 ) -> EngineConfig:
     """One flat set of keyword arguments (the LLM's, the CLI's and the server's) -> config.
 
@@ -47,6 +48,7 @@ def engine_config_from_args(
         seed=seed,
         attention_backend=attention_backend,
         precompile=precompile,
+        compilation_cache_dir=compilation_cache_dir,
         cache=CacheConfig(
             page_size=page_size,
             num_pages=num_pages,

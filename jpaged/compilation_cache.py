@@ -1,0 +1,52 @@
+"""JAX's persistent compilation cache, on by default, so a second start-up skips XLA compiles.
+
+The cache lives in $JPAGED_CACHE_DIR/xla (else ~/.cache/jpaged/xla). Entries are keyed by the
+program, the JAX version and the device, so a stale entry is never used for another program.
+A cache directory the user configured for JAX itself (JAX_COMPILATION_CACHE_DIR or
+jax.config) is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+# Programs that compile faster than this are not worth a disk entry (the engine's step
+# programs take seconds; small helper programs take milliseconds).
+MIN_COMPILE_SECONDS = 0.2
+
+
+def default_dir() -> Path:
+    root = os.environ.get("JPAGED_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "jpaged") / "xla"
+
+
+def enable(path: str | None) -> str | None:
+    """Points JAX's persistent cache at path ("auto": default_dir(); None, "", "off": off).
+
+    Returns the directory in use, or None when the cache is off.
+    """
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    if not path or path.lower() in ("off", "none"):
+        return None
+    resolved = default_dir() if path == "auto" else Path(path)
+    try:
+        resolved.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only home: run without the cache rather than fail
+        logger.warning("compilation cache disabled: cannot create %s: %s", resolved, e)
+        return None
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", str(resolved))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+    # JAX decides once per process whether the cache is used; make it look again.
+    compilation_cache.reset_cache()
+    logger.info("persistent compilation cache: %s", resolved)
+    return str(resolved)
