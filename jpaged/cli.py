@@ -20,6 +20,8 @@ ENGINE_FLAGS = (
     ("--kv-allocation", str, "paged", "paged (default) or reserve"),
     ("--seed", int, 0, "engine seed for requests without their own"),
     ("--attention-backend", str, None, "reference, pallas or pallas_interpret (default: best)"),
+    ("--tensor-parallel-size", int, 1, "devices each replica's weights and KV heads split over"),
+    ("--data-parallel-size", int, 1, "engine replicas, each on its own tensor-parallel devices"),
 )
 
 
@@ -113,6 +115,17 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return run_batch(args.input, args.output, model=args.model, engine_kwargs=engine_kwargs(args))
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    import time
+
+    from models.orbax_checkpoint import convert_hf_to_orbax
+
+    t0 = time.perf_counter()
+    out = convert_hf_to_orbax(args.from_hf, args.out, dtype=args.dtype)
+    print(f"wrote {out} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jpaged", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("output", help="JSONL of results, in input order")
     add_engine_flags(batch)
     batch.set_defaults(func=cmd_batch)
+
+    conv = sub.add_parser("convert", help="write an Orbax checkpoint of a Hugging Face model")
+    conv.add_argument("--from-hf", required=True, help="Hugging Face model directory")
+    conv.add_argument("--out", required=True, help="new model directory (Orbax params + config)")
+    conv.add_argument("--dtype", default=None, help="stored dtype (default: the platform's)")
+    conv.set_defaults(func=cmd_convert)
 
     try:
         from server.cli import add_client_parser, add_serve_parser

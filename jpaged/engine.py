@@ -106,8 +106,10 @@ class LLMEngine:
     @classmethod
     def from_args(cls, **kwargs) -> LLMEngine:
         from jpaged.llm import engine_config_from_args
+        from jpaged.parallel import make_engine
 
-        return cls(engine_config_from_args(**kwargs))
+        # data_parallel_size > 1 gives replicas behind this same interface.
+        return make_engine(engine_config_from_args(**kwargs))
 
     # -- requests --------------------------------------------------------------------------
     def add_request(

@@ -30,6 +30,8 @@ _ENGINE_FLAGS = (
     ("max-num-batched-tokens", int, "tokens per step"),
     ("attention-backend", str, "reference, pallas or pallas_interpret"),
     ("kv-allocation", str, "paged or reserve"),
+    ("tensor-parallel-size", int, "devices each replica's weights and KV heads split over"),
+    ("data-parallel-size", int, "engine replicas, each on its own tensor-parallel devices"),
 )
 _ENGINE_SWITCHES = (
     ("enable-prefix-caching", "prefix caching"),
@@ -55,6 +57,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
             default=None,
             help=f"turn {text} on or off",
         )
+    hosts = p.add_argument_group("multi-host: jax.distributed.initialize, process 0 serves")
+    hosts.add_argument("--coordinator", default=None, help="ADDR:PORT of process 0's coordinator")
+    hosts.add_argument("--num-processes", type=int, default=None)
+    hosts.add_argument("--process-id", type=int, default=None)
     add_server_args(p)
     p.set_defaults(func=serve_main)
     return p
@@ -68,10 +74,24 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
 def serve_main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     options = ServerOptions.from_args(args)
+    if args.coordinator is not None or args.num_processes is not None:
+        from jpaged.multihost import initialize
+
+        initialize(args.coordinator, args.num_processes, args.process_id)
+    import jax
+
     from jpaged.engine import LLMEngine
 
     engine = LLMEngine.from_args(model=args.model, **engine_kwargs_from_args(args))
-    return run(engine, options, model_name=args.model or "demo")
+    if jax.process_count() == 1:
+        return run(engine, options, model_name=args.model or "demo")
+    if jax.process_index() != 0:  # one model over all processes; only process 0 serves
+        engine.runner.follow()
+        return 0
+    try:
+        return run(engine, options, model_name=args.model or "demo")
+    finally:
+        engine.runner.stop_followers()
 
 
 def add_client_parser(subparsers) -> argparse.ArgumentParser:

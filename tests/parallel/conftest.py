@@ -1,0 +1,45 @@
+"""Fixtures for the sharding tests: a checkpoint with enough heads, and one worker run.
+
+The worker (sharded_worker.py) runs in its own process with 8 simulated CPU devices, because
+the device count is fixed when JAX starts and this process already started it with one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from checkpoints import make_tiny_checkpoint
+
+
+def run_worker(*args: str, timeout: float = 600) -> dict:
+    res = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("sharded_worker.py")), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ),
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def tp_checkpoint(tmp_path_factory) -> Path:
+    """Tiny Llama with 8 query heads and 4 KV heads (so T = 8 replicates each KV head twice)."""
+    root = tmp_path_factory.mktemp("tp_checkpoint")
+    return make_tiny_checkpoint(
+        root / "llama", "llama", num_attention_heads=8, num_key_value_heads=4
+    )
+
+
+@pytest.fixture(scope="session")
+def tp_results(tp_checkpoint, tmp_path_factory) -> dict:
+    """Every (T, D) of sharded_worker.CONFIGS plus an Orbax restore at T = 4, in one process."""
+    orbax_dir = tmp_path_factory.mktemp("orbax") / "model"
+    return run_worker("tp", str(tp_checkpoint), str(orbax_dir))

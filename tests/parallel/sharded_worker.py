@@ -1,0 +1,162 @@
+"""Runs engines on simulated CPU devices in a fresh process; prints one JSON line of results.
+
+    python tests/parallel/sharded_worker.py tp CKPT ORBAX_DIR     # 8 devices, one process
+    python tests/parallel/sharded_worker.py multihost CKPT ADDR N I OUT   # 4 devices each
+
+The device count must be set before JAX starts, so the tests run this file as a subprocess
+(pytest's own process has already initialised JAX with one device).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "tests")]
+
+# (tensor_parallel_size, data_parallel_size) checked against T = 1.
+CONFIGS = ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2))
+ENGINE = {
+    "max_num_seqs": 4,
+    "max_model_len": 64,
+    "max_num_batched_tokens": 32,
+    "page_size": 16,
+    "num_pages": 32,
+    "compilation_cache_dir": None,
+}
+
+
+def prompts() -> list:
+    """Mixed: short text, a prompt longer than one step's token budget (chunked), repeats."""
+    long = [(7 * i) % 1900 + 20 for i in range(40)]
+    return ["Hello world", "The meaning of life is", long, [5, 6, 7, 8, 9], "Hello world, again"]
+
+
+def sampling():
+    from jpaged import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+
+def _env(num_devices: int) -> None:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={num_devices} "
+        "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    )
+
+
+def _generate(llm) -> dict:
+    outs = llm.generate(prompts(), sampling())
+    return {
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "logprobs": [[sorted(step.items()) for step in o.outputs[0].logprobs] for o in outs],
+    }
+
+
+def _layout(runner) -> dict:
+    """Spec and per-device shape of each weight of layer 0 and the top level, and pool bytes."""
+    p = runner.params
+    named = {"embed": p["embed"], "final_norm": p["final_norm"], "lm_head": p.get("lm_head")}
+    named.update({f"layers.0.{k}": v for k, v in p["layers"][0].items()})
+    weights = {}
+    for name, x in named.items():
+        if x is None:
+            continue
+        spec = getattr(x.sharding, "spec", None)
+        weights[name] = [str(spec), list(x.addressable_shards[0].data.shape)]
+    k = runner.state.kv_caches[0][0]
+    return {
+        "weights": weights,
+        "pool_total_bytes": k.nbytes,
+        "pool_device_bytes": [s.data.nbytes for s in k.addressable_shards],
+        "pool_devices": len(k.sharding.device_set),
+    }
+
+
+def _collectives(runner) -> list[dict]:
+    out = []
+    for key, exe in runner._compiled.items():
+        text = exe.as_text()
+        out.append(
+            {
+                "key": repr(key),
+                "modules": len(re.findall(r"^HloModule ", text, re.MULTILINE)),
+                "all_reduce": len(re.findall(r"\ball-reduce(?:-start)?\(", text)),
+                "all_gather": len(re.findall(r"\ball-gather(?:-start)?\(", text)),
+            }
+        )
+    return out
+
+
+def run_tp(ckpt: str, orbax_dir: str) -> dict:
+    _env(8)
+    import jax
+    import numpy as np
+
+    from jpaged import LLM
+    from models.orbax_checkpoint import convert_hf_to_orbax
+
+    results = {}
+    for t, d in CONFIGS:
+        llm = LLM(ckpt, tensor_parallel_size=t, data_parallel_size=d, **ENGINE)
+        res = _generate(llm)
+        engine = llm.llm_engine
+        replicas = getattr(engine, "replicas", [engine])
+        res["layout"] = _layout(replicas[0].runner)
+        res["replica_steps"] = [r.runner.num_compiled for r in replicas]
+        res["replica_devices"] = [
+            sorted(d.id for d in r.runner.state.kv_caches[0][0].sharding.device_set)
+            for r in replicas
+        ]
+        if t > 1:
+            res["collectives"] = _collectives(replicas[0].runner)
+        if (t, d) == (4, 1):
+            hf_params = engine.runner.params
+        results[f"{t}x{d}"] = res
+    convert_hf_to_orbax(ckpt, orbax_dir)
+    llm = LLM(orbax_dir, tensor_parallel_size=4, **ENGINE)
+    results["orbax_4x1"] = _generate(llm)
+    results["orbax_4x1"]["layout"] = _layout(llm.llm_engine.runner)
+    same = jax.tree_util.tree_map(
+        lambda a, b: a.sharding == b.sharding and bool(np.array_equal(a, b)),
+        llm.llm_engine.runner.params,
+        hf_params,
+    )
+    results["orbax_4x1"]["params_equal_hf"] = all(jax.tree_util.tree_leaves(same))
+    return results
+
+
+def run_multihost(ckpt: str, addr: str, num_processes: str, process_id: str, out: str) -> dict:
+    _env(4)
+    from jpaged.multihost import initialize
+
+    initialize(addr, int(num_processes), int(process_id))
+    import jax
+
+    from jpaged import LLM
+
+    llm = LLM(ckpt, tensor_parallel_size=jax.device_count(), **ENGINE)
+    runner = llm.llm_engine.runner
+    if jax.process_index() != 0:
+        runner.follow()
+        return {"followed": True}
+    try:
+        res = _generate(llm)
+    finally:
+        runner.stop_followers()
+    res["devices"] = jax.device_count()
+    res["processes"] = jax.process_count()
+    res["layout"] = _layout(runner)
+    Path(out).write_text(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    mode, *args = sys.argv[1:]
+    result = {"tp": run_tp, "multihost": run_multihost}[mode](*args)
+    print(json.dumps(result))
