@@ -25,8 +25,9 @@ from jpaged.output_processor import OutputProcessor
 from jpaged.outputs import RequestOutput
 from jpaged.page_allocator import PageAllocator
 from jpaged.runner import ModelRunner
+from jpaged.sampler import SamplerOutput
 from jpaged.sampling_params import SamplingParams
-from jpaged.scheduler import Scheduler
+from jpaged.scheduler import Scheduler, StepPlan
 from jpaged.sequence import RequestGroup
 from jpaged.tokenizer import Tokenizer
 from models.config import ModelConfig
@@ -197,6 +198,20 @@ class LLMEngine:
             if group.finished:
                 del self._groups[rid]
         return outputs
+
+    def step_unsampled(self) -> tuple[StepPlan, SamplerOutput | None]:
+        """One device step whose next tokens the caller chooses (beam search): the scheduled
+        tokens are marked computed, nothing is appended and no RequestOutput is made.
+
+        Returns the plan and its SamplerOutput (rows in plan order; None when nothing ran).
+        """
+        plan = self.scheduler.schedule()
+        self.peak_pages_used = max(self.peak_pages_used, self.allocator.num_used())
+        if not plan.rows:
+            return plan, None
+        out = self.runner.execute(plan, self.eos_token_ids)
+        self.scheduler.mark_computed(plan)
+        return plan, out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

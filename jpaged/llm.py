@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from jpaged.beam_search import BeamSearchOutput, beam_search
 from jpaged.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from jpaged.engine import LLMEngine
 from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import BeamSearchParams, SamplingParams
 
 _DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -141,6 +142,19 @@ class LLM:
             engine.add_request(rid, p, sp)
             ids.append(rid)
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: BeamSearchParams,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (transformers' semantics, see jpaged.beam_search);
+        returns one BeamSearchOutput per prompt, in prompt order, beams best first."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        ids = [f"beam-{next(self._ids)}" for _ in prompts]
+        return beam_search(self.llm_engine, prompts, params, ids)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -7,6 +7,7 @@ that names the field and the allowed range, so nothing invalid reaches the engin
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Sequence
 
@@ -135,12 +136,20 @@ class SamplingParams:
 
 @dataclasses.dataclass(kw_only=True)
 class BeamSearchParams:
-    """Beam search over the paged cache (page tables fork and drop, caches are not copied)."""
+    """Beam search over the paged cache (page tables fork and drop, caches are not copied).
+
+    Semantics are those of transformers' generate(num_beams=beam_width, do_sample=False):
+    a finished beam scores cum_logprob / num_generated_tokens ** length_penalty (the EOS
+    that ended it counted); early_stopping is False (stop when no running beam can beat the
+    worst kept one at its current length), True (stop once beam_width beams are finished)
+    or "never" (with length_penalty > 0, judge running beams at max_tokens).
+    """
 
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width)
@@ -150,3 +159,11 @@ class BeamSearchParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         _check_float("length_penalty", self.length_penalty)
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+            )

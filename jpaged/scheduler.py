@@ -310,6 +310,44 @@ class Scheduler:
             self._check_stop(seq, token)
         return result
 
+    def mark_computed(self, plan: StepPlan) -> None:
+        """Commits a step's computed tokens but appends none of its samples: the caller picks
+        each sequence's next token itself (beam search)."""
+        for row in plan.rows:
+            if row.seq.status is SeqStatus.RUNNING:
+                row.seq.num_computed_tokens = row.start + row.num_new_tokens
+                self._cache_full_pages(row.seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Frees a running sequence's pages and queues it last, to be recomputed after the
+        waiting ones (beam search makes room so for beams that must run before it)."""
+        self._preempt(seq)
+        self.waiting.popleft()  # _preempt queued it first
+        self.waiting.append(seq)
+
+    def fork(self, parent: Sequence) -> Sequence:
+        """A new sequence of parent's group with parent's tokens (beam search's fork).
+
+        A running parent's child takes a free slot and shares every page of the parent (a
+        write into a shared partly filled page copies it first, in _grow); with no free slot,
+        or a parent that is not running, the child waits and is recomputed (prefix hits).
+        """
+        group = parent.group
+        child = self._new_seq(group, len(group.seqs), list(parent.token_ids), parent.seed)
+        group.seqs.append(child)
+        if parent.status is not SeqStatus.RUNNING or not self._free_slots:
+            self.waiting.append(child)
+            return child
+        child.slot = self._free_slots.pop()
+        child.status = SeqStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.page_hashes = list(parent.page_hashes)
+        for p in parent.pages:
+            self.allocator.share(p)
+        self._append_pages(child, list(parent.pages))
+        self.running.append(child)
+        return child
+
     def _cache_full_pages(self, seq: Sequence) -> None:
         if not self.allocator.enable_prefix_caching:
             return
