@@ -2,6 +2,8 @@
 
     python scripts/bench_throughput.py                      # CPU preset: hidden 256, 4 layers
     python scripts/bench_throughput.py --num-requests 64 --prompt-len 128 --output-len 64
+    python scripts/bench_throughput.py --preset cpu-tp --tensor-parallel-size 4 \
+        --simulate-cpu-devices 8 --skip-transformers       # sharded, on simulated CPU devices
 
 Greedy, fixed output length (EOS ignored). Prints output tokens/s of jpaged, of transformers'
 padded generate and of generate_batch (continuous batching) where this transformers has it,
@@ -28,6 +30,7 @@ sys.path.insert(0, str(_ROOT))
 PRESETS = {
     # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
     "cpu-small": (256, 4, 4, 2, 688, 4096),
+    "cpu-tp": (256, 4, 8, 4, 1024, 4096),  # divisible by tensor_parallel_size up to 8
     "llama-3.2-1b": (2048, 16, 32, 8, 8192, 128256),
 }
 
@@ -104,6 +107,8 @@ def run_jpaged(args, prompts) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         page_size=args.page_size,
         precompile=args.precompile,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
     )
     startup = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -140,6 +145,14 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--precompile", action="store_true", help="compile every bucket at start-up")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--simulate-cpu-devices",
+        type=int,
+        default=None,
+        help="split the CPU into N XLA devices (set before JAX starts; for sharding runs)",
+    )
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--transformers-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prompts", help=argparse.SUPPRESS)
@@ -147,6 +160,12 @@ def main() -> None:
     if args.transformers_worker:
         run_transformers(args)
         return
+    if args.simulate_cpu_devices:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={args.simulate_cpu_devices}"
+        )
     import jax
 
     if args.dtype is None:
@@ -180,6 +199,11 @@ def main() -> None:
           f"new tokens, greedy, preset {args.preset}, {args.dtype}")
     print(f"{'engine':<34}{'output tokens/s':>16}")
     print(f"{'jpaged':<34}{ours['tokens_per_s']:>16.1f}")
+    num_devices = args.tensor_parallel_size * args.data_parallel_size
+    print(
+        f"{'jpaged per device':<34}{ours['tokens_per_s'] / num_devices:>16.1f}"
+        f"   (T={args.tensor_parallel_size} x D={args.data_parallel_size} devices)"
+    )
     for name in ("padded_generate", "generate_batch"):
         if name in theirs:
             print(f"{'transformers ' + name:<34}{theirs[name]:>16.1f}")
