@@ -149,6 +149,8 @@ class _BeamRequest:
         for b, beam in enumerate(self.beams):
             if b not in chosen:
                 scheduler.finish(beam.seq, "abort")
+        group = self.beams[0].seq.group  # keeps only its live beams, not every dropped one
+        group.seqs[:] = [s for s in group.seqs if not s.is_finished]
         seqs: list[Sequence] = []
         taken: set[int] = set()
         for c in running:
