@@ -22,9 +22,9 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _TOKEN_BLOCK = 128
 
 
-def _attend(q, k, v, visible, *, sm_scale, soft_cap):
-    """q [T, Hkv, G, D]; k, v [Hkv, T, L, D]; visible bool[T, L] -> [T, Hkv, G, D] (f32)."""
-    s = jnp.einsum("tkgd,ktld->tkgl", q.astype(jnp.float32), k.astype(jnp.float32))
+def _probs(s, visible, *, sm_scale, soft_cap):
+    """Scores [T, Hkv, G, L] -> unnormalised probabilities (exactly 0 where not visible) and
+    their row sums."""
     s = s * sm_scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
@@ -32,9 +32,28 @@ def _attend(q, k, v, visible, *, sm_scale, soft_cap):
     s = jnp.where(mask, s, MASK_VALUE)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(mask, jnp.exp(s - m), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return p, jnp.sum(p, axis=-1, keepdims=True)
+
+
+def _attend(q, k, v, visible, *, sm_scale, soft_cap):
+    """q [T, Hkv, G, D]; k, v [Hkv, T, L, D]; visible bool[T, L] -> [T, Hkv, G, D] (f32)."""
+    s = jnp.einsum("tkgd,ktld->tkgl", q.astype(jnp.float32), k.astype(jnp.float32))
+    p, denom = _probs(s, visible, sm_scale=sm_scale, soft_cap=soft_cap)
     v = jnp.where(visible[None, :, :, None], v.astype(jnp.float32), 0.0)
     o = jnp.einsum("tkgl,ktld->tkgd", p, v)
+    return o / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
+
+
+def _attend_pair(q, k, v, which, visible, *, sm_scale, soft_cap):
+    """Tokens of at most two sequences, whose keys are gathered once per sequence, not once
+    per token: q [T, Hkv, G, D]; k, v [Hkv, 2, L, D] with rows past each sequence's length
+    already zeroed in v; which int32[T] in {0, 1}; visible bool[T, L] -> [T, Hkv, G, D]."""
+    s2 = jnp.einsum("tkgd,ksld->tkgsl", q.astype(jnp.float32), k.astype(jnp.float32))
+    pick = which[:, None, None, None]
+    s = jnp.where(pick == 0, s2[:, :, :, 0], s2[:, :, :, 1])
+    p, denom = _probs(s, visible, sm_scale=sm_scale, soft_cap=soft_cap)
+    o2 = jnp.einsum("tkgl,ksld->tkgsd", p, v.astype(jnp.float32))
+    o = jnp.where(pick == 0, o2[:, :, :, 0], o2[:, :, :, 1])
     return o / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
 
 
@@ -77,15 +96,33 @@ def paged_prefill_attention(
 
     def block(args):
         qb, seqb, posb, lenb = args
-        pages = page_table[seqb]  # [B, P]
-        k = k_pages[:, pages].reshape(num_kv_heads, -1, max_len, head_dim)
-        v = v_pages[:, pages].reshape(num_kv_heads, -1, max_len, head_dim)
         kv_pos = jnp.arange(max_len, dtype=jnp.int32)[None, :]
         visible = (kv_pos <= posb[:, None]) & (kv_pos < lenb[:, None])
         if sliding_window is not None:
             visible = visible & (kv_pos > posb[:, None] - sliding_window)
         qg = qb.reshape(-1, num_kv_heads, group, head_dim)
-        return _attend(qg, k, v, visible, sm_scale=sm_scale, soft_cap=soft_cap)
+
+        def per_token(_):  # decode-like blocks: every token its own sequence's pages
+            pages = page_table[seqb]  # [B, P]
+            k = k_pages[:, pages].reshape(num_kv_heads, -1, max_len, head_dim)
+            v = v_pages[:, pages].reshape(num_kv_heads, -1, max_len, head_dim)
+            return _attend(qg, k, v, visible, sm_scale=sm_scale, soft_cap=soft_cap)
+
+        def per_pair(_):  # prefill-like blocks: one or two sequences' pages, gathered once
+            pair = jnp.stack([seqb[0], seqb[-1]])
+            pages = page_table[pair]  # [2, P]
+            k = k_pages[:, pages].reshape(num_kv_heads, 2, max_len, head_dim)
+            v = v_pages[:, pages].reshape(num_kv_heads, 2, max_len, head_dim)
+            # Rows at or past a sequence's length may hold garbage (even NaN): zero them, so
+            # a zero probability never multiplies a NaN. Earlier rows were written this step
+            # or before and are finite.
+            written = kv_pos < context_lens[pair][:, None]  # [2, L]
+            v = jnp.where(written[None, :, :, None], v, 0.0)
+            which = (seqb != seqb[0]).astype(jnp.int32)
+            return _attend_pair(qg, k, v, which, visible, sm_scale=sm_scale, soft_cap=soft_cap)
+
+        at_most_two = jnp.all((seqb == seqb[0]) | (seqb == seqb[-1]))
+        return jax.lax.cond(at_most_two, per_pair, per_token, None)
 
     if num_tokens > _TOKEN_BLOCK and num_tokens % _TOKEN_BLOCK == 0:
         nb = num_tokens // _TOKEN_BLOCK
