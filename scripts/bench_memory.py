@@ -1,0 +1,293 @@
+"""Memory benchmark (issue 4): paged against reserved KV allocation, prefix caching, page size.
+
+    python scripts/bench_memory.py                      # CPU defaults: demo model, a few minutes
+    python scripts/bench_memory.py --model /path/to/Llama-3.2-1B --num-requests 256 \
+        --max-prompt 512 --max-tokens 512 --kv-tokens 131072 --max-num-seqs 128 \
+        --prefix-requests 64                            # an accelerator
+
+Three tables:
+1. One workload (prompt lengths uniform in [min_prompt, max_prompt], output lengths uniform in
+   [16, max_tokens]) run under the same KV budget (kv_tokens token slots) with
+   kv_allocation="paged" and "reserve". Every request is submitted with max_tokens (a server
+   cannot know how long an answer will be) and is stopped at its drawn length by aborting it,
+   as an EOS would stop it. Columns: KV utilization (slots holding computed tokens / slots of
+   allocated pages, after each step, averaged over steps), the most requests running at once,
+   output tokens/s.
+2. Shared system prompt: prefix_len common tokens plus short unique suffixes, with prefix
+   caching on and off (paged).
+3. The paged workload of table 1 again with page sizes 8..128 (same token budget): KV
+   utilization, tokens/s and the page-table size (entries per sequence, bytes on device).
+
+Tokens/s counts output tokens over the wall time of the run less the time spent compiling
+(runner.compile_seconds), so cold compiles do not decide the comparison. Requests are greedy
+random token ids; the model's weights do not matter to memory use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_ROOT))
+
+
+@dataclasses.dataclass
+class Result:
+    utilization: float  # mean over steps of filled slots / allocated slots
+    max_running: int
+    tokens_per_s: float
+    output_tokens: int
+    seconds: float  # wall time less compile time
+    compile_seconds: float
+    num_steps: int
+    num_preemptions: int
+    hit_tokens: int
+    peak_pages: int
+    pages_per_seq: int
+    page_table_bytes: int
+
+
+def make_engine(args, *, page_size: int, kv_allocation: str, prefix_caching: bool, max_model_len):
+    from jpaged.engine import LLMEngine
+    from jpaged.llm import engine_config_from_args
+
+    config = engine_config_from_args(
+        args.model,
+        dtype=args.dtype,
+        page_size=page_size,
+        num_pages=args.kv_tokens // page_size + 1,  # the same token budget for every run
+        kv_allocation=kv_allocation,
+        enable_prefix_caching=prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    s = config.scheduler
+    # Fewer, larger buckets: fewer compiles on a CPU; an accelerator run can lower these.
+    s = dataclasses.replace(
+        s, min_token_bucket=args.min_token_bucket, min_seq_bucket=args.max_num_seqs
+    )
+    return LLMEngine(dataclasses.replace(config, scheduler=s))
+
+
+def kv_slots(engine) -> tuple[int, int]:
+    """(slots holding computed tokens, slots of allocated pages); a shared page counts once."""
+    ps = engine.config.cache.page_size
+    filled: dict[int, int] = {}
+    for seq in engine.scheduler.running:
+        for i, page in enumerate(seq.pages):
+            n = min(ps, max(0, seq.num_computed_tokens - i * ps))
+            filled[page] = max(filled.get(page, 0), n)
+    return sum(filled.values()), engine.allocator.num_used() * ps
+
+
+def run(engine, requests, max_tokens: int) -> Result:
+    """requests: (prompt ids, output length). Each is submitted with the engine-wide
+    max_tokens and aborted once it has produced its output length."""
+    from jpaged import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    targets = {}
+    for i, (prompt, out_len) in enumerate(requests):
+        rid = f"r{i}"
+        engine.add_request(rid, prompt, params)
+        targets[rid] = out_len
+    engine.reset_stats()
+    compile0 = engine.runner.compile_seconds
+    utilizations, max_running, produced, steps = [], 0, 0, 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        steps += 1
+        max_running = max(max_running, engine.num_running())
+        filled, allocated = kv_slots(engine)
+        if allocated:
+            utilizations.append(filled / allocated)
+        for out in outputs:
+            n = len(out.outputs[0].token_ids)
+            if n >= targets[out.request_id] or out.finished:
+                produced += min(n, targets[out.request_id])
+                engine.abort_request(out.request_id)
+    wall = time.perf_counter() - t0
+    compile_s = engine.runner.compile_seconds - compile0
+    stats = engine.stats()
+    cfg = engine.config
+    return Result(
+        utilization=float(np.mean(utilizations)),
+        max_running=max_running,
+        tokens_per_s=produced / max(wall - compile_s, 1e-9),
+        output_tokens=produced,
+        seconds=wall - compile_s,
+        compile_seconds=compile_s,
+        num_steps=steps,
+        num_preemptions=stats["num_preemptions"],
+        hit_tokens=stats["prefix_cache_hit_tokens"],
+        peak_pages=stats["peak_pages_used"],
+        pages_per_seq=cfg.max_pages_per_seq,
+        page_table_bytes=4 * (cfg.scheduler.max_num_seqs + 1) * cfg.max_pages_per_seq,
+    )
+
+
+def workload(args, vocab: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            rng.integers(
+                3, vocab, int(rng.integers(args.min_prompt, args.max_prompt + 1))
+            ).tolist(),
+            int(rng.integers(16, args.max_tokens + 1)),
+        )
+        for _ in range(args.num_requests)
+    ]
+
+
+def shared_prefix_workload(args, vocab: int, seed: int):
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(3, vocab, args.prefix_len).tolist()
+    return [
+        (
+            prefix + rng.integers(3, vocab, int(rng.integers(8, 33))).tolist(),
+            int(rng.integers(8, args.prefix_max_tokens + 1)),
+        )
+        for _ in range(args.prefix_requests)
+    ]
+
+
+def bench(args, requests, *, page_size, kv_allocation="paged", prefix_caching=True, max_tokens):
+    """A fresh engine; a warm-up run on other tokens of the same shapes, then the timed run."""
+    longest = max(len(p) for p, _ in requests) + max_tokens
+    engine = make_engine(
+        args,
+        page_size=page_size,
+        kv_allocation=kv_allocation,
+        prefix_caching=prefix_caching,
+        max_model_len=longest,
+    )
+    if args.warmup:
+        other = [([3 + (t - 2) % (args.vocab - 3) for t in p], n) for p, n in requests]
+        run(engine, other, max_tokens)
+        engine.allocator.reset_prefix_cache()
+    return run(engine, requests, max_tokens)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: demo model)")
+    p.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on accelerators")
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--min-prompt", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=256, help="outputs are 16..max_tokens")
+    p.add_argument("--kv-tokens", type=int, default=4096, help="KV budget in token slots")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--min-token-bucket", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=16, help="for tables 1 and 2")
+    p.add_argument("--page-sizes", default="8,16,32,64,128", help="table 3; empty: skip")
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--prefix-requests", type=int, default=16)
+    p.add_argument("--prefix-max-tokens", type=int, default=32)
+    p.add_argument("--warmup", action="store_true", help="run each workload once untimed first")
+    p.add_argument("--skip", default="", help="comma list of tables to skip: 1,2,3")
+    args = p.parse_args()
+
+    import jax
+
+    if args.model is None:
+        from models.demo import ensure_demo_model
+
+        args.model = str(ensure_demo_model())
+    if args.dtype is None:
+        args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    vocab = args.vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    skip = set(args.skip.split(","))
+    t_start = time.perf_counter()
+    device = jax.devices()[0]
+    print(
+        f"hardware: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"model: {args.model} ({args.dtype}); KV budget {args.kv_tokens} token slots; "
+        f"max_num_seqs {args.max_num_seqs}; max_num_batched_tokens {args.max_num_batched_tokens}"
+    )
+
+    requests = workload(args, vocab, seed=0)
+    head = f"{'':<22}{'KV util':>9}{'max run':>9}{'tok/s':>9}{'out tok':>9}{'steps':>7}"
+    head += f"{'preempt':>9}{'compile s':>11}"
+
+    def row(name, r: Result, extra=""):
+        print(
+            f"{name:<22}{r.utilization:>8.1%}{r.max_running:>9}{r.tokens_per_s:>9.1f}"
+            f"{r.output_tokens:>9}{r.num_steps:>7}{r.num_preemptions:>9}"
+            f"{r.compile_seconds:>11.1f}{extra}",
+            flush=True,
+        )
+
+    paged = None
+    if "1" not in skip:
+        print(
+            f"\n1. paged vs reserve: {args.num_requests} requests, prompts "
+            f"{args.min_prompt}-{args.max_prompt}, outputs 16-{args.max_tokens} "
+            f"(max_tokens {args.max_tokens}), page_size {args.page_size}"
+        )
+        print(head)
+        res = {}
+        for alloc in ("paged", "reserve"):
+            res[alloc] = bench(
+                args,
+                requests,
+                page_size=args.page_size,
+                kv_allocation=alloc,
+                prefix_caching=False,
+                max_tokens=args.max_tokens,
+            )
+            row(alloc, res[alloc])
+        paged = res["paged"]
+        print(
+            f"paged / reserve throughput: {paged.tokens_per_s / res['reserve'].tokens_per_s:.2f}x"
+        )
+
+    if "2" not in skip:
+        shared = shared_prefix_workload(args, vocab, seed=1)
+        print(
+            f"\n2. shared system prompt: {args.prefix_requests} requests, {args.prefix_len}-token "
+            f"prefix + 8-32 unique tokens, outputs 8-{args.prefix_max_tokens}"
+        )
+        print(head + f"{'hit tokens':>12}")
+        res = {}
+        for name, on in (("prefix caching on", True), ("prefix caching off", False)):
+            res[on] = bench(
+                args,
+                shared,
+                page_size=args.page_size,
+                prefix_caching=on,
+                max_tokens=args.prefix_max_tokens,
+            )
+            row(name, res[on], f"{res[on].hit_tokens:>12}")
+        print(f"on / off throughput: {res[True].tokens_per_s / res[False].tokens_per_s:.2f}x")
+
+    if "3" not in skip and args.page_sizes:
+        print(f"\n3. page size (paged, workload 1, budget {args.kv_tokens} token slots)")
+        print(head + f"{'pages/seq':>11}{'table bytes':>13}")
+        for ps in (int(x) for x in args.page_sizes.split(",")):
+            if ps == args.page_size and paged is not None:
+                r = paged
+            else:
+                r = bench(
+                    args, requests, page_size=ps, prefix_caching=False, max_tokens=args.max_tokens
+                )
+            row(f"page_size {ps}", r, f"{r.pages_per_seq:>11}{r.page_table_bytes:>13}")
+    print(f"\ntotal {time.perf_counter() - t_start:.0f}s; load average {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
