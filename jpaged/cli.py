@@ -8,36 +8,59 @@ from __future__ import annotations
 import argparse
 import sys
 
+# Engine flags: the keyword arguments of jpaged.llm.engine_config_from_args, shared by
+# generate, batch and serve. Only flags given on the command line are passed on, so the
+# engine's defaults stay its own (documented there).
 ENGINE_FLAGS = (
-    # (flag, type, default, help)
-    ("--dtype", str, None, "bfloat16 or float32 (default: bfloat16 on accelerators, float32 on CPU)"),
-    ("--page-size", int, 16, "tokens per KV page"),
-    ("--num-pages", int, None, "KV pages in the pool (default: from memory)"),
-    ("--max-num-seqs", int, 32, "sequences per step"),
-    ("--max-model-len", int, None, "longest prompt + output"),
-    ("--max-num-batched-tokens", int, None, "tokens per step (chunked prefill budget)"),
-    ("--kv-memory-fraction", float, 0.8, "share of free accelerator memory for KV pages"),
-    ("--kv-allocation", str, "paged", "paged (default) or reserve"),
-    ("--seed", int, 0, "engine seed for requests without their own"),
-    ("--attention-backend", str, None, "reference, pallas or pallas_interpret (default: best)"),
-    ("--tensor-parallel-size", int, 1, "devices each replica's weights and KV heads split over"),
-    ("--data-parallel-size", int, 1, "engine replicas, each on its own tensor-parallel devices"),
+    # (flag, type, help)
+    ("dtype", str, "bfloat16 or float32 (default: bfloat16 on accelerators, float32 on CPU)"),
+    ("seed", int, "engine seed for requests without their own (default 0)"),
+    ("page-size", int, "tokens per KV page (default 16)"),
+    ("num-pages", int, "KV pages in the pool (default: from the memory budget)"),
+    ("kv-cache-memory-bytes", int, "KV-cache budget in bytes"),
+    ("kv-memory-fraction", float, "share of free accelerator memory for KV pages (default 0.8)"),
+    ("kv-allocation", str, "paged (default) or reserve"),
+    ("max-num-seqs", int, "sequences per step (default 32)"),
+    ("max-model-len", int, "longest prompt + output (default: the model's, at most 2048)"),
+    ("max-num-batched-tokens", int, "tokens per step, the chunked-prefill budget"),
+    ("attention-backend", str, "reference, pallas or pallas_interpret (default: best)"),
+    ("tensor-parallel-size", int, "devices each replica's weights and KV heads split over"),
+    ("data-parallel-size", int, "engine replicas, each on its own tensor-parallel devices"),
+    (
+        "compilation-cache-dir",
+        str,
+        "JAX persistent compilation cache: auto (default, ~/.cache/jpaged/xla), a directory, or off",
+    ),
+)
+ENGINE_SWITCHES = (
+    # (flag, what it turns on or off)
+    ("enable-prefix-caching", "prefix caching (default on)"),
+    ("enable-chunked-prefill", "chunked prefill (default on)"),
+    ("precompile", "compiling every shape bucket at start-up (default off)"),
 )
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model directory (default: the demo model)")
-    for flag, typ, default, help_ in ENGINE_FLAGS:
-        p.add_argument(flag, type=typ, default=default, help=help_)
-    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    p.add_argument("--precompile", action="store_true", help="compile every bucket at start-up")
+    p.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    engine = p.add_argument_group("engine")
+    for flag, kind, text in ENGINE_FLAGS:
+        engine.add_argument(f"--{flag}", type=kind, default=None, help=text)
+    for flag, text in ENGINE_SWITCHES:
+        engine.add_argument(
+            f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=f"turn {text}"
+        )
+    engine.add_argument(  # short form of --no-enable-prefix-caching
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help=argparse.SUPPRESS,
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    kw = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, *_ in ENGINE_FLAGS}
-    kw["enable_prefix_caching"] = not args.no_prefix_caching
-    kw["precompile"] = args.precompile
-    return kw
+    """The engine keyword arguments given on the command line (unset ones are left out)."""
+    names = [f.replace("-", "_") for f, *_ in ENGINE_FLAGS + ENGINE_SWITCHES]
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -50,8 +73,9 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--request-seed", type=int, default=None,
-                   help="per-request seed (reproducible sampling)")
+    p.add_argument(
+        "--request-seed", type=int, default=None, help="per-request seed (reproducible sampling)"
+    )
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
@@ -104,8 +128,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prefix = f"[{c.index}] " if params.n > 1 else ""
             print(f"{prefix}{c.text}")
     for c in final.outputs:
-        print(f"# choice {c.index}: {len(c.token_ids)} tokens, finish_reason={c.finish_reason}",
-              file=sys.stderr)
+        print(
+            f"# choice {c.index}: {len(c.token_ids)} tokens, finish_reason={c.finish_reason}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -138,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     batch = sub.add_parser("batch", help="offline batch inference over a JSONL file")
-    batch.add_argument("input", help="JSONL: one {\"prompt\": ..., sampling params...} per line")
+    batch.add_argument("input", help='JSONL: one {"prompt": ..., sampling params...} per line')
     batch.add_argument("output", help="JSONL of results, in input order")
     add_engine_flags(batch)
     batch.set_defaults(func=cmd_batch)

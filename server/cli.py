@@ -14,30 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jpaged.cli import add_engine_flags, engine_kwargs
 from server.app import ServerOptions, add_server_args, configure_logging, run
-
-# Engine flags: names and types of jpaged.llm.engine_config_from_args's keyword arguments.
-# Only flags given on the command line are passed, so the engine's defaults stay its own.
-_ENGINE_FLAGS = (
-    ("dtype", str, "float32 or bfloat16 (default: bfloat16 on accelerators, float32 on CPU)"),
-    ("seed", int, "engine seed for requests without one"),
-    ("page-size", int, "tokens per KV-cache page"),
-    ("num-pages", int, "KV-cache pages in the pool"),
-    ("kv-cache-memory-bytes", int, "KV-cache budget in bytes"),
-    ("kv-memory-fraction", float, "fraction of free accelerator memory for the KV cache"),
-    ("max-num-seqs", int, "sequences per step"),
-    ("max-model-len", int, "longest prompt + output"),
-    ("max-num-batched-tokens", int, "tokens per step"),
-    ("attention-backend", str, "reference, pallas or pallas_interpret"),
-    ("kv-allocation", str, "paged or reserve"),
-    ("tensor-parallel-size", int, "devices each replica's weights and KV heads split over"),
-    ("data-parallel-size", int, "engine replicas, each on its own tensor-parallel devices"),
-)
-_ENGINE_SWITCHES = (
-    ("enable-prefix-caching", "prefix caching"),
-    ("enable-chunked-prefill", "chunked prefill"),
-    ("precompile", "compiling every shape bucket before serving"),
-)
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -46,17 +24,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="serve the gRPC generation API",
         description="Serve jpaged.v1.Generation (plus Health and reflection) over gRPC.",
     )
-    p.add_argument("--model", default=None, help="model directory (default: the demo model)")
-    engine = p.add_argument_group("engine")
-    for flag, kind, text in _ENGINE_FLAGS:
-        engine.add_argument(f"--{flag}", type=kind, default=None, help=text)
-    for flag, text in _ENGINE_SWITCHES:
-        engine.add_argument(
-            f"--{flag}",
-            action=argparse.BooleanOptionalAction,
-            default=None,
-            help=f"turn {text} on or off",
-        )
+    add_engine_flags(p)
     hosts = p.add_argument_group("multi-host: jax.distributed.initialize, process 0 serves")
     hosts.add_argument("--coordinator", default=None, help="ADDR:PORT of process 0's coordinator")
     hosts.add_argument("--num-processes", type=int, default=None)
@@ -64,11 +32,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_server_args(p)
     p.set_defaults(func=serve_main)
     return p
-
-
-def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
-    names = [f.replace("-", "_") for f, *_ in _ENGINE_FLAGS + _ENGINE_SWITCHES]
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -82,7 +45,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     from jpaged.engine import LLMEngine
 
-    engine = LLMEngine.from_args(model=args.model, **engine_kwargs_from_args(args))
+    engine = LLMEngine.from_args(model=args.model, **engine_kwargs(args))
     if jax.process_count() == 1:
         return run(engine, options, model_name=args.model or "demo")
     if jax.process_index() != 0:  # one model over all processes; only process 0 serves
