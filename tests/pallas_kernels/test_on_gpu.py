@@ -1,0 +1,116 @@
+"""The GPU kernels compiled for a real GPU (not interpreted) against the reference, and the
+engine's greedy tokens through them. Selected with `pytest -m gpu` on a machine with a GPU
+(scripts/gpu_session.sh runs them first); deselected everywhere else.
+
+Same inputs as the interpret-mode tests (NaN pools, shuffled page tables, edge lengths),
+plus shapes of real models (head_dim 128, GQA 4, bf16), compared per element.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from paged_cases import check, decode_case, prefill_case
+
+import pallas_kernels
+from pallas_kernels import reference
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_gpu():
+    if jax.default_backend() != "gpu":
+        pytest.skip(f"needs a GPU; jax's default backend here is {jax.default_backend()!r}")
+
+
+def edge_lengths(page_size, pages_per_seq):
+    full = page_size * pages_per_seq
+    return [0, 1, page_size - 1, page_size, page_size + 1, full - 1, full]
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_kv_heads,group", [(8, 1), (2, 4), (1, 8)])
+def test_decode_kernel_on_gpu(page_size, head_dim, dtype, num_kv_heads, group):
+    case = decode_case(
+        page_size,
+        lengths=edge_lengths(page_size, 6),
+        num_kv_heads=num_kv_heads,
+        group=group,
+        page_size=page_size,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table)
+    out = jax.jit(lambda *a: pallas_kernels.paged_decode_attention(*a, sm_scale=case.sm_scale))(
+        *args
+    )
+    expected = reference.paged_decode_attention(*args, sm_scale=case.sm_scale)
+    check(out, expected)
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_kernel_on_gpu(page_size, head_dim, dtype):
+    # Decode rows, a chunk after a cached prefix, a fresh prompt, a chunk ending exactly on a
+    # page boundary, then padding rows.
+    seqs = [
+        (1, 1),
+        (page_size + 3, 1),
+        (3 * page_size + 5, 7),
+        (40, 40),
+        (4 * page_size, page_size),
+    ]
+    case = prefill_case(
+        page_size,
+        seqs=seqs,
+        num_kv_heads=2,
+        group=4,
+        page_size=page_size,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    args = (
+        case.q,
+        case.k_pages,
+        case.v_pages,
+        case.context_lens,
+        case.page_table,
+        case.query_start,
+    )
+    out = jax.jit(lambda *a: pallas_kernels.paged_prefill_attention(*a, sm_scale=case.sm_scale))(
+        *args
+    )
+    expected = reference.paged_prefill_attention(*args, sm_scale=case.sm_scale)
+    check(out, expected)
+
+
+def test_engine_greedy_tokens_same_with_kernels_and_reference(tmp_path):
+    from checkpoints import make_tiny_checkpoint
+
+    from jpaged import LLM, SamplingParams
+
+    path = make_tiny_checkpoint(
+        tmp_path / "ckpt", "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2
+    )
+    prompts = [[7], [3, 9, 27, 81, 243], list(range(100, 119)), list(range(500, 600))]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for backend in ("reference", "pallas"):
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            attention_backend=backend,
+            max_num_seqs=4,
+            max_model_len=160,
+            max_num_batched_tokens=32,
+            page_size=16,
+            num_pages=64,
+        )
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert tokens["pallas"] == tokens["reference"]
