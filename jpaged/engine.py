@@ -237,6 +237,7 @@ class LLMEngine:
             num_waiting=self.num_waiting(),
             num_compiled=self.runner.num_compiled,
             num_buckets=self.runner.num_buckets(),
+            num_recompiles=self.runner.num_recompiles,
         )
 
     def reset_stats(self) -> None:

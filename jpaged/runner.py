@@ -185,6 +185,10 @@ class ModelRunner:
         self._prelude_fn = None
         self.compile_seconds = 0.0
         self.warmed_up = False
+        self.num_recompiles = 0  # step programs compiled after warm-up (each also logs a warning)
+        # Per-step timings, collected only when a caller (a benchmark) sets this to a list:
+        # (key, num_rows, num_context_tokens, seconds from dispatch to sampled ids on the host).
+        self.step_log: list[tuple[StepKey, int, int, float]] | None = None
 
     # -- compilation -----------------------------------------------------------------------
     @property
@@ -218,6 +222,7 @@ class ModelRunner:
         if exe is None:
             if self.warmed_up:
                 logger.warning("compiling a new step shape after warm-up: %s", key)
+                self.num_recompiles += 1
             t0 = time.perf_counter()
             body = functools.partial(
                 _step, cfg=self.cfg, key=key, backend=self.config.attention_backend
@@ -285,10 +290,16 @@ class ModelRunner:
                 self._pad_rows(cps, _PRELUDE_COPIES, (0, 0)),
             )
         plan = dataclasses.replace(plan, page_updates=tuple(updates), page_copies=tuple(copies))
-        out = self.run_step(key, self._pack(plan, key, cap, key.num_seqs, eos_token_ids))
+        inputs = self._pack(plan, key, cap, key.num_seqs, eos_token_ids)
+        t0 = time.perf_counter()
+        out = self.run_step(key, inputs)
         if self.broadcast is not None:  # replicated: this process's shard is the whole value
             out = [None if x is None else x.addressable_data(0) for x in out]
-        return SamplerOutput(*jax.device_get(tuple(out)))
+        result = SamplerOutput(*jax.device_get(tuple(out)))
+        if self.step_log is not None:
+            context = sum(r.start + r.num_new_tokens for r in plan.rows)
+            self.step_log.append((key, len(plan.rows), context, time.perf_counter() - t0))
+        return result
 
     def run_prelude(self, updates: np.ndarray, copies: np.ndarray) -> None:
         if self.broadcast is not None:
