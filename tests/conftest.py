@@ -29,6 +29,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jpaged-test-xla-")
 
 import pytest
+from hypothesis import settings
+
+# In CI the property tests replay the same examples every run (a change that breaks them
+# still fails; a run cannot fail on examples no earlier run saw). Locally they explore.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 # Make `import checkpoints` work from any test folder, and the repo importable without install.
 _TESTS = Path(__file__).resolve().parent
