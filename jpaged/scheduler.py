@@ -89,6 +89,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, group: RequestGroup) -> None:
+        group.aborted = True
         for seq in group.seqs:
             if not seq.is_finished:
                 self.finish(seq, "abort")

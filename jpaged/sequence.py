@@ -33,10 +33,11 @@ class RequestGroup:
     cache_salt: str | None = None
     seqs: list[Sequence] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    aborted: bool = False  # an n > 1 request aborted before its fork never gets n sequences
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(
+        return (self.aborted or len(self.seqs) == self.params.n) and all(
             s.status is SeqStatus.FINISHED for s in self.seqs
         )
 

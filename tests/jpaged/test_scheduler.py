@@ -152,3 +152,16 @@ def test_prefix_hit_skips_cached_pages():
     assert b.seqs[0].pages[:2] == [1, 2]
     assert b.num_cached_tokens == 8
     assert sched.prefix_cache_hit_tokens == 8
+
+
+def test_abort_before_the_fork_finishes_an_n_sample_request():
+    sched, alloc = make()
+    g = add(sched, "n4", range(1, 21), n=4, max_tokens=4, temperature=1.0)
+    plan = sched.schedule()  # 16 of 20 prompt tokens: the forks wait for the prompt's end
+    assert [r.num_new_tokens for r in plan.rows] == [16]
+    feed(sched, plan)
+    assert len(g.seqs) == 1 and not g.finished
+    sched.abort(g)
+    assert g.finished
+    assert not sched.has_unfinished()
+    assert alloc.num_used() == 0
