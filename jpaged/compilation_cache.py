@@ -42,11 +42,16 @@ def enable(path: str | None) -> str | None:
     except OSError as e:  # a read-only home: run without the cache rather than fail
         logger.warning("compilation cache disabled: cannot create %s: %s", resolved, e)
         return None
-    from jax.experimental.compilation_cache import compilation_cache
-
     jax.config.update("jax_compilation_cache_dir", str(resolved))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
-    # JAX decides once per process whether the cache is used; make it look again.
-    compilation_cache.reset_cache()
+    # JAX decides once per process whether the cache is used; make it look again (an
+    # experimental API: where a JAX version lacks it, the cache still serves every process
+    # that sets it before its first compile, as the engine's CLI and server do).
+    try:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        compilation_cache.reset_cache()
+    except (ImportError, AttributeError) as e:
+        logger.debug("compilation cache not reset: %s", e)
     logger.info("persistent compilation cache: %s", resolved)
     return str(resolved)
