@@ -1,21 +1,40 @@
-"""Throughput: jpaged against transformers on the same checkpoint and prompts, in one run.
+"""End-to-end throughput: jpaged against transformers on the same checkpoint and prompts.
 
-    python scripts/bench_throughput.py                      # CPU preset: hidden 256, 4 layers
-    python scripts/bench_throughput.py --num-requests 64 --prompt-len 128 --output-len 64
+    python scripts/bench_throughput.py                           # CPU: 64 x 128 prompt x 64 new
+    python scripts/bench_throughput.py --workload W1 --preset cpu-small --scale 8
+    python scripts/bench_throughput.py --workload W1 --preset llama-3.2-1b   # accelerator
     python scripts/bench_throughput.py --preset cpu-tp --tensor-parallel-size 4 \
-        --simulate-cpu-devices 8 --skip-transformers       # sharded, on simulated CPU devices
+        --simulate-cpu-devices 8 --skip-transformers             # sharded, simulated CPU devices
 
-Greedy, fixed output length (EOS ignored). Prints output tokens/s of jpaged, of transformers'
-padded generate and of generate_batch (continuous batching) where this transformers has it,
-the ratio to transformers' best, the number of compiled programs and the warm-up time.
-transformers runs in a subprocess so that torch and jax do not compete for threads.
+Workloads (issue 8; greedy, EOS ignored, all requests submitted at once):
+  custom  --num-requests x --prompt-len prompt x --output-len new tokens (default 64 x 128 x 64)
+  W1      128 requests, 256-token prompts, 128 new tokens each
+  W2      1,000 requests, prompt lengths uniform in [32, 1024], new tokens uniform in [32, 512]
+  W3      512 requests sharing a 1,024-token prefix + 64 unique tokens, 128 new tokens; jpaged
+          runs with prefix caching on and off
+--scale N divides the request counts by N (a quick smoke run).
+
+The checkpoint is a random Llama of the preset's shape made from --seed and written with
+save_pretrained into --checkpoint-dir, where later runs find and reuse it. Order of a run:
+transformers in a subprocess (padded generate in batches of --hf-batch-size, left padding; and
+generate_batch, its continuous batching), then jpaged's start-up to first token in two fresh
+processes sharing an empty compilation cache (cold, then warm), then the device copy
+bandwidth, then jpaged in this process: a warm-up run of the same shapes with other tokens,
+and the timed run, with per-step timers. jax is not touched before transformers has finished,
+so the two never hold accelerator memory at the same time.
+
+Prints a table and one line `RESULT_JSON {...}` with every figure (also written to
+--json-out). Output tokens/s counts the tokens each request asked for: the extra tokens
+padded generate makes for the shorter requests of a mixed batch are not counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,194 +46,746 @@ import numpy as np
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 
+# name: hidden, layers, heads, kv heads, head_dim, intermediate, vocab, tied embeddings
 PRESETS = {
-    # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
-    "cpu-small": (256, 4, 4, 2, 688, 4096),
-    "cpu-tp": (256, 4, 8, 4, 1024, 4096),  # divisible by tensor_parallel_size up to 8
-    "llama-3.2-1b": (2048, 16, 32, 8, 8192, 128256),
+    "cpu-small": {
+        "hidden": 256,
+        "layers": 4,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 64,
+        "inter": 688,
+        "vocab": 4096,
+        "tied": False,
+    },
+    "cpu-tp": {
+        "hidden": 256,
+        "layers": 4,
+        "heads": 8,
+        "kv_heads": 4,
+        "head_dim": 32,
+        "inter": 1024,
+        "vocab": 4096,
+        "tied": False,
+    },  # divisible by tensor_parallel_size up to 8
+    "llama-3.2-1b": {
+        "hidden": 2048,
+        "layers": 16,
+        "heads": 32,
+        "kv_heads": 8,
+        "head_dim": 64,
+        "inter": 8192,
+        "vocab": 128256,
+        "tied": True,
+    },
+    "llama-3.1-8b": {
+        "hidden": 4096,
+        "layers": 32,
+        "heads": 32,
+        "kv_heads": 8,
+        "head_dim": 128,
+        "inter": 14336,
+        "vocab": 128256,
+        "tied": False,
+    },
 }
+WORKLOADS = ("custom", "W1", "W2", "W3")
+# Defaults per workload: max_num_seqs (capped at the request count).
+_MAX_NUM_SEQS = {"custom": 64, "W1": 128, "W2": 256, "W3": 256}
 
 
-def make_checkpoint(path: Path, preset: str, dtype: str) -> None:
-    """Random weights in the Hugging Face layout, written with transformers (same file for both)."""
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: list  # list of token-id lists
+    output_lens: list  # new tokens per request
+    shared_prefix_len: int = 0
+
+    @property
+    def uniform(self) -> bool:
+        return len({len(p) for p in self.prompts}) == 1 and len(set(self.output_lens)) == 1
+
+    @property
+    def max_len(self) -> int:
+        return max(len(p) + n for p, n in zip(self.prompts, self.output_lens, strict=True))
+
+    def describe(self) -> str:
+        n = len(self.prompts)
+        plens = sorted(len(p) for p in self.prompts)
+        olens = sorted(self.output_lens)
+        text = (
+            f"{self.name}: {n} requests, prompt {plens[0]}-{plens[-1]} (mean "
+            f"{np.mean(plens):.0f}), new {olens[0]}-{olens[-1]} (mean {np.mean(olens):.0f})"
+        )
+        if self.shared_prefix_len:
+            text += f", shared prefix {self.shared_prefix_len}"
+        return text
+
+
+def make_workload(args, vocab: int) -> Workload:
+    rng = np.random.default_rng(args.seed)
+
+    def count(n: int) -> int:
+        return max(1, round(n / args.scale))
+
+    def tokens(*shape):
+        return rng.integers(3, vocab, shape).tolist()
+
+    if args.workload == "custom":
+        n = count(args.num_requests)
+        return Workload("custom", tokens(n, args.prompt_len), [args.output_len] * n)
+    if args.workload == "W1":
+        n = count(128)
+        return Workload("W1", tokens(n, 256), [128] * n)
+    if args.workload == "W2":
+        n = count(1000)
+        plens = rng.integers(32, 1025, n)
+        olens = rng.integers(32, 513, n).tolist()
+        return Workload("W2", [tokens(int(k)) for k in plens], olens)
+    n = count(512)
+    prefix = tokens(1024)
+    return Workload("W3", [prefix + tokens(64) for _ in range(n)], [128] * n, 1024)
+
+
+def shifted(workload: Workload, vocab: int) -> Workload:
+    """The same shapes (and the same sharing) with other tokens: the warm-up run's workload,
+    so that neither the compiled programs nor the prefix cache of it helps the timed run."""
+    prompts = [[(t + 7919) % (vocab - 3) + 3 for t in p] for p in workload.prompts]
+    return dataclasses.replace(workload, prompts=prompts)
+
+
+# -- checkpoint ------------------------------------------------------------------------------
+def ensure_checkpoint(root: Path, preset: str, dtype: str, seed: int) -> Path:
+    """A random Llama of the preset's shape in the Hugging Face layout, made once per
+    (preset, dtype, seed) and reused: the directory is renamed into place only when complete."""
+    path = root / f"{preset}-{dtype}-seed{seed}"
+    if (path / "config.json").exists():
+        return path
     import torch
     import transformers
 
-    hidden, layers, heads, kv, inter, vocab = PRESETS[preset]
+    s = PRESETS[preset]
     cfg = transformers.LlamaConfig(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        intermediate_size=inter,
-        vocab_size=vocab,
+        hidden_size=s["hidden"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        intermediate_size=s["inter"],
+        vocab_size=s["vocab"],
         max_position_embeddings=4096,
-        tie_word_embeddings=preset == "llama-3.2-1b",
+        tie_word_embeddings=s["tied"],
         bos_token_id=1,
         eos_token_id=2,
     )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to(getattr(torch, dtype))
-    model.save_pretrained(path)
+    t0 = time.perf_counter()
+    # Shapes on the meta device, then storage in the target dtype filled directly: no float32
+    # copy and none of transformers' per-module initialisation.
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    model = model.to(getattr(torch, dtype)).to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied weights are listed once
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    if s["tied"]:
+        model.tie_weights()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=root))
+    model.save_pretrained(tmp)
+    tmp.rename(path)
+    print(f"checkpoint {path} made in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return path
 
 
+# -- transformers (subprocess) ---------------------------------------------------------------
 def run_transformers(args) -> None:
-    """Subprocess body: times padded generate and generate_batch; prints one JSON line."""
+    """Subprocess body: padded generate (sdpa; also a compiled static cache on GPU) and
+    generate_batch, each warmed up first; prints one JSON line."""
     import torch
     import transformers
 
-    dtype = getattr(torch, args.dtype)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=dtype).to(device)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
+    ).to(device)
     model.eval()
-    prompts = json.loads(Path(args.prompts).read_text())
-    result = {}
-    ids = torch.tensor(prompts, device=device)  # equal lengths: no padding needed
-    gen_kwargs = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False)
-    with torch.no_grad():
-        model.generate(ids[:2, :8], max_new_tokens=4, do_sample=False)  # warm-up
+    model.generation_config.eos_token_id = None  # ignore EOS: every request runs to its length
+    model.generation_config.pad_token_id = 0
+    wl = json.loads(Path(args.workload_file).read_text())
+    prompts, olens = wl["prompts"], wl["output_lens"]
+    wanted = sum(olens)
+    uniform = len({len(p) for p in prompts}) == 1 and len(set(olens)) == 1
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    bs = args.hf_batch_size
+    batches = [range(i, min(i + bs, len(prompts))) for i in range(0, len(prompts), bs)]
+
+    def padded(batch_list, **kw) -> int:
+        made = 0
+        for idx in batch_list:
+            width = max(len(prompts[i]) for i in idx)
+            ids = torch.zeros((len(idx), width), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, i in enumerate(idx):  # left padding
+                ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]) :] = 1
+            new = max(olens[i] for i in idx)
+            out = model.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new,
+                do_sample=False,
+                **kw,
+            )
+            made += out.shape[0] * (out.shape[1] - width)
+        return made
+
+    def timed(fn):
+        sync()
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **gen_kwargs)
-        dt = time.perf_counter() - t0
-    result["padded_generate"] = (out.shape[0] * (out.shape[1] - ids.shape[1])) / dt
-    if hasattr(model, "generate_batch"):
-        gen_cfg = transformers.GenerationConfig(
-            max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
-            eos_token_id=-1,
+        value = fn()
+        sync()
+        return value, time.perf_counter() - t0
+
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "hf_batch_size": bs,
+    }
+    with torch.no_grad():
+        # Warm-up: on GPU the first batch at its real shape, on CPU a tiny call.
+        _, result["padded_generate_warmup_s"] = timed(
+            lambda: (
+                padded(batches[:1])
+                if cuda
+                else model.generate(
+                    torch.tensor([prompts[0][:8]]), max_new_tokens=4, do_sample=False
+                )
+            )
         )
+        made, dt = timed(lambda: padded(batches))
+        result["padded_generate"] = wanted / dt
+        result["padded_generate_generated_tokens"] = made
+        if cuda and uniform:  # the compiled static cache recompiles for every new batch shape
+            try:
+                _, result["padded_generate_static_warmup_s"] = timed(
+                    lambda: padded(batches[:1], cache_implementation="static")
+                )
+                _, dt = timed(lambda: padded(batches, cache_implementation="static"))
+                result["padded_generate_static"] = wanted / dt
+            except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
+                result["padded_generate_static_error"] = f"{type(e).__name__}: {e}"[:300]
+        elif cuda:
+            result["padded_generate_static_error"] = "skipped: mixed shapes recompile per batch"
+    if hasattr(model, "generate_batch"):
         try:
-            with torch.no_grad():
-                model.generate_batch(inputs=[p[:8] for p in prompts[:2]], generation_config=gen_cfg)
-                t0 = time.perf_counter()
-                outs = model.generate_batch(inputs=prompts, generation_config=gen_cfg)
-                dt = time.perf_counter() - t0
-            n = sum(len(o.generated_tokens) for o in outs.values())
-            result["generate_batch"] = n / dt
-        except Exception as e:  # report, do not hide: the table says why it is missing
-            result["generate_batch_error"] = f"{type(e).__name__}: {e}"[:200]
+            run_generate_batch(model, prompts, olens, cuda, timed, result)
+        except Exception as e:  # noqa: BLE001
+            result["generate_batch_error"] = f"{type(e).__name__}: {e}"[:300]
     print(json.dumps(result))
 
 
-def run_jpaged(args, prompts) -> dict:
+def run_generate_batch(model, prompts, olens, cuda, timed, result) -> None:
+    """generate_batch (one max_new_tokens for all) or, for mixed output lengths, its manager
+    with a max_new_tokens per request. GPU: a full warm-up run keeps the manager (and its
+    captured graphs) for the timed run; CPU: a small warm-up call."""
+    import torch
+    import transformers
+
+    gen_cfg = transformers.GenerationConfig(
+        max_new_tokens=max(olens), do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    if len(set(olens)) == 1:
+
+        def run(inputs, **kw):
+            try:
+                outs = model.generate_batch(inputs=inputs, generation_config=gen_cfg, **kw)
+            except TypeError:  # a transformers without persistent_manager
+                outs = model.generate_batch(inputs=inputs, generation_config=gen_cfg)
+            return [len(o.generated_tokens) for o in outs.values()]
+    else:
+
+        def run(inputs, **kw):
+            lens = dict(zip(map(str, range(len(inputs))), olens, strict=False))
+            done = {}
+            with model.continuous_batching_context_manager(
+                generation_config=gen_cfg, block=True, timeout=5
+            ) as manager:
+                for rid, p in enumerate(inputs):
+                    manager.add_request(p, request_id=str(rid), max_new_tokens=lens[str(rid)])
+                while len(done) < len(inputs):
+                    out = manager.get_result(timeout=1)
+                    if out is not None and out.is_finished():
+                        done[out.request_id] = len(out.generated_tokens)
+                    elif out is None and not manager.is_running():
+                        break
+            return list(done.values())
+
+    with torch.no_grad():
+        if cuda:
+            _, result["generate_batch_warmup_s"] = timed(
+                lambda: run(prompts, persistent_manager=True)
+            )
+        else:
+            _, result["generate_batch_warmup_s"] = timed(lambda: run([p[:8] for p in prompts[:2]]))
+        lens, dt = timed(lambda: run(prompts, persistent_manager=True))
+    result["generate_batch"] = sum(lens) / dt
+    if len(lens) != len(prompts) or sum(lens) != sum(olens):
+        result["generate_batch_error"] = (
+            f"incomplete: {len(lens)} of {len(prompts)} requests, {sum(lens)} of {sum(olens)} tokens"
+        )
+
+
+# -- jpaged ----------------------------------------------------------------------------------
+def engine_kwargs(args, workload: Workload, prefix_caching: bool = True) -> dict:
+    return {
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": workload.max_len + args.page_size,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "page_size": args.page_size,
+        "precompile": args.precompile,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
+        "enable_prefix_caching": prefix_caching,
+    }
+
+
+def run_startup(args) -> None:
+    """Subprocess body: seconds from process start (before jax is imported) to the first
+    generated token of one request, with the compilation cache in --compilation-cache-dir."""
+    t0 = time.perf_counter()
+    from jpaged import LLM, SamplingParams
+
+    wl = json.loads(Path(args.workload_file).read_text())
+    workload = Workload("startup", wl["prompts"], wl["output_lens"])
+    llm = LLM(
+        args.model,
+        compilation_cache_dir=args.compilation_cache_dir,
+        **engine_kwargs(args, workload),
+    )
+    ready = time.perf_counter() - t0
+    engine = llm.llm_engine
+    engine.add_request(
+        "startup", workload.prompts[0], SamplingParams(max_tokens=2, ignore_eos=True)
+    )
+    first = None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if first is None and any(o.outputs[0].token_ids for o in outs):
+            first = time.perf_counter() - t0
+    print(
+        json.dumps(
+            {
+                "first_token_s": first,
+                "engine_ready_s": ready,
+                "num_compiled": engine.stats()["num_compiled"],
+            }
+        )
+    )
+
+
+def _runners(engine) -> list:
+    replicas = getattr(engine, "replicas", None)
+    return [r.runner for r in replicas] if replicas else [engine.runner]
+
+
+def run_jpaged(
+    args, workload: Workload, vocab: int, bandwidth: float | None, prefix_caching: bool = True
+) -> dict:
     from jpaged import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(
         args.model,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.prompt_len + args.output_len + 16,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        page_size=args.page_size,
-        precompile=args.precompile,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
+        compilation_cache_dir=args.compilation_cache_dir,
+        **engine_kwargs(args, workload, prefix_caching),
     )
     startup = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    # Warm-up: the same shapes with other tokens (so the prefix cache cannot help the timed run).
+    engine = llm.llm_engine
+    runners = _runners(engine)
+
+    def params_for(w: Workload):
+        return [
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in w.output_lens
+        ]
+
     t0 = time.perf_counter()
-    llm.generate([[(t + 1) % 3 + 3 for t in p] for p in prompts], params)
+    llm.generate(shifted(workload, vocab).prompts, params_for(workload))
     warmup = time.perf_counter() - t0
+    compiled_after_warmup = llm.stats()["num_compiled"]
+    for r in runners:
+        r.warmed_up = True  # from here on a new program is a recompilation: counted, warned
+    llm.reset_stats()
+    log = runners[0].step_log = [] if len(runners) == 1 else None
+    steps = []  # (step wall seconds, index into log or None)
+
+    for i, (p, sp) in enumerate(zip(workload.prompts, params_for(workload), strict=True)):
+        engine.add_request(f"bench-{i}", p, sp)
+    n_out = 0
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    while engine.has_unfinished_requests():
+        before = len(log) if log is not None else 0
+        ts = time.perf_counter()
+        outs = engine.step()
+        wall = time.perf_counter() - ts
+        grew = log is not None and len(log) == before + 1
+        steps.append((wall, before if grew else None))
+        n_out += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
     dt = time.perf_counter() - t0
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = llm.stats()
-    return dict(
-        tokens_per_s=n / dt,
-        seconds=dt,
-        output_tokens=n,
-        startup_s=startup,
-        warmup_s=warmup + llm.llm_engine.warmup_seconds,
-        compile_s=llm.llm_engine.runner.compile_seconds,
-        num_compiled=stats["num_compiled"],
-        num_buckets=stats["num_buckets"],
+    res = {
+        "prefix_caching": prefix_caching,
+        "tokens_per_s": n_out / dt,
+        "seconds": dt,
+        "output_tokens": n_out,
+        "expected_output_tokens": sum(workload.output_lens),
+        "num_steps": len(steps),
+        "startup_s": startup,
+        "warmup_s": warmup + engine.warmup_seconds,
+        "compile_s": sum(r.compile_seconds for r in runners),
+        "num_compiled": stats["num_compiled"],
+        "num_compiled_after_warmup": compiled_after_warmup,
+        "num_buckets": stats["num_buckets"],
+        "num_recompiles": stats["num_recompiles"],
+        "num_preemptions": stats["num_preemptions"],
+        "prefix_cache_hit_tokens": stats["prefix_cache_hit_tokens"],
+        "prefix_cache_query_tokens": stats["prefix_cache_query_tokens"],
+        "num_pages": stats["pages_total"],
+    }
+    if log is not None:
+        res.update(step_profile(engine, runners[0], log, steps, bandwidth, args.max_num_seqs))
+    return res
+
+
+def step_profile(engine, runner, log, steps, bandwidth, max_num_seqs) -> dict:
+    """Decode steps at the largest batch: device time (dispatch to sampled ids on the host)
+    against the roofline (weights + KV read / copy bandwidth), and host time per step."""
+    import jax
+
+    cfg = engine.model_config
+    leaves = jax.tree_util.tree_leaves(runner.params)
+    itemsize = leaves[0].dtype.itemsize
+    weight_bytes = sum(x.nbytes for x in leaves)
+    if not cfg.tie_word_embeddings:  # the embedding is gathered, not read; a tied one is read
+        weight_bytes -= runner.params["embed"].nbytes  # as the LM head
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    decode = [(wall, log[i]) for wall, i in steps if i is not None and log[i][0].decode_only]
+    prefill = [log[i][3] for _, i in steps if i is not None and not log[i][0].decode_only]
+    out = {
+        "weight_bytes_per_step": weight_bytes,
+        "kv_bytes_per_token": kv_per_token,
+        "num_decode_steps": len(decode),
+        "prefill_device_s": float(np.sum(prefill)),
+        "decode_device_s": float(sum(e[3] for _, e in decode)),
+        "host_s": float(sum(w for w, _ in steps) - np.sum(prefill) - sum(e[3] for _, e in decode)),
+    }
+    if not decode:
+        return out
+    largest = max(e[1] for _, e in decode)
+    at = [(wall, e) for wall, e in decode if e[1] == largest]
+    device = float(np.mean([e[3] for _, e in at]))
+    wall = float(np.mean([w for w, _ in at]))
+    out.update(
+        decode_batch=largest,
+        decode_steps_at_batch=len(at),
+        decode_step_device_ms=1e3 * device,
+        decode_step_wall_ms=1e3 * wall,
+        decode_step_host_fraction=(wall - device) / wall,
+        decode_mean_context=float(np.mean([e[2] / e[1] for _, e in at])),
+        decode_step_device_ms_all=1e3 * float(np.mean([e[3] for _, e in decode])),
     )
+    if bandwidth:
+        roof = np.mean([(weight_bytes + e[2] * kv_per_token) / bandwidth for _, e in at])
+        out.update(
+            decode_step_roofline_ms=1e3 * float(roof), decode_step_vs_roofline=device / float(roof)
+        )
+    if largest < max_num_seqs:
+        out["decode_batch_note"] = f"largest decode batch {largest} < max_num_seqs {max_num_seqs}"
+    return out
 
 
-def main() -> None:
+def measure_bandwidth(accelerator: bool) -> float:
+    """Device copy bandwidth (bytes read + written per second), as scripts/bench_attention.py."""
+    from bench_attention import copy_bandwidth
+
+    return copy_bandwidth((4 << 30) if accelerator else (256 << 20), 20 if accelerator else 5)
+
+
+# -- driver ----------------------------------------------------------------------------------
+def _subprocess_json(cmd: list[str], timeout: float | None, env=None) -> dict:
+    try:
+        res = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout}s"}
+    if res.returncode != 0:
+        print(res.stderr[-3000:], file=sys.stderr)
+        return {"error": f"exit {res.returncode}: {res.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _has_accelerator() -> bool:
+    """Decided without initialising jax's backend (which would reserve accelerator memory)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0] != "cpu"
+    import torch
+
+    return torch.cuda.is_available() or Path("/dev/accel0").exists()
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="custom", choices=WORKLOADS)
+    p.add_argument("--scale", type=float, default=1.0, help="divide request counts by this")
     p.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS))
-    p.add_argument("--model", default=None, help="existing HF checkpoint (default: made from --preset)")
+    p.add_argument("--model", default=None, help="existing HF checkpoint (default: from --preset)")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="where preset checkpoints are made and reused "
+        "(default $JPAGED_CACHE_DIR/checkpoints or ~/.cache/jpaged/checkpoints)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     p.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on accelerators")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-requests", type=int, default=64, help="custom workload")
+    p.add_argument("--prompt-len", type=int, default=128, help="custom workload")
+    p.add_argument("--output-len", type=int, default=64, help="custom workload")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="default: W1 128, W2/W3 256, custom 64; at most the request count",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="default 2048 on CPU, 8192 on accelerators",
+    )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--precompile", action="store_true", help="compile every bucket at start-up")
+    p.add_argument(
+        "--compilation-cache-dir",
+        default="auto",
+        help="jpaged's persistent compilation cache for the main run ('off': none)",
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument(
         "--simulate-cpu-devices",
         type=int,
         default=None,
-        help="split the CPU into N XLA devices (set before JAX starts; for sharding runs)",
+        help="split the CPU into N XLA devices (set before JAX starts; for sharding)",
     )
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument(
+        "--skip-startup",
+        action="store_true",
+        help="skip the cold/warm start-up-to-first-token processes",
+    )
+    p.add_argument("--hf-batch-size", type=int, default=128, help="padded generate's batch")
+    p.add_argument("--hf-timeout", type=float, default=None, help="seconds for transformers")
+    p.add_argument("--json-out", default=None, help="also write the result JSON here")
     p.add_argument("--transformers-worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--prompts", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    p.add_argument("--startup-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--workload-file", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     if args.transformers_worker:
-        run_transformers(args)
-        return
+        return run_transformers(args)
+    if args.startup_worker:
+        return run_startup(args)
     if args.simulate_cpu_devices:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "")
             + f" --xla_force_host_platform_device_count={args.simulate_cpu_devices}"
         )
-    import jax
-
+    accelerator = _has_accelerator()
     if args.dtype is None:
-        args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    tmp = Path(tempfile.mkdtemp(prefix="jpaged-bench-"))
+        args.dtype = "bfloat16" if accelerator else "float32"
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = 8192 if accelerator else 2048
     if args.model is None:
-        args.model = str(tmp / "model")
-        make_checkpoint(Path(args.model), args.preset, args.dtype)
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(3, vocab, (args.num_requests, args.prompt_len)).tolist()
-    prompts_file = tmp / "prompts.json"
-    prompts_file.write_text(json.dumps(prompts))
+        from jpaged import compilation_cache
 
-    ours = run_jpaged(args, prompts)
+        root = Path(args.checkpoint_dir or compilation_cache.default_dir().parent / "checkpoints")
+        t0 = time.perf_counter()
+        args.model = str(ensure_checkpoint(root, args.preset, args.dtype, args.seed))
+        checkpoint_s = time.perf_counter() - t0
+    else:
+        checkpoint_s = 0.0
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    workload = make_workload(args, vocab)
+    if args.max_num_seqs is None:
+        args.max_num_seqs = min(_MAX_NUM_SEQS[args.workload], len(workload.prompts))
+    args.max_num_batched_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+    tmp = Path(tempfile.mkdtemp(prefix="jpaged-bench-"))
+    workload_file = tmp / "workload.json"
+    workload_file.write_text(
+        json.dumps({"prompts": workload.prompts, "output_lens": workload.output_lens})
+    )
+    me = [
+        sys.executable,
+        __file__,
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--workload-file",
+        str(workload_file),
+    ]
+
     theirs = {}
     if not args.skip_transformers:
-        cmd = [
-            sys.executable, __file__, "--transformers-worker", "--model", args.model,
-            "--prompts", str(prompts_file), "--output-len", str(args.output_len),
-            "--dtype", args.dtype,
+        theirs = _subprocess_json(
+            me + ["--transformers-worker", "--hf-batch-size", str(args.hf_batch_size)],
+            args.hf_timeout,
+        )
+    startup = {}
+    if not args.skip_startup:
+        flags = [
+            "--startup-worker",
+            "--compilation-cache-dir",
+            str(tmp / "xla"),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--page-size",
+            str(args.page_size),
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+            "--tensor-parallel-size",
+            str(args.tensor_parallel_size),
+            "--data-parallel-size",
+            str(args.data_parallel_size),
         ]
-        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-        if res.returncode != 0:
-            print(res.stderr[-2000:], file=sys.stderr)
-        else:
-            theirs = json.loads(res.stdout.strip().splitlines()[-1])
-    print(f"hardware: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
-    print(f"workload: {args.num_requests} requests x {args.prompt_len} prompt x {args.output_len} "
-          f"new tokens, greedy, preset {args.preset}, {args.dtype}")
-    print(f"{'engine':<34}{'output tokens/s':>16}")
-    print(f"{'jpaged':<34}{ours['tokens_per_s']:>16.1f}")
-    num_devices = args.tensor_parallel_size * args.data_parallel_size
+        flags += ["--precompile"] if args.precompile else []
+        startup = {
+            "cold": _subprocess_json(me + flags, None),
+            "warm": _subprocess_json(me + flags, None),
+        }
+    import jax
+
+    bandwidth = measure_bandwidth(accelerator)
+    ours = run_jpaged(args, workload, vocab, bandwidth)
+    ours_off = None
+    if workload.shared_prefix_len:
+        ours_off = run_jpaged(args, workload, vocab, bandwidth, prefix_caching=False)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    result = {
+        "hardware": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
+        "num_devices": len(jax.devices()),
+        "jax": jax.__version__,
+        "workload": workload.describe(),
+        "args": {k: v for k, v in vars(args).items() if not k.endswith("_worker")},
+        "checkpoint_s": checkpoint_s,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "jpaged": ours,
+        "jpaged_no_prefix_caching": ours_off,
+        "startup": startup,
+        "transformers": theirs,
+    }
+    report(result, args)
+
+
+def report(r: dict, args) -> None:
+    ours, theirs = r["jpaged"], r["transformers"]
     print(
-        f"{'jpaged per device':<34}{ours['tokens_per_s'] / num_devices:>16.1f}"
-        f"   (T={args.tensor_parallel_size} x D={args.data_parallel_size} devices)"
+        f"hardware: {r['hardware']} x{r['num_devices']}, jax {r['jax']}; "
+        f"copy bandwidth {r['copy_bandwidth_gb_s']:.1f} GB/s"
     )
-    for name in ("padded_generate", "generate_batch"):
+    print(f"workload {r['workload']}; preset {args.preset}, {args.dtype}, greedy, EOS ignored")
+    print(
+        f"jpaged: max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
+        f"{args.max_num_batched_tokens}, page_size {args.page_size}, precompile {args.precompile}"
+    )
+    print(f"{'engine':<40}{'output tokens/s':>16}")
+    print(f"{'jpaged':<40}{ours['tokens_per_s']:>16.1f}")
+    num_devices = args.tensor_parallel_size * args.data_parallel_size
+    if num_devices > 1:
+        print(
+            f"{'jpaged per device':<40}{ours['tokens_per_s'] / num_devices:>16.1f}"
+            f"   (T={args.tensor_parallel_size} x D={args.data_parallel_size})"
+        )
+    off = r["jpaged_no_prefix_caching"]
+    if off:
+        print(f"{'jpaged, prefix caching off':<40}{off['tokens_per_s']:>16.1f}")
+    modes = ("padded_generate", "padded_generate_static", "generate_batch")
+    for name in modes:
         if name in theirs:
-            print(f"{'transformers ' + name:<34}{theirs[name]:>16.1f}")
-    if "generate_batch_error" in theirs:
-        print(f"transformers generate_batch failed: {theirs['generate_batch_error']}")
-    best = max((theirs[k] for k in ("padded_generate", "generate_batch") if k in theirs), default=None)
+            print(f"{'transformers ' + name:<40}{theirs[name]:>16.1f}")
+    for key, value in theirs.items():
+        if key.endswith("error"):
+            print(f"transformers {key}: {value}")
+    best = max((theirs[k] for k in modes if k in theirs), default=None)
     if best:
-        print(f"ratio jpaged / transformers best: {ours['tokens_per_s'] / best:.2f}x")
-    print(f"compiled programs: {ours['num_compiled']} (bucket count {ours['num_buckets']}); "
-          f"warm-up {ours['warmup_s']:.1f}s; start-up {ours['startup_s']:.1f}s; "
-          f"total compile {ours['compile_s']:.1f}s")
+        print(f"ratio jpaged / transformers' best: {ours['tokens_per_s'] / best:.2f}x")
+    if off:
+        print(
+            f"prefix caching on / off: {ours['tokens_per_s'] / off['tokens_per_s']:.2f}x "
+            f"({ours['prefix_cache_hit_tokens']} of {ours['prefix_cache_query_tokens']} "
+            f"prompt tokens hit)"
+        )
+    print(
+        f"compiled programs: {ours['num_compiled']} (bucket count {ours['num_buckets']}); "
+        f"warm-up {ours['warmup_s']:.1f}s (compiling {ours['compile_s']:.1f}s); "
+        f"engine start-up {ours['startup_s']:.1f}s; recompilations after warm-up: "
+        f"{ours['num_recompiles']}; preemptions {ours['num_preemptions']}"
+    )
+    if ours["output_tokens"] != ours["expected_output_tokens"]:
+        print(
+            f"WARNING: {ours['output_tokens']} output tokens, "
+            f"expected {ours['expected_output_tokens']}"
+        )
+    for kind in ("cold", "warm"):
+        s = r["startup"].get(kind)
+        if s and "error" not in s:
+            print(
+                f"start-up to first token, {kind} compilation cache: {s['first_token_s']:.1f}s "
+                f"(engine ready {s['engine_ready_s']:.1f}s, {s['num_compiled']} programs)"
+            )
+        elif s:
+            print(f"start-up ({kind}) failed: {s['error']}")
+    if "decode_step_device_ms" in ours:
+        line = (
+            f"decode step at batch {ours['decode_batch']} (mean context "
+            f"{ours['decode_mean_context']:.0f}, {ours['decode_steps_at_batch']} steps): "
+            f"device {ours['decode_step_device_ms']:.2f} ms"
+        )
+        if "decode_step_roofline_ms" in ours:
+            line += (
+                f", roofline {ours['decode_step_roofline_ms']:.2f} ms "
+                f"({ours['decode_step_vs_roofline']:.2f}x)"
+            )
+        print(line)
+        print(
+            f"host time per step at that batch: {ours['decode_step_host_fraction']:.1%} of "
+            f"{ours['decode_step_wall_ms']:.2f} ms"
+        )
+        print(
+            f"time split: prefill/mixed device {ours['prefill_device_s']:.2f}s, decode device "
+            f"{ours['decode_device_s']:.2f}s, host {ours['host_s']:.2f}s over "
+            f"{ours['num_steps']} steps"
+        )
+    print("RESULT_JSON " + json.dumps(r))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(r, indent=1))
 
 
 if __name__ == "__main__":
