@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -210,12 +211,21 @@ def run_transformers(args) -> None:
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
-    ).to(device)
-    model.eval()
-    model.generation_config.eos_token_id = None  # ignore EOS: every request runs to its length
-    model.generation_config.pad_token_id = 0
+
+    def load():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
+        ).to(device)
+        model.eval()
+        model.generation_config.eos_token_id = None  # ignore EOS: requests run to their length
+        model.generation_config.pad_token_id = 0
+        return model
+
+    def save():  # what is measured so far survives a timeout
+        if args.result_file:
+            Path(args.result_file).write_text(json.dumps(result))
+
+    model = load()
     wl = json.loads(Path(args.workload_file).read_text())
     prompts, olens = wl["prompts"], wl["output_lens"]
     wanted = sum(olens)
@@ -275,22 +285,29 @@ def run_transformers(args) -> None:
         made, dt = timed(lambda: padded(batches))
         result["padded_generate"] = wanted / dt
         result["padded_generate_generated_tokens"] = made
-        if cuda and uniform:  # the compiled static cache recompiles for every new batch shape
-            try:
+    save()
+    if hasattr(model, "generate_batch"):
+        try:
+            run_generate_batch(model, prompts, olens, cuda, timed, result)
+        except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
+            result["generate_batch_error"] = f"{type(e).__name__}: {e}"[:300]
+        save()
+    # Last, as the slowest to warm up (torch.compile), on a fresh model: generate_batch may
+    # have switched the first one's attention to its paged kernels.
+    if cuda and uniform:  # the compiled static cache recompiles for every new batch shape
+        try:
+            model = load()
+            with torch.no_grad():
                 _, result["padded_generate_static_warmup_s"] = timed(
                     lambda: padded(batches[:1], cache_implementation="static")
                 )
                 _, dt = timed(lambda: padded(batches, cache_implementation="static"))
-                result["padded_generate_static"] = wanted / dt
-            except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
-                result["padded_generate_static_error"] = f"{type(e).__name__}: {e}"[:300]
-        elif cuda:
-            result["padded_generate_static_error"] = "skipped: mixed shapes recompile per batch"
-    if hasattr(model, "generate_batch"):
-        try:
-            run_generate_batch(model, prompts, olens, cuda, timed, result)
+            result["padded_generate_static"] = wanted / dt
         except Exception as e:  # noqa: BLE001
-            result["generate_batch_error"] = f"{type(e).__name__}: {e}"[:300]
+            result["padded_generate_static_error"] = f"{type(e).__name__}: {e}"[:300]
+    elif cuda:
+        result["padded_generate_static_error"] = "skipped: mixed shapes recompile per batch"
+    save()
     print(json.dumps(result))
 
 
@@ -522,17 +539,21 @@ def measure_bandwidth(accelerator: bool) -> float:
 
 
 # -- driver ----------------------------------------------------------------------------------
-def _subprocess_json(cmd: list[str], timeout: float | None, env=None) -> dict:
+def _subprocess_json(cmd: list[str], timeout: float | None, partial: Path | None = None) -> dict:
+    """The JSON line a worker prints last; on a timeout or a failure, what it saved in
+    `partial` so far, with the error."""
     try:
-        res = subprocess.run(
-            cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False
-        )
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        error = None
+        if res.returncode != 0:
+            print(res.stderr[-3000:], file=sys.stderr)
+            error = f"exit {res.returncode}: {res.stderr.strip().splitlines()[-1:]}"
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout}s"}
-    if res.returncode != 0:
-        print(res.stderr[-3000:], file=sys.stderr)
-        return {"error": f"exit {res.returncode}: {res.stderr.strip().splitlines()[-1:]}"}
-    return json.loads(res.stdout.strip().splitlines()[-1])
+        error = f"timed out after {timeout}s"
+    if error is None:
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    saved = json.loads(partial.read_text()) if partial and partial.exists() else {}
+    return {**saved, "error": error}
 
 
 def _has_accelerator() -> bool:
@@ -601,6 +622,7 @@ def parse_args(argv=None):
     p.add_argument("--transformers-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--startup-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workload-file", help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -653,9 +675,13 @@ def main() -> None:
 
     theirs = {}
     if not args.skip_transformers:
+        partial = tmp / "transformers.json"
         theirs = _subprocess_json(
-            me + ["--transformers-worker", "--hf-batch-size", str(args.hf_batch_size)],
+            me
+            + ["--transformers-worker", "--hf-batch-size", str(args.hf_batch_size)]
+            + ["--result-file", str(partial)],
             args.hf_timeout,
+            partial,
         )
     startup = {}
     if not args.skip_startup:
@@ -685,6 +711,7 @@ def main() -> None:
     ours = run_jpaged(args, workload, vocab, bandwidth)
     ours_off = None
     if workload.shared_prefix_len:
+        gc.collect()  # the first engine's pool goes back before the second one sizes its own
         ours_off = run_jpaged(args, workload, vocab, bandwidth, prefix_caching=False)
     shutil.rmtree(tmp, ignore_errors=True)
 
