@@ -12,8 +12,9 @@ import dataclasses
 import math
 
 KV_ALLOCATIONS = ("paged", "reserve")
-PREEMPTION_MODES = ("recompute",)
+PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = (None, "reference", "pallas", "pallas_interpret")
+DEFAULT_SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap space
 
 
 def _positive(name: str, value, *, allow_none: bool = False) -> None:
@@ -42,11 +43,22 @@ class CacheConfig:
     kv_memory_fraction: float = 0.8  # of free accelerator memory, when neither is given
     enable_prefix_caching: bool = True
     kv_allocation: str = "paged"
+    # Host memory for preemption_mode="swap": pages of all layers' K and V, given as a page
+    # count or a byte budget (default 4 GiB when neither is given). Unused under "recompute".
+    num_swap_pages: int | None = None
+    swap_space_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _positive("page_size", self.page_size)
         _positive("num_pages", self.num_pages, allow_none=True)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+        _positive("num_swap_pages", self.num_swap_pages, allow_none=True)
+        _positive("swap_space_bytes", self.swap_space_bytes, allow_none=True)
+        if self.num_swap_pages is not None and self.swap_space_bytes is not None:
+            raise ValueError(
+                f"give num_swap_pages ({self.num_swap_pages}) or swap_space_bytes "
+                f"({self.swap_space_bytes}), not both"
+            )
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:

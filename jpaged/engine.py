@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jpaged import compilation_cache
-from jpaged.config import CacheConfig, EngineConfig
+from jpaged.config import DEFAULT_SWAP_SPACE_BYTES, CacheConfig, EngineConfig
 from jpaged.output_processor import OutputProcessor
 from jpaged.outputs import RequestOutput
 from jpaged.page_allocator import PageAllocator
@@ -59,6 +59,21 @@ def resolve_num_pages(
     return max(2, int(free * cache.kv_memory_fraction) // per_page + 1)
 
 
+def resolve_num_swap_pages(config: EngineConfig, model_config: ModelConfig, itemsize: int) -> int:
+    """Host swap pages: 0 unless preemption_mode is "swap"; then num_swap_pages, or as many
+    pages as swap_space_bytes (default 4 GiB) holds."""
+    cache = config.cache
+    if config.scheduler.preemption_mode != "swap":
+        return 0
+    if cache.num_swap_pages is not None:
+        return cache.num_swap_pages
+    budget = cache.swap_space_bytes or DEFAULT_SWAP_SPACE_BYTES
+    num = budget // _kv_bytes_per_page(model_config, cache.page_size, itemsize)
+    if num < 1:
+        raise ValueError(f"swap_space_bytes ({budget}) is smaller than one page of K/V")
+    return num
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, loaded=None) -> None:
         t0 = time.perf_counter()
@@ -81,9 +96,23 @@ class LLMEngine:
         self.allocator = PageAllocator(
             self.num_pages, enable_prefix_caching=config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.allocator, self.eos_token_ids)
+        self.num_swap_pages = resolve_num_swap_pages(
+            config, self.model_config, np.dtype(dtype).itemsize
+        )
+        swap_allocator = None
+        if self.num_swap_pages:  # host pages; the allocator's page 0 stays unused
+            swap_allocator = PageAllocator(self.num_swap_pages + 1, enable_prefix_caching=False)
+        self.scheduler = Scheduler(
+            config, self.allocator, self.eos_token_ids, swap_allocator=swap_allocator
+        )
         self.runner = ModelRunner(
-            config, self.model_config, loaded.params, self.num_pages, dtype, mesh=loaded.mesh
+            config,
+            self.model_config,
+            loaded.params,
+            self.num_pages,
+            dtype,
+            mesh=loaded.mesh,
+            num_swap_pages=self.num_swap_pages,
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._groups: dict[str, RequestGroup] = {}
@@ -184,6 +213,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         self.peak_pages_used = max(self.peak_pages_used, self.allocator.num_used())
+        self.runner.swap(plan)  # preempted K/V to host and back, before the step
         if not plan.rows:
             return []
         out = self.runner.execute(plan, self.eos_token_ids)
@@ -207,6 +237,7 @@ class LLMEngine:
         """
         plan = self.scheduler.schedule()
         self.peak_pages_used = max(self.peak_pages_used, self.allocator.num_used())
+        self.runner.swap(plan)  # preempted K/V to host and back, before the step
         if not plan.rows:
             return plan, None
         out = self.runner.execute(plan, self.eos_token_ids)
@@ -223,7 +254,7 @@ class LLMEngine:
         return len(self.scheduler.running)
 
     def stats(self) -> dict:
-        a = self.allocator
+        a, swap = self.allocator, self.scheduler.swap_allocator
         return dict(
             pages_total=a.num_usable_pages,
             pages_used=a.num_used(),
@@ -233,6 +264,10 @@ class LLMEngine:
             prefix_cache_query_tokens=self.scheduler.prefix_cache_query_tokens,
             prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_swaps_out=self.scheduler.num_swaps_out,
+            num_swaps_in=self.scheduler.num_swaps_in,
+            swap_pages_total=self.num_swap_pages,
+            swap_pages_used=swap.num_used() if swap is not None else 0,
             num_running=self.num_running(),
             num_waiting=self.num_waiting(),
             num_compiled=self.runner.num_compiled,
@@ -245,3 +280,5 @@ class LLMEngine:
         self.scheduler.prefix_cache_query_tokens = 0
         self.scheduler.prefix_cache_hit_tokens = 0
         self.scheduler.num_preemptions = 0
+        self.scheduler.num_swaps_out = 0
+        self.scheduler.num_swaps_in = 0

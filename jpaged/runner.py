@@ -15,6 +15,13 @@ heads), step inputs and the page table are replicated, the logits are all-gather
 device samples the same tokens. The step is still one jit, with explicit in/out shardings and
 the state donated. Across processes (jax.distributed), process 0 broadcasts each device call's
 inputs (StepBroadcast) and the other processes replay them in `follow`.
+
+Swap (preemption_mode="swap"): the runner holds the host swap space, numpy
+[num_layers, 2 (K, V), num_kv_heads, num_swap_pages + 1, page_size, head_dim] (host page 0 is
+unused, like the null page). A plan's swap-outs gather their device pages in one jitted call
+per _SWAP_PAGES (padded with the null page) and device_get them; its swap-ins write host pages
+back with a jitted scatter, pool donated. Both run before the step (`swap`). Under a mesh the
+gathered pages are sharded over KV heads and device_get assembles the full heads.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ logger = logging.getLogger(__name__)
 _PRELUDE_UPDATES = 256  # page-table updates per prelude call (overflow of a step's share)
 _PRELUDE_COPIES = 64
 _MAX_BANNED = 8
+_SWAP_PAGES = 32  # pages per swap call: one compiled gather and one scatter
 
 
 @jax.tree_util.register_dataclass
@@ -111,6 +119,20 @@ def _prelude(state: DeviceState, updates, copies) -> DeviceState:
     )
 
 
+def _gather_pages(state: DeviceState, ids):
+    """-> [num_layers, 2, num_kv_heads, len(ids), page_size, head_dim]"""
+    return jnp.stack([jnp.stack([k[:, ids], v[:, ids]]) for k, v in state.kv_caches])
+
+
+def _scatter_pages(state: DeviceState, ids, pages) -> DeviceState:
+    """Writes pages ([num_layers, 2, H, len(ids), page_size, head_dim]) into the pool at ids."""
+    kv = [
+        (k.at[:, ids].set(pages[i, 0]), v.at[:, ids].set(pages[i, 1]))
+        for i, (k, v) in enumerate(state.kv_caches)
+    ]
+    return DeviceState(kv, state.page_table)
+
+
 def _step(
     params, state: DeviceState, inputs: StepInputs, *, cfg, key: StepKey, backend, tp_axis=None
 ):
@@ -146,8 +168,10 @@ class ModelRunner:
         dtype,
         *,
         mesh=None,
+        num_swap_pages: int = 0,
     ) -> None:
-        """mesh: the replica's Mesh (models/sharding.py) params are sharded over, or None."""
+        """mesh: the replica's Mesh (models/sharding.py) params are sharded over, or None.
+        num_swap_pages: host pages of swap space (0: no swap)."""
         self.config = config
         self.cfg = model_config
         self.params = params
@@ -160,6 +184,8 @@ class ModelRunner:
             from jpaged.multihost import StepBroadcast
 
             self.broadcast = StepBroadcast(self)
+        if num_swap_pages and self.broadcast is not None:
+            raise ValueError('preemption_mode="swap" is not supported across processes')
         shape = (model_config.num_kv_heads, num_pages, self.page_size, model_config.head_dim)
         table_shape = (config.scheduler.max_num_seqs + 1, config.max_pages_per_seq)
 
@@ -183,6 +209,13 @@ class ModelRunner:
             self.state = jax.jit(zeros, out_shardings=self._named(self._state_specs))()
         self._compiled: dict[StepKey, object] = {}
         self._prelude_fn = None
+        self.swap_space = None
+        if num_swap_pages:  # zeros: the OS maps host pages on first write
+            self.swap_space = np.zeros(
+                (model_config.num_layers, 2, shape[0], num_swap_pages + 1, *shape[2:]),
+                np.dtype(dtype),
+            )
+        self._swap_fns = None
         self.compile_seconds = 0.0
         self.warmed_up = False
         self.num_recompiles = 0  # step programs compiled after warm-up (each also logs a warning)
@@ -193,7 +226,8 @@ class ModelRunner:
     # -- compilation -----------------------------------------------------------------------
     @property
     def num_compiled(self) -> int:
-        return len(self._compiled) + (self._prelude_fn is not None)
+        swap = 2 if self._swap_fns is not None else 0
+        return len(self._compiled) + (self._prelude_fn is not None) + swap
 
     def bucket_keys(self) -> list[StepKey]:
         """Every step shape the scheduler can produce (without logprobs or penalties)."""
@@ -208,13 +242,16 @@ class ModelRunner:
         return keys
 
     def num_buckets(self) -> int:
-        return len(self.bucket_keys()) + 1  # + the prelude
+        # + the prelude (+ the swap gather and scatter)
+        return len(self.bucket_keys()) + 1 + (2 if self.swap_space is not None else 0)
 
     def precompile(self) -> float:
         t0 = time.perf_counter()
         for key in self.bucket_keys():
             self._executable(key, self.dummy_inputs(key))
         self._prelude()
+        if self.swap_space is not None:
+            self._swappers()
         return time.perf_counter() - t0
 
     def _executable(self, key: StepKey, inputs: StepInputs):
@@ -254,6 +291,57 @@ class ModelRunner:
                 )
             self._prelude_fn = fn.lower(self.state, updates, copies).compile()
         return self._prelude_fn
+
+    def _swappers(self):
+        """(gather, scatter), compiled once each on first use."""
+        if self._swap_fns is None:
+            ids = np.zeros(_SWAP_PAGES, np.int32)
+            pages = np.zeros(
+                (*self.swap_space.shape[:3], _SWAP_PAGES, *self.swap_space.shape[4:]),
+                self.swap_space.dtype,
+            )
+            if self.mesh is None:
+                gather = jax.jit(_gather_pages)
+                scatter = jax.jit(_scatter_pages, donate_argnums=(0,))
+            else:
+                specs, pages_spec = self._state_specs, P(None, None, sharding.POOL_SPEC[0])
+                gather = jax.jit(
+                    jax.shard_map(
+                        _gather_pages,
+                        mesh=self.mesh,
+                        in_specs=(specs, P()),
+                        out_specs=pages_spec,
+                        check_vma=False,
+                    ),
+                    in_shardings=self._named((specs, P())),
+                    out_shardings=self._named(pages_spec),
+                )
+                scatter = self._sharded_jit(
+                    _scatter_pages, in_specs=(specs, P(), pages_spec), out_specs=specs, donate=0
+                )
+            self._swap_fns = (
+                gather.lower(self.state, ids).compile(),
+                scatter.lower(self.state, ids, pages).compile(),
+            )
+        return self._swap_fns
+
+    def swap(self, plan: StepPlan) -> None:
+        """Runs a plan's swap-outs (device -> host), then its swap-ins (host -> device)."""
+        if not (plan.swap_out or plan.swap_in):
+            return
+        gather, scatter = self._swappers()
+        for i in range(0, len(plan.swap_out), _SWAP_PAGES):
+            chunk = np.asarray(plan.swap_out[i : i + _SWAP_PAGES], np.int32)
+            ids = np.zeros(_SWAP_PAGES, np.int32)  # padding gathers the null page
+            ids[: len(chunk)] = chunk[:, 0]
+            pages = jax.device_get(gather(self.state, ids))
+            self.swap_space[:, :, :, chunk[:, 1]] = pages[:, :, :, : len(chunk)]
+        for i in range(0, len(plan.swap_in), _SWAP_PAGES):
+            chunk = np.asarray(plan.swap_in[i : i + _SWAP_PAGES], np.int32)
+            host = np.zeros(_SWAP_PAGES, np.int32)  # padding writes host page 0 to the null page
+            dev = np.zeros(_SWAP_PAGES, np.int32)
+            host[: len(chunk)], dev[: len(chunk)] = chunk[:, 0], chunk[:, 1]
+            self.state = scatter(self.state, dev, self.swap_space[:, :, :, host])
 
     def _named(self, specs):
         return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs)

@@ -11,7 +11,12 @@ uncomputed tokens as the token budget allows. A decode is one token; a prompt is
 Memory: pages are taken for exactly the tokens computed in the step ("paged"), or for the
 whole prompt + max_tokens at admission ("reserve", a contiguous-allocation server's policy,
 kept for comparison). When pages run out, the most recently admitted running sequences are
-preempted (pages freed, recomputed later, with the prefix cache usually serving most of it).
+preempted: their pages are freed and they are recomputed later (the prefix cache usually
+serving most of it), or, with preemption_mode="swap", their computed K/V is first copied to
+host swap pages (a second PageAllocator, without prefix caching) and copied back into fresh
+private pages on resumption, num_computed_tokens kept; a full swap space falls back to
+recompute. The plan names the copies; the runner moves the data, swap-outs before swap-ins
+before the step, so a page freed and reused within one plan is read before it is written.
 A write into a page shared with another sequence copies it first (copy-on-write).
 """
 
@@ -43,6 +48,8 @@ class StepPlan:
     page_updates: tuple[tuple[int, int, int], ...]  # (slot, column, page) to write on device
     page_copies: tuple[tuple[int, int], ...]  # (src, dst) page copies before the step (CoW)
     num_tokens: int
+    swap_out: tuple[tuple[int, int], ...] = ()  # (device page, host page), before swap_in
+    swap_in: tuple[tuple[int, int], ...] = ()  # (host page, device page), before the step
 
     @property
     def decode_only(self) -> bool:
@@ -60,11 +67,17 @@ class Scheduler:
         config: EngineConfig,
         allocator: PageAllocator,
         eos_token_ids: tuple[int, ...] = (),
+        *,
+        swap_allocator: PageAllocator | None = None,
     ) -> None:
+        """swap_allocator: host swap pages, required when preemption_mode is "swap"."""
         self.config = config
         self.sched = config.scheduler
         self.page_size = config.cache.page_size
         self.allocator = allocator
+        if self.sched.preemption_mode == "swap" and swap_allocator is None:
+            raise ValueError('preemption_mode="swap" needs a swap_allocator (host swap pages)')
+        self.swap_allocator = swap_allocator if self.sched.preemption_mode == "swap" else None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -76,8 +89,12 @@ class Scheduler:
         self._reserved_slots: dict[int, list[int]] = {}  # parent seq_id -> slots for its forks
         self._updates: list[tuple[int, int, int]] = []
         self._copies: list[tuple[int, int]] = []
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
         self._next_seq_id = 0
         self.num_preemptions = 0
+        self.num_swaps_out = 0  # preemptions that swapped (the others recompute)
+        self.num_swaps_in = 0
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
 
@@ -100,6 +117,7 @@ class Scheduler:
             self._release(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+            self._drop_swap(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -142,8 +160,10 @@ class Scheduler:
             page_updates=tuple(self._updates),
             page_copies=tuple(self._copies),
             num_tokens=sum(r.num_new_tokens for r in rows),
+            swap_out=tuple(self._swap_out),
+            swap_in=tuple(self._swap_in),
         )
-        self._updates, self._copies = [], []
+        self._updates, self._copies, self._swap_out, self._swap_in = [], [], [], []
         return plan
 
     def _row(self, seq: Sequence, num_new: int, row: int) -> ScheduledSeq:
@@ -158,8 +178,12 @@ class Scheduler:
             return 0
         if len(self._free_slots) < slots_needed:
             return 0
-        hits = self._prefix_hits(seq)
-        computed = len(hits) * self.page_size
+        swapped = bool(seq.swap_pages)
+        if swapped:  # its computed K/V comes back from host into fresh pages
+            hits, computed = [], seq.num_computed_tokens
+        else:
+            hits = self._prefix_hits(seq)
+            computed = len(hits) * self.page_size
         num_new = min(seq.num_tokens - computed, budget)
         if num_new < seq.num_tokens - computed and not self.sched.enable_chunked_prefill:
             return 0
@@ -184,7 +208,13 @@ class Scheduler:
         seq.num_computed_tokens = computed
         self.running.append(seq)
         self._append_pages(seq, hits)
-        self._append_pages(seq, self.allocator.allocate(need))
+        pages = self.allocator.allocate(need)
+        self._append_pages(seq, pages)
+        if swapped:
+            self._swap_in.extend(zip(seq.swap_pages, pages))
+            self._drop_swap(seq)
+            self.num_swaps_in += 1
+            return num_new
         if seq.num_output_tokens == 0 and seq.index == 0:
             seq.group.num_cached_tokens = computed
         self.prefix_cache_query_tokens += seq.num_tokens
@@ -269,13 +299,34 @@ class Scheduler:
         self._next_seq_id += 1
         return seq
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, *, allow_swap: bool = True) -> None:
+        """Queues a running sequence first in line. Swaps its computed pages out when swap is
+        configured, the host has room and it has a token left to compute (a resumed sequence
+        must have one, to sample from); otherwise it is recomputed from scratch."""
         self.running.remove(seq)
+        num_pages = math.ceil(seq.num_computed_tokens / self.page_size)
+        swap = (
+            allow_swap
+            and self.swap_allocator is not None
+            and 0 < seq.num_computed_tokens < seq.num_tokens
+            and self.swap_allocator.can_allocate(num_pages)
+        )
+        if swap:
+            # Every page is copied, shared ones too: it comes back into private pages.
+            seq.swap_pages = self.swap_allocator.allocate(num_pages)
+            self._swap_out.extend(zip(seq.pages[:num_pages], seq.swap_pages))
+            self.num_swaps_out += 1
+        else:
+            seq.num_computed_tokens = 0
         self._release(seq)
         seq.status = SeqStatus.WAITING
-        seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _drop_swap(self, seq: Sequence) -> None:
+        if seq.swap_pages:
+            self.swap_allocator.free(seq.swap_pages)
+            seq.swap_pages = []
 
     def _release(self, seq: Sequence) -> None:
         """Frees a sequence's pages (tail first) and its slot(s)."""
@@ -321,8 +372,9 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Frees a running sequence's pages and queues it last, to be recomputed after the
-        waiting ones (beam search makes room so for beams that must run before it)."""
-        self._preempt(seq)
+        waiting ones (beam search makes room so for beams that must run before it). Never
+        swaps: the beam's next tokens are chosen outside the scheduler."""
+        self._preempt(seq, allow_swap=False)
         self.waiting.popleft()  # _preempt queued it first
         self.waiting.append(seq)
 

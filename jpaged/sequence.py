@@ -54,6 +54,9 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[int] = dataclasses.field(default_factory=list)  # of the full pages
     slot: int = -1  # row of the device page table while running
+    # Host swap pages holding the K/V of the computed tokens while swapped out (waiting with
+    # num_computed_tokens kept); empty otherwise.
+    swap_pages: list[int] = dataclasses.field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     needs_fork: bool = False  # an unforked parent of an n > 1 request
     finish_reason: str | None = None

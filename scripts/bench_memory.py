@@ -49,13 +49,23 @@ class Result:
     compile_seconds: float
     num_steps: int
     num_preemptions: int
+    num_swaps: int
     hit_tokens: int
     peak_pages: int
     pages_per_seq: int
     page_table_bytes: int
 
 
-def make_engine(args, *, page_size: int, kv_allocation: str, prefix_caching: bool, max_model_len):
+def make_engine(
+    args,
+    *,
+    page_size: int,
+    kv_allocation: str,
+    prefix_caching: bool,
+    max_model_len,
+    kv_tokens=None,
+    preemption_mode="recompute",
+):
     from jpaged.engine import LLMEngine
     from jpaged.llm import engine_config_from_args
 
@@ -63,8 +73,9 @@ def make_engine(args, *, page_size: int, kv_allocation: str, prefix_caching: boo
         args.model,
         dtype=args.dtype,
         page_size=page_size,
-        num_pages=args.kv_tokens // page_size + 1,  # the same token budget for every run
+        num_pages=(kv_tokens or args.kv_tokens) // page_size + 1,  # the same for every run
         kv_allocation=kv_allocation,
+        preemption_mode=preemption_mode,
         enable_prefix_caching=prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
@@ -129,6 +140,7 @@ def run(engine, requests, max_tokens: int) -> Result:
         compile_seconds=compile_s,
         num_steps=steps,
         num_preemptions=stats["num_preemptions"],
+        num_swaps=stats["num_swaps_out"],
         hit_tokens=stats["prefix_cache_hit_tokens"],
         peak_pages=stats["peak_pages_used"],
         pages_per_seq=cfg.max_pages_per_seq,
@@ -161,7 +173,17 @@ def shared_prefix_workload(args, vocab: int, seed: int):
     ]
 
 
-def bench(args, requests, *, page_size, kv_allocation="paged", prefix_caching=True, max_tokens):
+def bench(
+    args,
+    requests,
+    *,
+    page_size,
+    kv_allocation="paged",
+    prefix_caching=True,
+    max_tokens,
+    kv_tokens=None,
+    preemption_mode="recompute",
+):
     """A fresh engine; a warm-up run on other tokens of the same shapes, then the timed run."""
     longest = max(len(p) for p, _ in requests) + max_tokens
     engine = make_engine(
@@ -170,6 +192,8 @@ def bench(args, requests, *, page_size, kv_allocation="paged", prefix_caching=Tr
         kv_allocation=kv_allocation,
         prefix_caching=prefix_caching,
         max_model_len=longest,
+        kv_tokens=kv_tokens,
+        preemption_mode=preemption_mode,
     )
     if args.warmup:
         other = [([3 + (t - 2) % (args.vocab - 3) for t in p], n) for p, n in requests]
@@ -196,7 +220,8 @@ def main() -> None:
     p.add_argument("--prefix-requests", type=int, default=16)
     p.add_argument("--prefix-max-tokens", type=int, default=32)
     p.add_argument("--warmup", action="store_true", help="run each workload once untimed first")
-    p.add_argument("--skip", default="", help="comma list of tables to skip: 1,2,3")
+    p.add_argument("--preempt-kv-tokens", type=int, default=1024, help="table 4's KV budget")
+    p.add_argument("--skip", default="", help="comma list of tables to skip: 1,2,3,4")
     args = p.parse_args()
 
     import jax
@@ -286,6 +311,24 @@ def main() -> None:
                     args, requests, page_size=ps, prefix_caching=False, max_tokens=args.max_tokens
                 )
             row(f"page_size {ps}", r, f"{r.pages_per_seq:>11}{r.page_table_bytes:>13}")
+    if "4" not in skip:
+        kv = args.preempt_kv_tokens
+        print(f"\n4. preemption: workload 1, paged, page_size {args.page_size}, budget {kv} slots")
+        print(head + f"{'swaps':>8}")
+        res = {}
+        for mode in ("recompute", "swap"):
+            res[mode] = bench(
+                args,
+                requests,
+                page_size=args.page_size,
+                max_tokens=args.max_tokens,
+                kv_tokens=kv,
+                preemption_mode=mode,
+            )
+            row(mode, res[mode], f"{res[mode].num_swaps:>8}")
+        print(
+            f"swap / recompute throughput: {res['swap'].tokens_per_s / res['recompute'].tokens_per_s:.2f}x"
+        )
     print(f"\ntotal {time.perf_counter() - t_start:.0f}s; load average {os.getloadavg()[0]:.2f}")
 
 

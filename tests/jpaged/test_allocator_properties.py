@@ -16,6 +16,9 @@ After every operation:
   a prefix some sequence really had;
 - paged policy: a running sequence holds ceil(computed / page_size) pages, so at most
   page_size - 1 allocated slots are unfilled (also checked right after each schedule).
+- swap preemption: host swap pages are held exactly by the waiting swapped sequences, which
+  keep num_computed_tokens, and every computed position reads back its own token from host;
+  a resumed sequence reads its tokens back through fresh device pages.
 At the end every request is drained or aborted and nothing may be left allocated.
 """
 
@@ -46,9 +49,12 @@ BASES = [
 class FakeDevice:
     """The jitted step's memory effects: page-table updates, CoW copies, K/V writes."""
 
-    def __init__(self, num_pages: int, page_size: int, table_shape: tuple[int, int]) -> None:
+    def __init__(
+        self, num_pages: int, page_size: int, table_shape: tuple[int, int], num_swap_pages: int
+    ) -> None:
         self.page_size = page_size
         self.kv = np.full((num_pages, page_size), -1, np.int64)  # token id held by each slot
+        self.host = np.full((num_swap_pages + 1, page_size), -1, np.int64)  # swap space
         self.page_table = np.zeros(table_shape, np.int32)
 
     def token_at(self, slot: int, pos: int) -> int:
@@ -56,6 +62,10 @@ class FakeDevice:
         return int(self.kv[page, pos % self.page_size])
 
     def run(self, plan: StepPlan) -> None:
+        for dev, host in plan.swap_out:  # the runner's order: out, in, then the step
+            self.host[host] = self.kv[dev]
+        for host, dev in plan.swap_in:
+            self.kv[dev] = self.host[host]
         for row, col, page in plan.page_updates:
             self.page_table[row, col] = page
         if plan.page_copies:
@@ -73,7 +83,9 @@ class FakeDevice:
 
 
 class Harness:
-    def __init__(self, page_size, num_pages, max_num_seqs, budget, kv_allocation, caching):
+    def __init__(
+        self, page_size, num_pages, max_num_seqs, budget, kv_allocation, caching, swap_pages=0
+    ):
         config = EngineConfig(
             cache=CacheConfig(
                 page_size=page_size,
@@ -85,13 +97,17 @@ class Harness:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=budget,
                 max_model_len=MAX_MODEL_LEN,
+                preemption_mode="swap" if swap_pages else "recompute",
             ),
         )
         self.ps = page_size
         self.paged = kv_allocation == "paged"
         self.alloc = PageAllocator(num_pages, enable_prefix_caching=caching)
-        self.sched = Scheduler(config, self.alloc, eos_token_ids=(EOS,))
-        self.device = FakeDevice(num_pages, page_size, self.sched.page_table.shape)
+        self.swap = (
+            PageAllocator(swap_pages + 1, enable_prefix_caching=False) if swap_pages else None
+        )
+        self.sched = Scheduler(config, self.alloc, eos_token_ids=(EOS,), swap_allocator=self.swap)
+        self.device = FakeDevice(num_pages, page_size, self.sched.page_table.shape, swap_pages)
         self.groups: list[RequestGroup] = []
         self.num_steps = 0
 
@@ -190,6 +206,25 @@ class Harness:
             assert known[entry.hash] == entry.token_ids
             assert alloc.lookup(entry.hash, entry.token_ids) == page
         assert alloc.num_cached() == len(alloc._by_hash)
+        if self.swap is not None:
+            self.check_swap()
+
+    def check_swap(self):
+        """Host pages are held by the waiting swapped sequences only, and hold their tokens."""
+        ps = self.ps
+        seqs = [s for g in self.groups for s in g.seqs]
+        swap_holders = collections.Counter(p for s in seqs for p in s.swap_pages)
+        assert all(s.status is SeqStatus.WAITING for s in seqs if s.swap_pages)
+        assert self.swap.ref_counts[1:].tolist() == [
+            swap_holders[p] for p in range(1, self.swap.num_pages)
+        ]
+        for s in seqs:
+            if s.status is not SeqStatus.WAITING:
+                continue
+            assert len(s.swap_pages) == -(-s.num_computed_tokens // ps)  # 0 when recomputed
+            for pos in range(s.num_computed_tokens):
+                page = s.swap_pages[pos // ps]
+                assert self.device.host[page, pos % ps] == s.token_ids[pos], (s.seq_id, pos)
 
     def drain_and_check_no_leaks(self):
         for _ in range(2000):
@@ -204,6 +239,7 @@ class Harness:
         assert sorted(alloc.free_pages()) == list(range(1, alloc.num_pages))
         assert sorted(self.sched._free_slots) == list(range(self.sched.sched.max_num_seqs))
         assert not self.sched._reserved_slots and not self.sched.page_table.any()
+        assert self.swap is None or self.swap.num_used() == 0
 
 
 prompts = st.builds(
@@ -218,7 +254,7 @@ prompts = st.builds(
 OPS = ["admit"] * 3 + ["step"] * 5 + ["abort", "reset_prefix_cache"]
 
 
-def run_ops(data, kv_allocation):
+def run_ops(data, kv_allocation, swap=False):
     ps = data.draw(st.sampled_from([1, 2, 4]), label="page_size")
     pages_per_seq = -(-MAX_MODEL_LEN // ps)
     max_num_seqs = data.draw(st.integers(1, 4), label="max_num_seqs")
@@ -230,6 +266,8 @@ def run_ops(data, kv_allocation):
         budget=data.draw(st.integers(max_num_seqs, 16), label="budget"),
         kv_allocation=kv_allocation,
         caching=data.draw(st.sampled_from([True, True, False]), label="caching"),
+        # From too few host pages for one sequence (recompute fallbacks) to room for several.
+        swap_pages=data.draw(st.integers(1, 3 * pages_per_seq), label="swap_pages") if swap else 0,
     )
     for _ in range(data.draw(st.integers(5, 40), label="num_ops")):
         op = data.draw(st.sampled_from(OPS))
@@ -303,3 +341,10 @@ def max_waste_per_step(kv_allocation, page_size=8, steps=400):
 def test_waste_is_below_one_page_per_sequence_under_paged_and_not_under_reserve():
     assert max_waste_per_step("paged") == 7  # page_size - 1, reached and never exceeded
     assert max_waste_per_step("reserve") > 7
+
+
+@settings(_SETTINGS, max_examples=300)
+@given(st.data())
+def test_swap_preemption_invariants_hold_for_random_operations(data):
+    h = run_ops(data, data.draw(st.sampled_from(["paged", "paged", "reserve"])), swap=True)
+    assert h.sched.num_swaps_in <= h.sched.num_swaps_out <= h.sched.num_preemptions

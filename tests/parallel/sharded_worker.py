@@ -118,6 +118,13 @@ def run_tp(ckpt: str, orbax_dir: str) -> dict:
         if (t, d) == (4, 1):
             hf_params = engine.runner.params
         results[f"{t}x{d}"] = res
+    for t in (2, 8):  # swap preemption: 4 usable pages for 5 prompts of up to 3 pages
+        engine = dict(ENGINE, num_pages=5, preemption_mode="swap", num_swap_pages=16)
+        llm = LLM(ckpt, tensor_parallel_size=t, **engine)
+        res = _generate(llm)
+        res["stats"] = llm.stats()
+        res["pool_spec"] = str(llm.llm_engine.runner.state.kv_caches[0][0].sharding.spec)
+        results[f"swap_{t}x1"] = res
     convert_hf_to_orbax(ckpt, orbax_dir)
     llm = LLM(orbax_dir, tensor_parallel_size=4, **ENGINE)
     results["orbax_4x1"] = _generate(llm)

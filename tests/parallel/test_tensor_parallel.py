@@ -26,6 +26,17 @@ def test_tokens_equal_single_device(tp_results, t, d):
             )
 
 
+@pytest.mark.parametrize("t", [2, 8])
+def test_swap_preemption_under_tp_gives_the_single_device_tokens(tp_results, t):
+    res = tp_results[f"swap_{t}x1"]
+    assert res["tokens"] == tp_results["1x1"]["tokens"]
+    stats = res["stats"]
+    assert stats["num_swaps_out"] > 0
+    assert stats["num_preemptions"] == stats["num_swaps_out"] == stats["num_swaps_in"]
+    assert (stats["pages_used"], stats["swap_pages_used"]) == (0, 0)
+    assert res["pool_spec"] == "P('kv', None, None, None)"  # still split over heads
+
+
 @pytest.mark.parametrize(("t", "d"), CONFIGS)
 def test_pool_bytes_per_device(tp_results, t, d):
     layout = tp_results[f"{t}x{d}"]["layout"]
