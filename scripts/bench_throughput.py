@@ -332,13 +332,16 @@ def run_generate_batch(model, prompts, olens, cuda, timed, result) -> None:
     else:
 
         def run(inputs, **kw):
-            lens = dict(zip(map(str, range(len(inputs))), olens, strict=False))
+            tag = time.perf_counter_ns()  # request ids unique across runs of a kept manager
             done = {}
-            with model.continuous_batching_context_manager(
-                generation_config=gen_cfg, block=True, timeout=5
-            ) as manager:
-                for rid, p in enumerate(inputs):
-                    manager.add_request(p, request_id=str(rid), max_new_tokens=lens[str(rid)])
+            cm_kwargs = {"generation_config": gen_cfg, "block": True, "timeout": 5}
+            try:  # a kept manager skips its warm-up (graph capture) in the next run
+                cm = model.continuous_batching_context_manager(**cm_kwargs, **kw)
+            except TypeError:  # a transformers without persistent_manager
+                cm = model.continuous_batching_context_manager(**cm_kwargs)
+            with cm as manager:
+                for i, (p, n) in enumerate(zip(inputs, olens, strict=False)):
+                    manager.add_request(p, request_id=f"{tag}-{i}", max_new_tokens=n)
                 while len(done) < len(inputs):
                     out = manager.get_result(timeout=1)
                     if out is not None and out.is_finished():
@@ -673,17 +676,40 @@ def main() -> None:
         str(workload_file),
     ]
 
-    theirs = {}
+    result = {
+        "workload": workload.describe(),
+        "args": {k: v for k, v in vars(args).items() if not k.endswith("_worker")},
+        "checkpoint_s": checkpoint_s,
+        "transformers": {},
+        "startup": {},
+        "jpaged": None,
+        "jpaged_no_prefix_caching": None,
+    }
+    try:
+        measure(args, workload, vocab, accelerator, tmp, me, result)
+    except KeyboardInterrupt:  # a timeout: keep what was measured
+        result["error"] = "interrupted; the figures present were measured"
+        partial = tmp / "transformers.json"  # the worker's, when it was interrupted with us
+        if not result["transformers"] and partial.exists():
+            result["transformers"] = {**json.loads(partial.read_text()), "error": "interrupted"}
+        emit(result, args)
+        raise SystemExit(130) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report(result, args)
+
+
+def measure(args, workload, vocab, accelerator, tmp: Path, me: list[str], result: dict) -> None:
+    """transformers, then jpaged's start-up, then jpaged; fills `result` as it goes."""
     if not args.skip_transformers:
         partial = tmp / "transformers.json"
-        theirs = _subprocess_json(
+        result["transformers"] = _subprocess_json(
             me
             + ["--transformers-worker", "--hf-batch-size", str(args.hf_batch_size)]
             + ["--result-file", str(partial)],
             args.hf_timeout,
             partial,
         )
-    startup = {}
     if not args.skip_startup:
         flags = [
             "--startup-worker",
@@ -701,34 +727,27 @@ def main() -> None:
             str(args.data_parallel_size),
         ]
         flags += ["--precompile"] if args.precompile else []
-        startup = {
-            "cold": _subprocess_json(me + flags, None),
-            "warm": _subprocess_json(me + flags, None),
-        }
+        for kind in ("cold", "warm"):
+            result["startup"][kind] = _subprocess_json(me + flags, None)
     import jax
 
+    result["hardware"] = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
+    result["num_devices"] = len(jax.devices())
+    result["jax"] = jax.__version__
     bandwidth = measure_bandwidth(accelerator)
-    ours = run_jpaged(args, workload, vocab, bandwidth)
-    ours_off = None
+    result["copy_bandwidth_gb_s"] = bandwidth / 1e9
+    result["jpaged"] = run_jpaged(args, workload, vocab, bandwidth)
     if workload.shared_prefix_len:
         gc.collect()  # the first engine's pool goes back before the second one sizes its own
-        ours_off = run_jpaged(args, workload, vocab, bandwidth, prefix_caching=False)
-    shutil.rmtree(tmp, ignore_errors=True)
+        result["jpaged_no_prefix_caching"] = run_jpaged(
+            args, workload, vocab, bandwidth, prefix_caching=False
+        )
 
-    result = {
-        "hardware": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
-        "num_devices": len(jax.devices()),
-        "jax": jax.__version__,
-        "workload": workload.describe(),
-        "args": {k: v for k, v in vars(args).items() if not k.endswith("_worker")},
-        "checkpoint_s": checkpoint_s,
-        "copy_bandwidth_gb_s": bandwidth / 1e9,
-        "jpaged": ours,
-        "jpaged_no_prefix_caching": ours_off,
-        "startup": startup,
-        "transformers": theirs,
-    }
-    report(result, args)
+
+def emit(result: dict, args) -> None:
+    print("RESULT_JSON " + json.dumps(result), flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
 
 
 def report(r: dict, args) -> None:
@@ -810,9 +829,7 @@ def report(r: dict, args) -> None:
             f"{ours['decode_device_s']:.2f}s, host {ours['host_s']:.2f}s over "
             f"{ours['num_steps']} steps"
         )
-    print("RESULT_JSON " + json.dumps(r))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(r, indent=1))
+    emit(r, args)
 
 
 if __name__ == "__main__":
