@@ -357,7 +357,14 @@ def run_generate_batch(model, prompts, olens, cuda, timed, result) -> None:
             )
         else:
             _, result["generate_batch_warmup_s"] = timed(lambda: run([p[:8] for p in prompts[:2]]))
-        lens, dt = timed(lambda: run(prompts, persistent_manager=True))
+        try:
+            lens, dt = timed(lambda: run(prompts, persistent_manager=True))
+        finally:  # the kept manager's cache would hold the memory the next mode needs
+            destroy = getattr(model, "destroy_cached_continuous_batching_manager", None)
+            if destroy is not None:
+                destroy()
+            if cuda:
+                torch.cuda.empty_cache()
     result["generate_batch"] = sum(lens) / dt
     if len(lens) != len(prompts) or sum(lens) != sum(olens):
         result["generate_batch_error"] = (
