@@ -4,7 +4,7 @@ Each row carries its own parameters. A row's random stream is its sequence's key
 the number of tokens it has generated, so a seeded request samples the same tokens whatever
 else shares the batch (and after preemption). Order of processing, as in vLLM:
 banned tokens (min_tokens) and penalties -> greedy argmax, or temperature -> top-k -> top-p
--> min-p -> Gumbel-max. Log-probabilities are those of the raw model distribution.
+-> min-p -> one draw by inverse CDF. Log-probabilities are those of the raw model distribution.
 """
 
 from __future__ import annotations
@@ -93,6 +93,25 @@ def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Ar
     return jnp.where(probs < min_p[:, None] * max_prob, _NEG_INF, logits)
 
 
+def _inverse_cdf(scaled: jax.Array, key_data: jax.Array, num_generated: jax.Array):
+    """One draw per row from softmax(scaled) [S, V] by inverting its cumulative sum with one
+    uniform number per row (a Gumbel-max draw would need V random numbers per row, which
+    costs more than the rest of sampling on a CPU). Masked (-inf) tokens have zero-width
+    intervals and are never drawn."""
+    vocab = scaled.shape[-1]
+    cdf = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)  # [S, V]
+    total = cdf[:, -1]
+
+    def uniform(kd, n):
+        key = jax.random.fold_in(jax.random.wrap_key_data(kd, impl="threefry2x32"), n)
+        return jax.random.uniform(key, (), jnp.float32)
+
+    u = jax.vmap(uniform)(key_data, num_generated) * total
+    u = jnp.minimum(u, jnp.nextafter(total, 0.0))  # strictly inside the last live interval
+    index = jnp.sum(cdf <= u[:, None], axis=-1)  # the first token whose cdf exceeds u
+    return jnp.minimum(index, vocab - 1).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> SamplerOutput:
     """logits float32[S, V] -> one token per row (and log-probabilities)."""
     vocab = logits.shape[-1]
@@ -114,12 +133,11 @@ def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> S
         scaled,
     )
 
-    def gumbel(key_data, n):
-        key = jax.random.fold_in(jax.random.wrap_key_data(key_data, impl="threefry2x32"), n)
-        return jax.random.gumbel(key, (vocab,), jnp.float32)
-
-    noise = jax.vmap(gumbel)(inputs.key_data, inputs.num_generated)
-    sampled = jnp.argmax(scaled + noise, axis=-1)
+    sampled = jax.lax.cond(
+        jnp.all(greedy),
+        lambda: jnp.zeros(logits.shape[0], jnp.int32),
+        lambda: _inverse_cdf(scaled, inputs.key_data, inputs.num_generated),
+    )
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     top_ids = top_lp = None
