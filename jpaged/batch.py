@@ -54,7 +54,7 @@ def run_batch(input_path: str, output_path: str, *, model=None, engine_kwargs=No
         try:
             prompt, params, rid = parse_line(text)
             req_id = f"batch-{lineno}"
-            engine.add_request(req_id, prompt, params)
+            engine.add_request(req_id, prompt, params, stream=False)
         except ValueError as e:
             print(f"{input_path}:{lineno}: {e}", file=sys.stderr)
             results[lineno] = {"line": lineno, "error": str(e)}

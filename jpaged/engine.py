@@ -149,7 +149,10 @@ class LLMEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
+        stream: bool = True,
     ) -> None:
+        """Queues a request. stream=False: step() returns its RequestOutput only once, when it
+        finishes (what offline generation needs; a snapshot every step costs host time)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._groups:
@@ -169,6 +172,7 @@ class LLMEngine:
             params=params,
             arrival=self._arrivals,
             cache_salt=cache_salt,
+            stream=stream,
         )
         self._arrivals += 1
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
@@ -224,8 +228,10 @@ class LLMEngine:
             touched[seq.group.request_id] = seq.group
         outputs = []
         for rid, group in touched.items():
-            outputs.append(self.output_processor.make_output(group))
-            if group.finished:
+            finished = group.finished
+            if group.stream or finished:
+                outputs.append(self.output_processor.make_output(group))
+            if finished:
                 del self._groups[rid]
         return outputs
 

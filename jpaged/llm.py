@@ -145,7 +145,7 @@ class LLM:
         ids = []
         for p, sp in zip(prompts, params, strict=True):
             rid = f"offline-{next(self._ids)}"
-            engine.add_request(rid, p, sp)
+            engine.add_request(rid, p, sp, stream=False)
             ids.append(rid)
         return self._run(ids, use_tqdm)
 

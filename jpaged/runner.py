@@ -46,7 +46,6 @@ from jpaged.sampler import (
     SamplerOutput,
     SamplingInputs,
     sample,
-    seed_to_key_data,
 )
 from jpaged.scheduler import StepPlan
 from models import sharding
@@ -457,32 +456,61 @@ class ModelRunner:
         key_data = np.zeros((s_pad, 2), np.uint32)
         num_generated = np.zeros(s_pad, np.int32)
         banned = np.full((s_pad, _MAX_BANNED), -1, np.int32)
-        t = 0
+        # One pass over the rows into Python lists, then one numpy write per array: per-row
+        # numpy writes cost more than the lists at hundreds of rows per step.
+        tok: list[int] = []
+        pos: list[int] = []
+        slot: list[int] = []
+        seq_rows: list[tuple] = []
         for i, row in enumerate(plan.rows):
             seq, n, start = row.seq, row.num_new_tokens, row.start
-            if n:
-                pos = np.arange(start, start + n)
-                token_ids[t : t + n] = seq.token_ids[start : start + n]
-                positions[t : t + n] = pos
-                pages = np.asarray(seq.pages, np.int32)
-                slot_mapping[t : t + n] = pages[pos // ps] * ps + pos % ps
-            t += n
-            slot_ids[i] = seq.slot
-            context_lens[i] = start + n
-            query_start[i + 1] = t
+            pages = seq.pages
+            if n == 1:  # a decode token
+                tok.append(seq.token_ids[start])
+                pos.append(start)
+                slot.append(pages[start // ps] * ps + start % ps)
+            elif n:
+                span = np.arange(start, start + n)
+                tok.extend(seq.token_ids[start : start + n])
+                pos.extend(range(start, start + n))
+                slot.extend((np.asarray(pages, np.int64)[span // ps] * ps + span % ps).tolist())
             p = seq.params
-            temperature[i] = 0.0 if p.greedy else p.temperature
-            top_k[i] = max(p.top_k, 0)
-            top_p[i] = p.top_p
-            min_p[i] = p.min_p
-            key_data[i] = seed_to_key_data(seq.seed)
-            num_generated[i] = seq.num_output_tokens
+            seq_rows.append(
+                (
+                    seq.slot,
+                    start + n,
+                    len(tok),
+                    0.0 if p.greedy else p.temperature,
+                    max(p.top_k, 0),
+                    p.top_p,
+                    p.min_p,
+                    seq.seed,
+                    seq.num_output_tokens,
+                )
+            )
             if seq.num_output_tokens < p.min_tokens:
                 stops = ([] if p.ignore_eos else list(eos)) + p.stop_token_ids
                 banned[i, : len(stops[:_MAX_BANNED])] = stops[:_MAX_BANNED]
-        query_start[len(plan.rows) + 1 :] = t
-        for i, row in enumerate(plan.rows):
-            logits_indices[i] = max(query_start[row.sample_row + 1] - 1, 0)
+        t, s = len(tok), len(seq_rows)
+        token_ids[:t] = tok
+        positions[:t] = pos
+        slot_mapping[:t] = slot
+        if s:
+            cols = list(zip(*seq_rows, strict=True))
+            slot_ids[:s] = cols[0]
+            context_lens[:s] = cols[1]
+            query_start[1 : s + 1] = cols[2]
+            temperature[:s] = cols[3]
+            top_k[:s] = cols[4]
+            top_p[:s] = cols[5]
+            min_p[:s] = cols[6]
+            seeds = np.array([x & 0xFFFFFFFFFFFFFFFF for x in cols[7]], np.uint64)  # low 64 bits
+            key_data[:s, 0] = (seeds >> np.uint64(32)).astype(np.uint32)
+            key_data[:s, 1] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+            num_generated[:s] = cols[8]
+        query_start[s + 1 :] = t
+        sample_rows = np.fromiter((r.sample_row for r in plan.rows), np.int32, count=s)
+        logits_indices[:s] = np.maximum(query_start[sample_rows + 1] - 1, 0)
         penalties = None
         if key.penalty_shape is not None:
             penalties = self._penalties(plan, key.penalty_shape, s_pad)

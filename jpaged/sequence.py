@@ -34,6 +34,7 @@ class RequestGroup:
     seqs: list[Sequence] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     aborted: bool = False  # an n > 1 request aborted before its fork never gets n sequences
+    stream: bool = True  # a RequestOutput every step it progresses (False: only when finished)
 
     @property
     def finished(self) -> bool:
