@@ -105,3 +105,17 @@ def test_n_samples_share_the_prompt_and_differ(llm):
                                                      ignore_eos=True))[0]
     assert [tuple(c.token_ids) for c in again.outputs] == seqs
     assert llm.stats()["pages_used"] == 0
+
+
+def test_stream_false_gets_one_output_when_finished(llm):
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("quiet", "a quiet one", params, stream=False)
+    engine.add_request("loud", "a quiet one", params)
+    seen = {"quiet": [], "loud": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert [o.finished for o in seen["quiet"]] == [True]
+    assert len(seen["loud"]) == 6 and seen["loud"][-1].finished
+    assert seen["quiet"][0].outputs[0].token_ids == seen["loud"][-1].outputs[0].token_ids
