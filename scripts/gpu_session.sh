@@ -81,8 +81,9 @@ for step in "$@"; do
   case $step in
     tests)
       # tests/conftest.py defaults JAX_PLATFORMS to cpu; the GPU-marked tests skip there.
-      run_step tests 30 150 env JAX_PLATFORMS=cuda "$PY" -m pytest -q -m gpu \
-        -p no:cacheprovider -n 0 -rfEs
+      # addopts is cleared: it asks for pytest-xdist workers, which the device may not have.
+      run_step tests 30 150 env JAX_PLATFORMS=cuda "$PY" -m pytest -q -o addopts= -m gpu \
+        -p no:cacheprovider -rfEs tests/pallas_kernels/test_on_gpu.py
       ;;
     attention) run_step attention 60 100 "$PY" scripts/bench_attention.py ;;
     W1) bench W1 180 300 --workload W1 --preset "$PRESET" ;;

@@ -29,13 +29,18 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jpaged-test-xla-")
 
 import pytest
-from hypothesis import settings
+
+try:  # hypothesis is a test extra; a device machine without it still runs `-m gpu`
+    from hypothesis import settings
+except ImportError:
+    settings = None
 
 # In CI the property tests replay the same examples every run (a change that breaks them
 # still fails; a run cannot fail on examples no earlier run saw). Locally they explore.
-settings.register_profile("ci", derandomize=True, database=None)
-if os.environ.get("CI"):
-    settings.load_profile("ci")
+if settings is not None:
+    settings.register_profile("ci", derandomize=True, database=None)
+    if os.environ.get("CI"):
+        settings.load_profile("ci")
 
 # Make `import checkpoints` work from any test folder, and the repo importable without install.
 _TESTS = Path(__file__).resolve().parent
