@@ -82,10 +82,22 @@ class Metrics:
             "jpaged_prefix_cache_hit_tokens", "Prompt tokens found in the cache", registry=r
         )
         self.preemptions = Counter("jpaged_preemptions", "Requests preempted", registry=r)
+        self.swaps_out = Counter(
+            "jpaged_swaps_out", "Preempted sequences whose KV pages went to host memory", registry=r
+        )
+        self.swaps_in = Counter(
+            "jpaged_swaps_in", "Swapped sequences whose KV pages came back", registry=r
+        )
+        self.recompiles = Counter(
+            "jpaged_recompiles", "Step programs compiled after warm-up (should stay 0)", registry=r
+        )
         self._last = {
             "prefix_cache_query_tokens": 0,
             "prefix_cache_hit_tokens": 0,
             "num_preemptions": 0,
+            "num_swaps_out": 0,
+            "num_swaps_in": 0,
+            "num_recompiles": 0,
         }
         self._http: WSGIServer | None = None
 
@@ -103,11 +115,15 @@ class Metrics:
             ("prefix_cache_query_tokens", self.prefix_query_tokens),
             ("prefix_cache_hit_tokens", self.prefix_hit_tokens),
             ("num_preemptions", self.preemptions),
+            ("num_swaps_out", self.swaps_out),
+            ("num_swaps_in", self.swaps_in),
+            ("num_recompiles", self.recompiles),
         ):
-            delta = stats[key] - self._last[key]
+            value = stats.get(key, 0)  # an engine without swap or a recompile count reports 0
+            delta = value - self._last[key]
             if delta > 0:
                 counter.inc(delta)
-            self._last[key] = stats[key]
+            self._last[key] = value
 
     def observe_request(
         self,
