@@ -40,6 +40,7 @@ ENGINE_SWITCHES = (
     ("enable-prefix-caching", "prefix caching (default on)"),
     ("enable-chunked-prefill", "chunked prefill (default on)"),
     ("precompile", "compiling every shape bucket at start-up (default off)"),
+    ("async-scheduling", "scheduling the next step while the device runs this one (default on)"),
 )
 
 

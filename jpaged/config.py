@@ -118,6 +118,9 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str | None = None  # None: the best for the platform
     precompile: bool = False
+    # Schedule and pack step N+1 while the device runs step N (its sampled tokens stay on the
+    # device and feed N+1); steps with penalties, and multi-host runs, stay synchronous.
+    async_scheduling: bool = True
     # JAX's persistent compilation cache: "auto" = $JPAGED_CACHE_DIR/xla or ~/.cache/jpaged/xla,
     # a path, or None to turn it off (see jpaged/compilation_cache.py).
     compilation_cache_dir: str | None = "auto"

@@ -1,9 +1,16 @@
 """LLMEngine: requests in, RequestOutputs out, one step at a time.
 
     step():  plan = scheduler.schedule()          # host: which tokens, which pages
-             out = runner.execute(plan)            # device: one jitted step, pool donated
+             step = runner.dispatch(plan)          # device: one jitted step, pool donated
+             out = runner.fetch(step)              # its sampled tokens on the host
              seqs = scheduler.commit(plan, out)    # host: append tokens, token-level stops
              output_processor.process(seqs)        # host: text, stop strings, outputs
+
+With async scheduling (EngineConfig.async_scheduling) the next plan is made and dispatched
+before this one's tokens are fetched, so the host's work for step N+1 (and the commit and
+outputs of step N) overlaps the device's step N; each step() call still returns the outputs
+of one device step, in order. Steps whose rows use penalties (they need the tokens on the
+host), multi-host runs and beam search (step_unsampled) stay synchronous.
 
 The engine is not thread-safe: one thread drives it (the offline LLM, or the server's step
 loop). Bad requests are rejected in add_request with a ValueError naming the field, before
@@ -24,7 +31,7 @@ from jpaged.config import DEFAULT_SWAP_SPACE_BYTES, CacheConfig, EngineConfig
 from jpaged.output_processor import OutputProcessor
 from jpaged.outputs import RequestOutput
 from jpaged.page_allocator import PageAllocator
-from jpaged.runner import ModelRunner
+from jpaged.runner import InFlightStep, ModelRunner
 from jpaged.sampler import SamplerOutput
 from jpaged.sampling_params import SamplingParams
 from jpaged.scheduler import Scheduler, StepPlan
@@ -116,6 +123,9 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._groups: dict[str, RequestGroup] = {}
+        # The step on the device whose results the next step() call collects (async only).
+        self._in_flight: tuple[StepPlan, InFlightStep] | None = None
+        self._early_outputs: list[RequestOutput] = []  # collected outside step()
         self._arrivals = 0
         self._rng = np.random.default_rng(config.seed)
         self.peak_pages_used = 0
@@ -215,18 +225,49 @@ class LLMEngine:
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Collects one device step's results. Asynchronous: the step after it is dispatched
+        first (and, when none is on the device, the step itself)."""
+        current = self._in_flight or self._dispatch(None)
+        self._in_flight = None
+        if current is None:
+            return self._take_early_outputs()
+        if self._can_overlap(current[0]):
+            self._in_flight = self._dispatch(current[0])
+        outputs = self._collect(*current)
+        if not self._groups:  # whatever is on the device belongs to finished requests
+            self._in_flight = None
+        return outputs
+
+    def _dispatch(self, prev: StepPlan | None) -> tuple[StepPlan, InFlightStep] | None:
+        """Schedules and dispatches a step; prev: the plan still on the device, if any."""
         plan = self.scheduler.schedule()
         self.peak_pages_used = max(self.peak_pages_used, self.allocator.num_used())
         self.runner.swap(plan)  # preempted K/V to host and back, before the step
         if not plan.rows:
-            return []
-        out = self.runner.execute(plan, self.eos_token_ids)
+            return None
+        prev_rows = None
+        if prev is not None:
+            prev_rows = {r.seq.seq_id: i for i, r in enumerate(prev.rows) if r.keep_sample}
+        step = self.runner.dispatch(plan, self.eos_token_ids, prev_rows)
+        self.scheduler.dispatched(plan)
+        return plan, step
+
+    def _can_overlap(self, plan: StepPlan) -> bool:
+        """Whether the next plan may be made before plan's tokens are on the host."""
+        return (
+            self.config.async_scheduling
+            and self.runner.broadcast is None
+            and not any(r.keep_sample and r.seq.params.uses_penalties for r in plan.rows)
+        )
+
+    def _collect(self, plan: StepPlan, step: InFlightStep) -> list[RequestOutput]:
+        out = self.runner.fetch(step)
         seqs = self.scheduler.commit(plan, out)
+        outputs, self._early_outputs = self._early_outputs, []
         touched: dict[str, RequestGroup] = {}
         for seq in seqs:
             self.output_processor.process(seq)
             touched[seq.group.request_id] = seq.group
-        outputs = []
         for rid, group in touched.items():
             finished = group.finished
             if group.stream or finished:
@@ -241,6 +282,9 @@ class LLMEngine:
 
         Returns the plan and its SamplerOutput (rows in plan order; None when nothing ran).
         """
+        if self._in_flight is not None:  # its outputs go out with the next step()
+            self._early_outputs = self._collect(*self._in_flight)
+            self._in_flight = None
         plan = self.scheduler.schedule()
         self.peak_pages_used = max(self.peak_pages_used, self.allocator.num_used())
         self.runner.swap(plan)  # preempted K/V to host and back, before the step
@@ -249,6 +293,10 @@ class LLMEngine:
         out = self.runner.execute(plan, self.eos_token_ids)
         self.scheduler.mark_computed(plan)
         return plan, out
+
+    def _take_early_outputs(self) -> list[RequestOutput]:
+        outputs, self._early_outputs = self._early_outputs, []
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

@@ -34,6 +34,7 @@ def engine_config_from_args(
     enable_chunked_prefill: bool = True,
     attention_backend: str | None = None,
     precompile: bool = False,
+    async_scheduling: bool = True,
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
     compilation_cache_dir: str | None = "auto",
@@ -52,6 +53,7 @@ def engine_config_from_args(
         seed=seed,
         attention_backend=attention_backend,
         precompile=precompile,
+        async_scheduling=async_scheduling,
         compilation_cache_dir=compilation_cache_dir,
         cache=CacheConfig(
             page_size=page_size,

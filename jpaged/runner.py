@@ -3,7 +3,13 @@
 It owns the device state (the per-layer K/V page pools and the device page table), turns a
 StepPlan into padded StepInputs (numpy, bucketed shapes), and runs the jitted step:
 
-    step(params, state, inputs) -> (SamplerOutput, state)      # state donated: in place
+    step(params, state, inputs, prev_tokens) -> (SamplerOutput, tokens, state)   # state donated
+
+prev_tokens (int32[max_num_seqs]) are the previous step's sampled tokens, still on the device:
+with async scheduling a decode token that the host does not know yet is read from them
+(inputs.src_rows), so step N+1 is dispatched before step N's tokens reach the host
+(`dispatch`, then `fetch`). `tokens` is this step's sampled tokens padded to max_num_seqs, the
+next step's prev_tokens.
 
 Inside the step: page-table updates (.at[].set), copy-on-write page copies, the model over
 the ragged batch (writing each token's K/V into its slot), logits for one row per sequence,
@@ -71,6 +77,7 @@ class DeviceState:
 @dataclasses.dataclass
 class StepInputs:
     token_ids: jax.Array  # int32[T]
+    src_rows: jax.Array  # int32[T]: row of prev_tokens holding the token; -1: token_ids'
     positions: jax.Array  # int32[T]
     slot_mapping: jax.Array  # int32[T]: page * page_size + offset; padding -> null page
     slot_ids: jax.Array  # int32[S]: page-table row of each sequence; padding -> scratch row
@@ -80,6 +87,21 @@ class StepInputs:
     page_updates: jax.Array  # int32[U, 3]: (row, column, page)
     page_copies: jax.Array  # int32[C, 2]: (src, dst)
     sampling: SamplingInputs
+
+
+@dataclasses.dataclass(eq=False)
+class InFlightStep:
+    """A dispatched step whose sampled tokens have not been fetched (`ModelRunner.fetch`)."""
+
+    key: StepKey
+    out: SamplerOutput  # device arrays
+    num_rows: int
+    num_context_tokens: int
+    dispatch_time: float
+    # Timing for step_log: the last time the host saw the step still running, and the time
+    # its results were on the host (an estimate of when the device finished it).
+    busy_time: float = 0.0
+    done_time: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +155,18 @@ def _scatter_pages(state: DeviceState, ids, pages) -> DeviceState:
 
 
 def _step(
-    params, state: DeviceState, inputs: StepInputs, *, cfg, key: StepKey, backend, tp_axis=None
+    params,
+    state: DeviceState,
+    inputs: StepInputs,
+    prev_tokens,
+    *,
+    cfg,
+    key: StepKey,
+    backend,
+    tp_axis=None,
 ):
+    src = inputs.src_rows
+    token_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], inputs.token_ids)
     page_table = _apply_updates(state.page_table, inputs.page_updates)
     kv_caches = _copy_pages(state.kv_caches, inputs.page_copies)
     table = page_table[inputs.slot_ids, : key.num_page_cols]  # [S, P]
@@ -142,7 +174,7 @@ def _step(
         params,
         cfg,
         kv_caches,
-        inputs.token_ids,
+        token_ids,
         inputs.positions,
         inputs.slot_mapping,
         inputs.context_lens,
@@ -154,7 +186,8 @@ def _step(
     )
     logits = compute_logits(params, cfg, hidden[inputs.logits_indices], tp_axis)
     out = sample(logits, inputs.sampling, num_logprobs=key.num_logprobs)
-    return out, DeviceState(kv_caches, page_table)
+    tokens = jnp.zeros(prev_tokens.shape, jnp.int32).at[: key.num_seqs].set(out.tokens)
+    return out, tokens, DeviceState(kv_caches, page_table)
 
 
 class ModelRunner:
@@ -207,6 +240,16 @@ class ModelRunner:
             self._param_specs = sharding.param_specs(model_config, sharding.tp_size(mesh))
             self.state = jax.jit(zeros, out_shardings=self._named(self._state_specs))()
         self._compiled: dict[StepKey, object] = {}
+        # The latest step's sampled tokens, padded to max_num_seqs: the next step's prev_tokens.
+        num = config.scheduler.max_num_seqs
+        if mesh is None:
+            self.last_tokens = jnp.zeros(num, jnp.int32)
+        else:
+            self.last_tokens = jax.jit(
+                lambda: jnp.zeros(num, jnp.int32), out_shardings=NamedSharding(mesh, P())
+            )()
+        self._latest: InFlightStep | None = None  # the step dispatched last (step_log timing)
+        self._last_done_time = 0.0  # when the step fetched last finished (step_log timing)
         self._prelude_fn = None
         self.swap_space = None
         if num_swap_pages:  # zeros: the OS maps host pages on first write
@@ -219,7 +262,12 @@ class ModelRunner:
         self.warmed_up = False
         self.num_recompiles = 0  # step programs compiled after warm-up (each also logs a warning)
         # Per-step timings, collected only when a caller (a benchmark) sets this to a list:
-        # (key, num_rows, num_context_tokens, seconds from dispatch to sampled ids on the host).
+        # (key, num_rows, num_context_tokens, device seconds). Device seconds run from when the
+        # step could start (dispatched, and the step before it finished) to when it finished,
+        # as the host sees them: synchronous steps, dispatch to sampled ids on the host; steps
+        # overlapped with host work, from the previous step's finish when the host had to wait
+        # for it, else from the last time the host saw it running (a lower bound, so the time
+        # left for the host is an upper bound on the host time not hidden by the device).
         self.step_log: list[tuple[StepKey, int, int, float]] | None = None
 
     # -- compilation -----------------------------------------------------------------------
@@ -268,11 +316,11 @@ class ModelRunner:
             else:
                 fn = self._sharded_jit(
                     functools.partial(body, tp_axis=sharding.TP),
-                    in_specs=(self._param_specs, self._state_specs, P()),
-                    out_specs=(P(), self._state_specs),
+                    in_specs=(self._param_specs, self._state_specs, P(), P()),
+                    out_specs=(P(), P(), self._state_specs),
                     donate=1,
                 )
-            exe = fn.lower(self.params, self.state, inputs).compile()
+            exe = fn.lower(self.params, self.state, inputs, self.last_tokens).compile()
             self.compile_seconds += time.perf_counter() - t0
             self._compiled[key] = exe
         return exe
@@ -364,6 +412,20 @@ class ModelRunner:
     # -- execution -------------------------------------------------------------------------
     def execute(self, plan: StepPlan, eos_token_ids: tuple[int, ...]) -> SamplerOutput:
         """Runs one step; returns numpy arrays of the sampled tokens (row order of the plan)."""
+        return self.fetch(self.dispatch(plan, eos_token_ids))
+
+    def dispatch(
+        self,
+        plan: StepPlan,
+        eos_token_ids: tuple[int, ...],
+        prev_rows: dict[int, int] | None = None,
+    ) -> InFlightStep:
+        """Packs a plan and starts its step on the device without waiting for it.
+
+        prev_rows: seq_id -> row of the previous dispatched step, for the sequences whose
+        input token is that step's sample, not yet on the host (Sequence.num_placeholders).
+        """
+        self._poll()
         key = self._key(plan)
         cap = self._update_capacity(key)
         updates, copies = list(plan.page_updates), list(plan.page_copies)
@@ -377,16 +439,43 @@ class ModelRunner:
                 self._pad_rows(cps, _PRELUDE_COPIES, (0, 0)),
             )
         plan = dataclasses.replace(plan, page_updates=tuple(updates), page_copies=tuple(copies))
-        inputs = self._pack(plan, key, cap, key.num_seqs, eos_token_ids)
+        inputs = self._pack(plan, key, cap, key.num_seqs, eos_token_ids, prev_rows)
+        self._poll()
         t0 = time.perf_counter()
         out = self.run_step(key, inputs)
+        context = sum(r.start + r.num_new_tokens for r in plan.rows)
+        step = InFlightStep(key, out, len(plan.rows), context, t0, busy_time=t0)
+        self._latest = step
+        return step
+
+    def fetch(self, step: InFlightStep) -> SamplerOutput:
+        """Waits for a dispatched step; returns numpy arrays of its sampled tokens."""
+        out = step.out
         if self.broadcast is not None:  # replicated: this process's shard is the whole value
             out = [None if x is None else x.addressable_data(0) for x in out]
+        running = self.step_log is not None and not out[0].is_ready()
         result = SamplerOutput(*jax.device_get(tuple(out)))
         if self.step_log is not None:
-            context = sum(r.start + r.num_new_tokens for r in plan.rows)
-            self.step_log.append((key, len(plan.rows), context, time.perf_counter() - t0))
+            now = time.perf_counter()
+            # A step the host waited for finished now; one already done, at some time after
+            # the host last saw it running.
+            step.done_time = now if running else step.busy_time
+            start = max(step.dispatch_time, self._last_done_time)
+            self._last_done_time = step.done_time
+            seconds = max(step.done_time - start, 0.0)
+            self.step_log.append((step.key, step.num_rows, step.num_context_tokens, seconds))
+            self._poll()
         return result
+
+    def _poll(self) -> None:
+        """step_log timing: notes whether the latest dispatched step is still running. A step
+        starts on the device when it is dispatched and the one before it has finished."""
+        step = self._latest
+        if self.step_log is None or step is None or step.done_time is not None:
+            return
+        now = time.perf_counter()
+        if not step.out[0].is_ready():
+            step.busy_time = now
 
     def run_prelude(self, updates: np.ndarray, copies: np.ndarray) -> None:
         if self.broadcast is not None:
@@ -397,7 +486,7 @@ class ModelRunner:
         if self.broadcast is not None:
             inputs = self.broadcast.step(key, inputs)
         exe = self._executable(key, inputs)
-        out, self.state = exe(self.params, self.state, inputs)
+        out, self.last_tokens, self.state = exe(self.params, self.state, inputs, self.last_tokens)
         return out
 
     def follow(self) -> None:
@@ -440,9 +529,12 @@ class ModelRunner:
             out[: len(rows)] = rows
         return out
 
-    def _pack(self, plan: StepPlan, key: StepKey, cap: int, s_pad: int, eos=()) -> StepInputs:
+    def _pack(
+        self, plan: StepPlan, key: StepKey, cap: int, s_pad: int, eos=(), prev_rows=None
+    ) -> StepInputs:
         t_pad, ps = key.num_tokens, self.page_size
         token_ids = np.zeros(t_pad, np.int32)
+        src_rows = np.full(t_pad, -1, np.int32)
         positions = np.zeros(t_pad, np.int32)
         slot_mapping = np.zeros(t_pad, np.int32)
         slot_ids = np.full(s_pad, self.scratch_row, np.int32)
@@ -462,10 +554,16 @@ class ModelRunner:
         pos: list[int] = []
         slot: list[int] = []
         seq_rows: list[tuple] = []
+        pending: list[tuple[int, int]] = []  # (token index, row of the previous step)
         for i, row in enumerate(plan.rows):
             seq, n, start = row.seq, row.num_new_tokens, row.start
             pages = seq.pages
-            if n == 1:  # a decode token
+            if n == 1 and start == len(seq.token_ids):  # the previous step's sample
+                pending.append((len(tok), prev_rows[seq.seq_id]))
+                tok.append(0)
+                pos.append(start)
+                slot.append(pages[start // ps] * ps + start % ps)
+            elif n == 1:  # a decode token
                 tok.append(seq.token_ids[start])
                 pos.append(start)
                 slot.append(pages[start // ps] * ps + start % ps)
@@ -475,6 +573,7 @@ class ModelRunner:
                 pos.extend(range(start, start + n))
                 slot.extend((np.asarray(pages, np.int64)[span // ps] * ps + span % ps).tolist())
             p = seq.params
+            generated = seq.num_output_tokens + seq.num_placeholders
             seq_rows.append(
                 (
                     seq.slot,
@@ -485,14 +584,17 @@ class ModelRunner:
                     p.top_p,
                     p.min_p,
                     seq.seed,
-                    seq.num_output_tokens,
+                    generated,
                 )
             )
-            if seq.num_output_tokens < p.min_tokens:
+            if generated < p.min_tokens:
                 stops = ([] if p.ignore_eos else list(eos)) + p.stop_token_ids
                 banned[i, : len(stops[:_MAX_BANNED])] = stops[:_MAX_BANNED]
         t, s = len(tok), len(seq_rows)
         token_ids[:t] = tok
+        if pending:
+            index, rows = zip(*pending, strict=True)
+            src_rows[list(index)] = rows
         positions[:t] = pos
         slot_mapping[:t] = slot
         if s:
@@ -516,6 +618,7 @@ class ModelRunner:
             penalties = self._penalties(plan, key.penalty_shape, s_pad)
         return StepInputs(
             token_ids=token_ids,
+            src_rows=src_rows,
             positions=positions,
             slot_mapping=slot_mapping,
             slot_ids=slot_ids,

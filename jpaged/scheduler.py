@@ -4,6 +4,14 @@ The scheduler owns the waiting and running queues, the slots (rows of the device
 and the host mirror of the page table; the PageAllocator owns pages. Each `schedule()` returns
 one frozen StepPlan; `commit()` takes the sampled tokens back.
 
+Async scheduling: `dispatched(plan)` marks a plan's tokens computed as soon as the step is on
+the device and gives each sampling row a placeholder (Sequence.num_placeholders) unless the
+token certainly ends the sequence (max_tokens, max_model_len), so the next plan is made before
+this one's tokens are known; its rows read those tokens on the device. `commit()` then turns
+placeholders into tokens. A sequence that stops at commit has its row in the next plan (already
+on the device) dropped there; that row writes only slots past the sequence's length into pages
+freed at the stop, before any later step can write them (device order).
+
 One rule drives everything (vLLM v1): each step gives every running sequence as many of its
 uncomputed tokens as the token budget allows. A decode is one token; a prompt is many
 (chunked when it exceeds the budget); a prefix-cache hit starts with num_computed_tokens > 0.
@@ -119,6 +127,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self._drop_swap(seq)
         seq.status = SeqStatus.FINISHED
+        seq.num_placeholders = 0
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
 
@@ -133,7 +142,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_planned_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
             while not self._grow(seq, num_new):
@@ -168,7 +177,7 @@ class Scheduler:
 
     def _row(self, seq: Sequence, num_new: int, row: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
-        keep = start + num_new == seq.num_tokens
+        keep = start + num_new == seq.num_planned_tokens
         return ScheduledSeq(seq, num_new, start, row, keep)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
@@ -308,7 +317,7 @@ class Scheduler:
         swap = (
             allow_swap
             and self.swap_allocator is not None
-            and 0 < seq.num_computed_tokens < seq.num_tokens
+            and 0 < seq.num_computed_tokens < seq.num_planned_tokens
             and self.swap_allocator.can_allocate(num_pages)
         )
         if swap:
@@ -339,18 +348,39 @@ class Scheduler:
         seq.slot = -1
 
     # -- results ---------------------------------------------------------------------------
+    def dispatched(self, plan: StepPlan) -> None:
+        """The plan's step is on the device: its tokens count as computed, and each sampling
+        row that may continue holds a placeholder for its token (see the module docstring)."""
+        max_len = self.sched.max_model_len
+        for row in plan.rows:
+            seq = row.seq
+            seq.num_computed_tokens = row.start + row.num_new_tokens
+            if not row.keep_sample:
+                continue
+            n = seq.num_placeholders + 1  # tokens in flight, this one included
+            max_tokens = seq.params.max_tokens
+            if (max_tokens is None or seq.num_output_tokens + n < max_tokens) and (
+                seq.num_tokens + n < max_len
+            ):
+                seq.num_placeholders = n
+
     def commit(self, plan: StepPlan, out) -> list[Sequence]:
         """Applies a step's SamplerOutput (numpy, rows in plan order); returns the sequences
-        that got a new token."""
+        that got a new token. Rows of finished sequences are dropped; a sequence preempted
+        after the step was dispatched still gets its token."""
         result = []
         for i, row in enumerate(plan.rows):
             seq = row.seq
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is SeqStatus.FINISHED:
                 continue
-            seq.num_computed_tokens = row.start + row.num_new_tokens
-            self._cache_full_pages(seq)
+            if seq.status is SeqStatus.RUNNING:
+                end = row.start + row.num_new_tokens
+                seq.num_computed_tokens = max(seq.num_computed_tokens, end)
+                self._cache_full_pages(seq, end)  # only pages of real tokens
             if not row.keep_sample:
                 continue
+            if seq.num_placeholders:
+                seq.num_placeholders -= 1
             token = int(out.tokens[i])
             seq.token_ids.append(token)
             seq.cumulative_logprob += float(out.logprobs[i])
@@ -368,7 +398,7 @@ class Scheduler:
         for row in plan.rows:
             if row.seq.status is SeqStatus.RUNNING:
                 row.seq.num_computed_tokens = row.start + row.num_new_tokens
-                self._cache_full_pages(row.seq)
+                self._cache_full_pages(row.seq, row.seq.num_computed_tokens)
 
     def preempt(self, seq: Sequence) -> None:
         """Frees a running sequence's pages and queues it last, to be recomputed after the
@@ -401,12 +431,13 @@ class Scheduler:
         self.running.append(child)
         return child
 
-    def _cache_full_pages(self, seq: Sequence) -> None:
+    def _cache_full_pages(self, seq: Sequence, num_tokens: int) -> None:
+        """Registers the full pages among seq's first num_tokens (computed) tokens."""
         if not self.allocator.enable_prefix_caching:
             return
         ps = self.page_size
         parent = seq.page_hashes[-1] if seq.page_hashes else None
-        for i in range(len(seq.page_hashes), seq.num_computed_tokens // ps):
+        for i in range(len(seq.page_hashes), num_tokens // ps):
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
             h = page_hash(parent, tokens, seq.group.cache_salt)
             self.allocator.cache_page(seq.pages[i], h, tokens)

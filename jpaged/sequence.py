@@ -52,6 +52,9 @@ class Sequence:
     num_prompt_tokens: int
     seed: int  # sampling stream of this sequence: key = fold_in(seed, num_output_tokens)
     num_computed_tokens: int = 0
+    # Tokens sampled by steps still in flight (async scheduling), not yet in token_ids; the
+    # scheduler plans as if they were there.
+    num_placeholders: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[int] = dataclasses.field(default_factory=list)  # of the full pages
     slot: int = -1  # row of the device page table while running
@@ -72,6 +75,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """num_tokens counting the placeholders of steps in flight."""
+        return len(self.token_ids) + self.num_placeholders
 
     @property
     def output_token_ids(self) -> list[int]:

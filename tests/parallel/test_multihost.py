@@ -93,7 +93,11 @@ def _record_calls(runner, calls: list) -> None:
     """Replaces the compiled programs with recorders (nothing is compiled)."""
 
     def step_exe(key, _inputs):
-        return lambda params, state, inputs: (calls.append((key, inputs)), state)
+        return lambda params, state, inputs, prev_tokens: (
+            calls.append((key, inputs)),
+            prev_tokens,
+            state,
+        )
 
     runner._executable = step_exe
     runner._prelude = lambda: lambda state, u, c: (calls.append(("prelude", u, c)), state)[1]
