@@ -49,9 +49,10 @@ def _kv_bytes_per_page(cfg: ModelConfig, page_size: int, itemsize: int) -> int:
 def resolve_num_pages(
     cache: CacheConfig, config: EngineConfig, model_config: ModelConfig, itemsize: int
 ) -> int:
-    """Pool size: num_pages if given, else from the memory budget; on CPU with neither, enough
-    pages for every sequence slot at max_model_len; on an accelerator, kv_memory_fraction of
-    the free device memory."""
+    """Pool size: num_pages if given, else from the memory budget (kv_cache_memory_bytes: the
+    whole pool's bytes); on CPU with neither, enough pages for every sequence slot at
+    max_model_len; on an accelerator, kv_memory_fraction of one device's free memory, where
+    with tensor parallelism a device holds 1 / min(T, num_kv_heads) of every page."""
     if cache.num_pages is not None:
         return cache.num_pages
     per_page = _kv_bytes_per_page(model_config, cache.page_size, itemsize)
@@ -63,7 +64,9 @@ def resolve_num_pages(
     if not stats or "bytes_limit" not in stats:
         return full
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    return max(2, int(free * cache.kv_memory_fraction) // per_page + 1)
+    shards = min(config.parallel.tensor_parallel_size, model_config.num_kv_heads)
+    per_device_page = -(-per_page // shards)
+    return max(2, int(free * cache.kv_memory_fraction) // per_device_page + 1)
 
 
 def resolve_num_swap_pages(config: EngineConfig, model_config: ModelConfig, itemsize: int) -> int:

@@ -119,3 +119,29 @@ def test_stream_false_gets_one_output_when_finished(llm):
     assert [o.finished for o in seen["quiet"]] == [True]
     assert len(seen["loud"]) == 6 and seen["loud"][-1].finished
     assert seen["quiet"][0].outputs[0].token_ids == seen["loud"][-1].outputs[0].token_ids
+
+
+class _FakeAccelerator:
+    platform = "gpu"
+
+    def memory_stats(self):
+        return {"bytes_limit": 10_000_000, "bytes_in_use": 2_000_000}
+
+
+@pytest.mark.parametrize("tp,shards", [(1, 1), (2, 2), (8, 4)])
+def test_pool_from_free_device_memory_counts_each_device_share(monkeypatch, tp, shards):
+    from jpaged.config import CacheConfig, EngineConfig, ParallelConfig
+    from jpaged.engine import resolve_num_pages
+    from models.config import ModelConfig
+
+    monkeypatch.setattr("jax.devices", lambda *a: [_FakeAccelerator()])
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=256,
+    )
+    cache = CacheConfig(page_size=16, kv_memory_fraction=0.5)
+    config = EngineConfig(cache=cache, parallel=ParallelConfig(tensor_parallel_size=tp))
+    per_page = 2 * 2 * 4 * 16 * 8 * 4  # K and V, layers, kv heads, page, head_dim, f32
+    # 0.5 x 8 MB free on each device; each device holds 1/shards of a page.
+    assert resolve_num_pages(cache, config, cfg, 4) == 4_000_000 // (per_page // shards) + 1
