@@ -210,6 +210,13 @@ def main() -> None:
     p.add_argument("--min-prompt", type=int, default=32)
     p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=256, help="outputs are 16..max_tokens")
+    p.add_argument(
+        "--submit-max-tokens",
+        type=int,
+        default=None,
+        help="table 1: the max_tokens requests are submitted with (default --max-tokens), e.g. "
+        "a client's default cap well above typical answers",
+    )
     p.add_argument("--kv-tokens", type=int, default=4096, help="KV budget in token slots")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -259,10 +266,11 @@ def main() -> None:
 
     paged = None
     if "1" not in skip:
+        submitted = args.submit_max_tokens or args.max_tokens
         print(
             f"\n1. paged vs reserve: {args.num_requests} requests, prompts "
             f"{args.min_prompt}-{args.max_prompt}, outputs 16-{args.max_tokens} "
-            f"(max_tokens {args.max_tokens}), page_size {args.page_size}"
+            f"(submitted with max_tokens {submitted}), page_size {args.page_size}"
         )
         print(head)
         res = {}
@@ -273,7 +281,7 @@ def main() -> None:
                 page_size=args.page_size,
                 kv_allocation=alloc,
                 prefix_caching=False,
-                max_tokens=args.max_tokens,
+                max_tokens=submitted,
             )
             row(alloc, res[alloc])
         paged = res["paged"]
