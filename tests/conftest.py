@@ -20,6 +20,11 @@ if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _ONE_THREAD).strip()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Everything the tests load is on local disk: never wait on the Hugging Face Hub (a sandbox
+# without network would otherwise spend timeouts on any lookup).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Compiled programs are shared through a persistent cache private to this test process (and
 # the subprocesses it starts): engines built by different tests with the same shapes compile
 # once, and nothing is written to the user's ~/.cache.
