@@ -9,10 +9,11 @@ jax.config) is left alone.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import jax
+
+from models.demo import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +23,7 @@ MIN_COMPILE_SECONDS = 0.2
 
 
 def default_dir() -> Path:
-    root = os.environ.get("JPAGED_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "jpaged") / "xla"
+    return cache_root() / "xla"
 
 
 def enable(path: str | None) -> str | None:

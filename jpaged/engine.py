@@ -243,9 +243,7 @@ class LLMEngine:
 
     def _dispatch(self, prev: StepPlan | None) -> tuple[StepPlan, InFlightStep] | None:
         """Schedules and dispatches a step; prev: the plan still on the device, if any."""
-        plan = self.scheduler.schedule()
-        self.peak_pages_used = max(self.peak_pages_used, self.allocator.num_used())
-        self.runner.swap(plan)  # preempted K/V to host and back, before the step
+        plan = self._schedule()
         if not plan.rows:
             return None
         prev_rows = None
@@ -254,6 +252,13 @@ class LLMEngine:
         step = self.runner.dispatch(plan, self.eos_token_ids, prev_rows)
         self.scheduler.dispatched(plan)
         return plan, step
+
+    def _schedule(self) -> StepPlan:
+        """The next plan, its pages' peak noted and its swaps done (they precede the step)."""
+        plan = self.scheduler.schedule()
+        self.peak_pages_used = max(self.peak_pages_used, self.allocator.num_used())
+        self.runner.swap(plan)  # preempted K/V to host and back, before the step
+        return plan
 
     def _can_overlap(self, plan: StepPlan) -> bool:
         """Whether the next plan may be made before plan's tokens are on the host."""
@@ -266,7 +271,7 @@ class LLMEngine:
     def _collect(self, plan: StepPlan, step: InFlightStep) -> list[RequestOutput]:
         out = self.runner.fetch(step)
         seqs = self.scheduler.commit(plan, out)
-        outputs, self._early_outputs = self._early_outputs, []
+        outputs = self._take_early_outputs()
         touched: dict[str, RequestGroup] = {}
         for seq in seqs:
             self.output_processor.process(seq)
@@ -288,9 +293,7 @@ class LLMEngine:
         if self._in_flight is not None:  # its outputs go out with the next step()
             self._early_outputs = self._collect(*self._in_flight)
             self._in_flight = None
-        plan = self.scheduler.schedule()
-        self.peak_pages_used = max(self.peak_pages_used, self.allocator.num_used())
-        self.runner.swap(plan)  # preempted K/V to host and back, before the step
+        plan = self._schedule()
         if not plan.rows:
             return plan, None
         out = self.runner.execute(plan, self.eos_token_ids)

@@ -52,6 +52,7 @@ from jpaged.sampler import (
     SamplerOutput,
     SamplingInputs,
     sample,
+    seeds_to_key_data,
 )
 from jpaged.scheduler import StepPlan
 from models import sharding
@@ -352,16 +353,8 @@ class ModelRunner:
                 scatter = jax.jit(_scatter_pages, donate_argnums=(0,))
             else:
                 specs, pages_spec = self._state_specs, P(None, None, sharding.POOL_SPEC[0])
-                gather = jax.jit(
-                    jax.shard_map(
-                        _gather_pages,
-                        mesh=self.mesh,
-                        in_specs=(specs, P()),
-                        out_specs=pages_spec,
-                        check_vma=False,
-                    ),
-                    in_shardings=self._named((specs, P())),
-                    out_shardings=self._named(pages_spec),
+                gather = self._sharded_jit(
+                    _gather_pages, in_specs=(specs, P()), out_specs=pages_spec, donate=None
                 )
                 scatter = self._sharded_jit(
                     _scatter_pages, in_specs=(specs, P(), pages_spec), out_specs=specs, donate=0
@@ -393,8 +386,9 @@ class ModelRunner:
     def _named(self, specs):
         return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs)
 
-    def _sharded_jit(self, body, *, in_specs, out_specs, donate: int):
-        """One jit over the mesh: the body runs per device inside shard_map."""
+    def _sharded_jit(self, body, *, in_specs, out_specs, donate: int | None):
+        """One jit over the mesh: the body runs per device inside shard_map; argument
+        `donate` (None: none) is donated."""
         mapped = jax.shard_map(
             body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )
@@ -402,7 +396,7 @@ class ModelRunner:
             mapped,
             in_shardings=self._named(in_specs),
             out_shardings=self._named(out_specs),
-            donate_argnums=(donate,),
+            donate_argnums=() if donate is None else (donate,),
         )
 
     def dummy_inputs(self, key: StepKey) -> StepInputs:
@@ -558,13 +552,12 @@ class ModelRunner:
         for i, row in enumerate(plan.rows):
             seq, n, start = row.seq, row.num_new_tokens, row.start
             pages = seq.pages
-            if n == 1 and start == len(seq.token_ids):  # the previous step's sample
-                pending.append((len(tok), prev_rows[seq.seq_id]))
-                tok.append(0)
-                pos.append(start)
-                slot.append(pages[start // ps] * ps + start % ps)
-            elif n == 1:  # a decode token
-                tok.append(seq.token_ids[start])
+            if n == 1:  # a decode token
+                if start == len(seq.token_ids):  # the previous step's sample, on the device
+                    pending.append((len(tok), prev_rows[seq.seq_id]))
+                    tok.append(0)
+                else:
+                    tok.append(seq.token_ids[start])
                 pos.append(start)
                 slot.append(pages[start // ps] * ps + start % ps)
             elif n:
@@ -606,9 +599,7 @@ class ModelRunner:
             top_k[:s] = cols[4]
             top_p[:s] = cols[5]
             min_p[:s] = cols[6]
-            seeds = np.array([x & 0xFFFFFFFFFFFFFFFF for x in cols[7]], np.uint64)  # low 64 bits
-            key_data[:s, 0] = (seeds >> np.uint64(32)).astype(np.uint32)
-            key_data[:s, 1] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+            key_data[:s] = seeds_to_key_data(cols[7])
             num_generated[:s] = cols[8]
         query_start[s + 1 :] = t
         sample_rows = np.fromiter((r.sample_row for r in plan.rows), np.int32, count=s)

@@ -50,9 +50,15 @@ class SamplerOutput(NamedTuple):
     top_logprobs: jax.Array | None  # float32[S, MAX_LOGPROBS]
 
 
+def seeds_to_key_data(seeds) -> np.ndarray:
+    """uint32[N, 2] threefry key data for N seeds (both halves of each seed's low 64 bits)."""
+    s = np.array([x & 0xFFFFFFFFFFFFFFFF for x in seeds], np.uint64).reshape(-1, 1)
+    return np.concatenate([s >> np.uint64(32), s & np.uint64(0xFFFFFFFF)], axis=1).astype(np.uint32)
+
+
 def seed_to_key_data(seed: int) -> np.ndarray:
-    """uint32[2] threefry key data for a 64-bit seed (both halves of the seed are used)."""
-    return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], dtype=np.uint32)
+    """uint32[2] threefry key data for one seed (see seeds_to_key_data)."""
+    return seeds_to_key_data([seed])[0]
 
 
 def _counts(tokens: jax.Array, vocab: int) -> jax.Array:

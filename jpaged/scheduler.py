@@ -308,8 +308,8 @@ class Scheduler:
         self._next_seq_id += 1
         return seq
 
-    def _preempt(self, seq: Sequence, *, allow_swap: bool = True) -> None:
-        """Queues a running sequence first in line. Swaps its computed pages out when swap is
+    def _preempt(self, seq: Sequence, *, allow_swap: bool = True, last: bool = False) -> None:
+        """Queues a running sequence first in line (last: at the back). Swaps its computed pages out when swap is
         configured, the host has room and it has a token left to compute (a resumed sequence
         must have one, to sample from); otherwise it is recomputed from scratch."""
         self.running.remove(seq)
@@ -329,7 +329,10 @@ class Scheduler:
             seq.num_computed_tokens = 0
         self._release(seq)
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        if last:
+            self.waiting.append(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def _drop_swap(self, seq: Sequence) -> None:
@@ -404,9 +407,7 @@ class Scheduler:
         """Frees a running sequence's pages and queues it last, to be recomputed after the
         waiting ones (beam search makes room so for beams that must run before it). Never
         swaps: the beam's next tokens are chosen outside the scheduler."""
-        self._preempt(seq, allow_swap=False)
-        self.waiting.popleft()  # _preempt queued it first
-        self.waiting.append(seq)
+        self._preempt(seq, allow_swap=False, last=True)
 
     def fork(self, parent: Sequence) -> Sequence:
         """A new sequence of parent's group with parent's tokens (beam search's fork).

@@ -333,11 +333,16 @@ def write_llama_checkpoint(
     return save_hf_model(path, config, params)
 
 
-def default_cache_dir() -> Path:
-    """$JPAGED_CACHE_DIR/demo-v1 if set, else ~/.cache/jpaged/demo-v1."""
+def cache_root() -> Path:
+    """jpaged's cache directory: $JPAGED_CACHE_DIR if set, else ~/.cache/jpaged (the demo
+    model, JAX's compilation cache and benchmark checkpoints live under it)."""
     root = os.environ.get("JPAGED_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "jpaged"
-    return base / DEMO_VERSION
+    return Path(root) if root else Path.home() / ".cache" / "jpaged"
+
+
+def default_cache_dir() -> Path:
+    """cache_root() / demo-v1."""
+    return cache_root() / DEMO_VERSION
 
 
 def _write_demo(path: Path) -> None:

@@ -664,9 +664,9 @@ def main() -> None:
     if args.max_num_batched_tokens is None:
         args.max_num_batched_tokens = 8192 if accelerator else 2048
     if args.model is None:
-        from jpaged import compilation_cache
+        from models.demo import cache_root
 
-        root = Path(args.checkpoint_dir or compilation_cache.default_dir().parent / "checkpoints")
+        root = Path(args.checkpoint_dir or cache_root() / "checkpoints")
         t0 = time.perf_counter()
         args.model = str(ensure_checkpoint(root, args.preset, args.dtype, args.seed))
         checkpoint_s = time.perf_counter() - t0
