@@ -1,0 +1,294 @@
+"""Structured outputs: request constraints (JSON schema, regex, choice, grammar) and their
+matchers, on the host, over llguidance.
+
+StructuredOutputsParams is validated when constructed: a bad schema, regex or grammar is a
+one-line ValueError naming the field, so no invalid constraint reaches the engine.
+StructuredOutputManager is the one owner of every constrained sequence's matcher:
+- a key is added once (add), advanced by every committed token (advance), and removed when
+  its sequence finishes (remove); nothing else touches the matchers;
+- a matcher that rejects a token marks only its key as failed (error(key)); no call raises
+  into the batch for a token the grammar does not allow;
+- fill_bitmask writes llguidance's layout: int32[num_rows, ceil(vocab_size / 32)], bit j of
+  word w allows token 32 * w + j; rows without a constraint are all ones (-1).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json as jsonlib
+import re
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from jpaged.tokenizer import Tokenizer
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_WHAT = {
+    "json": "JSON schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "JSON object grammar",
+}
+# At and above this many constrained rows, masks are computed on llguidance's thread pool
+# (see the timings in fill_bitmask's docstring).
+_PARALLEL_MIN_ROWS = 8
+# A caret line or a numbered source excerpt in llguidance's messages.
+_NOISE_LINE = re.compile(r"^\s*(\^+|\d+ \|.*)?\s*$")
+
+
+def _one_line(message: str) -> str:
+    """llguidance's messages span lines (a source excerpt, a caret, a parser-state dump):
+    keep the lines that say what went wrong, joined into one."""
+    message = message.split("<non-verbose/>")[0].split("<state>")[0]
+    lines = [ln.strip() for ln in message.splitlines() if not _NOISE_LINE.match(ln)]
+    return " ".join(ln for ln in lines if ln)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output; field names and meanings follow vLLM.
+
+    Exactly one of json (a JSON schema: a dict or its JSON text), regex, choice (the output is
+    one of these strings), grammar (Lark, as llguidance accepts it, or GBNF) and json_object
+    (any JSON object) is set. disable_any_whitespace makes JSON outputs compact (no
+    whitespace between tokens of the JSON syntax), as in vLLM.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    # The llguidance grammar the constraint compiles to; set by __post_init__.
+    ll_grammar: str = dataclasses.field(init=False, repr=False, compare=False, default="")
+
+    def __post_init__(self) -> None:
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if type(value) is not bool:  # bool has no subclasses; 0 and 1 are not bools here
+                raise ValueError(f"structured_outputs.{name} must be a bool, got {value!r}")
+        given = self._given()
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs: exactly one of json, regex, choice, grammar, json_object "
+                f"must be set, got {' and '.join(given) if given else 'none'}"
+            )
+        object.__setattr__(self, "ll_grammar", self._compile(given[0]))
+
+    @property
+    def kind(self) -> str:
+        """Which field holds the constraint: one of KINDS."""
+        return self._given()[0]
+
+    def _given(self) -> list[str]:
+        return [
+            k
+            for k in KINDS
+            if (self.json_object if k == "json_object" else getattr(self, k) is not None)
+        ]
+
+    def _compile(self, kind: str) -> str:
+        """The llguidance grammar text for the constraint, checked by llguidance."""
+        field = f"structured_outputs.{kind}"
+        json_options = {"whitespace_flexible": not self.disable_any_whitespace}
+        if kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = jsonlib.loads(schema)
+                except jsonlib.JSONDecodeError as e:
+                    raise ValueError(f"{field}: invalid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError(
+                    f"{field} must be a JSON schema object (a dict or its JSON text), "
+                    f"got {type(schema).__name__}"
+                )
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=json_options)
+        elif kind == "json_object":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                {"type": "object"}, defaults=json_options
+            )
+        elif kind == "regex":
+            if not isinstance(self.regex, str):
+                raise ValueError(f"{field} must be a string, got {self.regex!r}")
+            grammar = llguidance.LLMatcher.grammar_from_regex(self.regex)
+        elif kind == "choice":
+            choice = self.choice
+            if (
+                isinstance(choice, str)
+                or not isinstance(choice, Sequence)
+                or not choice
+                or not all(isinstance(c, str) for c in choice)
+            ):
+                raise ValueError(f"{field} must be a non-empty list of strings, got {choice!r}")
+            object.__setattr__(self, "choice", list(choice))
+            # Lark string literals take JSON's escapes; the alternatives are tried as one lexeme.
+            lark = "start: " + " | ".join(jsonlib.dumps(c, ensure_ascii=False) for c in choice)
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        else:
+            if not isinstance(self.grammar, str) or not self.grammar.strip():
+                raise ValueError(f"{field} must be a non-empty string, got {self.grammar!r}")
+            try:  # Lark as is; GBNF (rules written `a ::= ...`) converted to Lark
+                grammar = llguidance.grammar_from("grammar", self.grammar)
+            except ValueError as e:
+                raise ValueError(f"{field}: invalid grammar: {_one_line(str(e))}") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+        if error:
+            raise ValueError(f"{field}: invalid {_WHAT[kind]}: {_one_line(error)}")
+        return grammar
+
+
+def build_ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """llguidance's view of our tokenizer: every id's bytes, with the model's vocabulary size.
+
+    Works from the `tokenizers.Tokenizer` JSON (what llguidance.hf.from_tokenizer does for a
+    transformers tokenizer): byte-level BPE (GPT-2, Llama 3, SmolLM2, the demo) and
+    SentencePiece-style BPE with byte fallback (<0x0A> tokens, "▁" for spaces). Ids at and
+    above the tokenizer's size, up to vocab_size, have no bytes: a constraint never allows them.
+
+    Args:
+      tokenizer: ours; its eos_token_ids are the tokens a finished grammar allows.
+      vocab_size: the model's vocabulary (logits width), >= the tokenizer's.
+    Raises:
+      ValueError: vocab_size below the tokenizer's size, or a tokenizer llguidance rejects.
+    """
+    if vocab_size < tokenizer.vocab_size:
+        raise ValueError(
+            f"vocab_size {vocab_size} is below the tokenizer's {tokenizer.vocab_size} tokens"
+        )
+    backend = copy.copy(tokenizer.backend)  # to_str must not carry padding or truncation
+    backend.no_padding()
+    backend.no_truncation()
+    eos = list(tokenizer.eos_token_ids) or None  # None: llguidance finds it in the vocab
+    try:
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(f"structured outputs: llguidance rejects the tokenizer: {e}") from None
+
+
+class StructuredOutputManager:
+    """Matchers of the constrained sequences in flight, keyed by the engine (any hashable:
+    a request id, or (request id, sequence index) when one request samples several)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self.ll_tokenizer = build_ll_tokenizer(tokenizer, vocab_size)
+        # Short errors: a verbose one dumps the parser state and the grammar.
+        self._limits = llguidance.LLParserLimits(verbose_errors=False)
+        self._matchers: dict[Hashable, llguidance.LLMatcher] = {}
+        self._errors: dict[Hashable, str] = {}
+        self._executor: llguidance.LLExecutor | None = None
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._matchers
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def add(self, key: Hashable, params: StructuredOutputsParams) -> None:
+        """Starts key's matcher at the beginning of the output.
+
+        Raises:
+          ValueError: key already added, or a grammar llguidance rejects for this tokenizer.
+        """
+        if key in self._matchers:
+            raise ValueError(f"structured outputs: {key!r} is already added")
+        matcher = llguidance.LLMatcher(
+            self.ll_tokenizer, params.ll_grammar, log_level=0, limits=self._limits
+        )
+        if matcher.is_error():
+            raise ValueError(
+                f"structured_outputs.{params.kind}: invalid {_WHAT[params.kind]}: "
+                f"{_one_line(matcher.get_error())}"
+            )
+        self._matchers[key] = matcher
+
+    def fork(self, key: Hashable, new_key: Hashable) -> None:
+        """new_key continues from key's state (a forked sequence: n > 1, beam search)."""
+        if new_key in self._matchers:
+            raise ValueError(f"structured outputs: {new_key!r} is already added")
+        self._matchers[new_key] = self._matchers[key].deep_copy()
+        if key in self._errors:
+            self._errors[new_key] = self._errors[key]
+
+    def remove(self, key: Hashable) -> None:
+        """Forgets key; a no-op for a key never added, so it can be called for every finished
+        sequence."""
+        self._matchers.pop(key, None)
+        self._errors.pop(key, None)
+
+    def advance(self, key: Hashable, token_ids: Sequence[int]) -> None:
+        """Commits key's new tokens. A token the grammar does not allow fails key alone: its
+        message is kept for error(key), and later calls on key change nothing."""
+        if key in self._errors:
+            return
+        matcher = self._matchers[key]
+        if not matcher.consume_tokens([int(t) for t in token_ids]):
+            self._errors[key] = _one_line(matcher.get_error()) or "the matcher failed"
+
+    def rollback(self, key: Hashable, num_tokens: int) -> None:
+        """Undoes key's last num_tokens committed tokens (rejected speculative tokens).
+
+        Raises:
+          ValueError: more tokens than key has committed.
+        """
+        if key in self._errors or num_tokens == 0:
+            return
+        if not self._matchers[key].rollback(num_tokens):
+            raise ValueError(
+                f"structured outputs: cannot roll back {num_tokens} tokens of {key!r}: "
+                f"{_one_line(self._matchers[key].get_error())}"
+            )
+
+    def error(self, key: Hashable) -> str | None:
+        """Why key's matcher failed (one line), or None while it has not."""
+        return self._errors.get(key)
+
+    def is_finished(self, key: Hashable) -> bool:
+        """True when key's grammar is complete and allows only EOS: the engine stops the
+        sequence (finish_reason "stop") without sampling that EOS. False for a failed key."""
+        return key not in self._errors and self._matchers[key].is_stopped()
+
+    def allocate_bitmask(self, num_rows: int) -> np.ndarray:
+        """int32[num_rows, num_words], all ones: a buffer for fill_bitmask."""
+        return np.full((num_rows, self.num_words), -1, np.int32)
+
+    def fill_bitmask(self, keys: Sequence[Hashable | None], out: np.ndarray) -> None:
+        """Writes row i of out for keys[i]: the tokens its grammar allows next.
+
+        A None key (an unconstrained row), a failed key and every row past len(keys) (padding)
+        get all ones. A finished key's row allows only EOS.
+
+        Args:
+          keys: one per batch row, len(keys) <= num_rows.
+          out: int32[num_rows, ceil(vocab_size / 32)], C-contiguous; written in place.
+        """
+        if out.dtype != np.int32 or out.ndim != 2 or out.shape[1] != self.num_words:
+            raise ValueError(
+                f"bitmask must be int32[rows, {self.num_words}], got {out.dtype}{list(out.shape)}"
+            )
+        if len(keys) > out.shape[0] or not out.flags["C_CONTIGUOUS"]:
+            raise ValueError(
+                f"bitmask must be C-contiguous with >= {len(keys)} rows, got {out.shape[0]}"
+            )
+        out.fill(-1)
+        rows = [
+            (self._matchers[k], i)
+            for i, k in enumerate(keys)
+            if k is not None and k not in self._errors
+        ]
+        if len(rows) >= _PARALLEL_MIN_ROWS:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, out)
+        else:
+            for matcher, i in rows:
+                llguidance.numpy.fill_next_token_bitmask(matcher, out, i)
