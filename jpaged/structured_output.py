@@ -36,7 +36,7 @@ _WHAT = {
     "json_object": "JSON object grammar",
 }
 # At and above this many constrained rows, masks are computed on llguidance's thread pool
-# (see the timings in fill_bitmask's docstring).
+# (measured on 2 CPU cores, 49,152 tokens: as fast as one by one at 8 rows, 5-20% faster at 64).
 _PARALLEL_MIN_ROWS = 8
 # A caret line or a numbered source excerpt in llguidance's messages.
 _NOISE_LINE = re.compile(r"^\s*(\^+|\d+ \|.*)?\s*$")
