@@ -1,0 +1,245 @@
+"""Speculative decoding: its configuration and the per-sequence proposal count.
+
+SpeculativeConfig is what a user passes (`speculative_config={...}` or `--speculative-config
+JSON`), with vLLM's names and defaults, validated on construction. AcceptanceTracker owns the
+only changing state of speculation on the host: each running sequence's recent acceptance,
+from which it decides how many tokens to propose next step (fewer when proposals are being
+rejected, none when speculation does not pay, with a periodic probe so a sequence that starts
+copying text again gets proposals again), and the totals that `stats()` reports.
+
+The proposers (jpaged/ngram_proposer.py, a draft model) say what to propose; the verification
+math is jpaged/rejection_sampler.py. Nothing here touches the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+METHODS = ("ngram", "draft_model")
+_DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default for both bounds when neither is given
+
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """How to speculate. vLLM's names and semantics:
+
+    method: "ngram" (prompt lookup: propose the tokens that followed the longest earlier match
+        of the sequence's last n tokens) or "draft_model" (a smaller model with the same
+        tokenizer); None picks "draft_model" when model is given.
+    num_speculative_tokens: the most tokens proposed per sequence and step (k).
+    prompt_lookup_max / prompt_lookup_min: the n-gram sizes tried, longest first (ngram only;
+        both default to 5, and one given alone sets the other).
+    model: the draft model's checkpoint directory (draft_model only).
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        method = self.method
+        if method is None and self.model is not None:
+            method = "draft_model"
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        object.__setattr__(self, "method", method)
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        if method == "ngram":
+            self._normalise_prompt_lookup()
+            if self.model is not None:
+                raise ValueError(f"model must not be given with method 'ngram', got {self.model!r}")
+            return
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name} applies only to method 'ngram', got {getattr(self, name)!r}"
+                )
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(
+                f"model must be a checkpoint path for method 'draft_model', got {self.model!r}"
+            )
+
+    def _normalise_prompt_lookup(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None:
+                _check_int(name, value, minimum=1)
+        if lo is None and hi is None:
+            lo = hi = _DEFAULT_PROMPT_LOOKUP
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def from_dict(cls, value: Mapping) -> SpeculativeConfig:
+        """The config from a mapping with vLLM's keys (unknown keys are an error)."""
+        if not isinstance(value, Mapping) or "num_speculative_tokens" not in value:
+            raise ValueError(
+                f"speculative_config must be a mapping with num_speculative_tokens, got {value!r}"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(names)}")
+        return cls(**value)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """The config from `--speculative-config JSON` (a JSON object)."""
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"--speculative-config is not valid JSON ({e.msg}): {text!r}"
+            ) from None
+        return cls.from_dict(value)
+
+    def check_draft_vocab(self, target_vocab_size: int, draft_vocab_size: int) -> None:
+        """Raises unless a draft model's vocabulary is the target's (the verifier indexes
+        both distributions by the same token ids)."""
+        if draft_vocab_size != target_vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft_vocab_size} tokens) must equal the "
+                f"target's ({target_vocab_size})"
+            )
+
+
+@dataclasses.dataclass
+class _Acceptance:
+    accepted: float  # decayed count of accepted proposals
+    rejected: float  # decayed count of rejections (at most one per verification)
+    idle: int = 0  # steps recorded without a proposal since the last verified one
+
+
+class AcceptanceTracker:
+    """Per-sequence proposal counts from recent acceptance, and the speculation totals.
+
+    Acceptance is modelled per proposed token: alpha = P(a proposal is accepted | the ones
+    before it were). A verification that accepts a of n proposals is a accepts and, if a < n,
+    one rejection; alpha = accepted / (accepted + rejected) over counts that decay by `decay`
+    per verification (a moving estimate over the last few steps). Proposal i (1-based) is
+    accepted with probability alpha**i, so the count proposed is the largest k <= k_max with
+    alpha**k >= min_gain: each proposal costs a verified query token and is worth alpha**i
+    tokens. A new sequence starts at alpha = 1 (full proposals). At 0 proposals the sequence is
+    probed with k_max proposals after `probe_interval` steps without any, so a sequence that
+    turns to copying is found again.
+
+    State is keyed by sequence id (so preemption and swap keep it, and the counts, hence a
+    seeded request's tokens, do not depend on which slot it ran in); `free` drops it.
+    """
+
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        *,
+        min_gain: float = 0.3,
+        decay: float = 0.8,
+        probe_interval: int = 8,
+    ) -> None:
+        _check_int("num_speculative_tokens", num_speculative_tokens, minimum=1)
+        if not 0.0 < min_gain < 1.0:
+            raise ValueError(f"min_gain must be in (0, 1), got {min_gain!r}")
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        _check_int("probe_interval", probe_interval, minimum=1)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.min_gain = min_gain
+        self.decay = decay
+        self.probe_interval = probe_interval
+        self._seqs: dict[int, _Acceptance] = {}
+        self.num_drafts = 0  # verifications with at least one proposal
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        # accepted_per_pos[i]: verifications that accepted proposal i (vLLM's per-position count)
+        self.accepted_per_pos = np.zeros(num_speculative_tokens, np.int64)
+
+    def _state(self, seq_id: int) -> _Acceptance:
+        state = self._seqs.get(seq_id)
+        if state is None:
+            state = self._seqs[seq_id] = _Acceptance(accepted=1.0, rejected=0.0)
+        return state
+
+    def acceptance_rate(self, seq_id: int) -> float:
+        """The sequence's current per-token acceptance estimate alpha."""
+        s = self._state(seq_id)
+        return s.accepted / (s.accepted + s.rejected) if s.accepted + s.rejected > 0 else 1.0
+
+    def num_proposals(self, seq_ids: Sequence[int]) -> np.ndarray:
+        """int32[B]: how many tokens each sequence should propose this step (0..k_max)."""
+        k_max = self.num_speculative_tokens
+        out = np.zeros(len(seq_ids), np.int32)
+        for row, seq_id in enumerate(seq_ids):
+            alpha = self.acceptance_rate(seq_id)
+            if alpha >= 1.0:
+                k = k_max
+            elif alpha <= 0.0:
+                k = 0
+            else:
+                # Largest k with alpha**k >= min_gain (the epsilon keeps exact powers inside).
+                k = min(k_max, math.floor(math.log(self.min_gain) / math.log(alpha) + 1e-9))
+            if k == 0 and self._seqs[seq_id].idle >= self.probe_interval:
+                k = k_max
+            out[row] = k
+        return out
+
+    def record(
+        self, seq_ids: Sequence[int], num_proposed: np.ndarray, num_accepted: np.ndarray
+    ) -> None:
+        """After a step: int32[B] proposals verified and accepted per sequence. Call it for every
+        decoding sequence each step, also those with 0 proposals (that advances the probe)."""
+        num_proposed = np.asarray(num_proposed)
+        num_accepted = np.asarray(num_accepted)
+        for seq_id, n, a in zip(seq_ids, num_proposed.tolist(), num_accepted.tolist(), strict=True):
+            if not 0 <= a <= n <= self.num_speculative_tokens:
+                raise ValueError(
+                    f"need 0 <= num_accepted <= num_proposed <= {self.num_speculative_tokens}, "
+                    f"got {a} of {n} for sequence {seq_id}"
+                )
+            state = self._state(seq_id)
+            if n == 0:
+                state.idle += 1
+                continue
+            state.idle = 0
+            state.accepted = self.decay * state.accepted + a
+            state.rejected = self.decay * state.rejected + (a < n)
+            self.num_drafts += 1
+            self.num_draft_tokens += n
+            self.num_accepted_tokens += a
+            self.accepted_per_pos[:a] += 1
+
+    def free(self, seq_id: int) -> None:
+        """Forgets a finished (or aborted) sequence."""
+        self._seqs.pop(seq_id, None)
+
+    def stats(self) -> dict[str, float | int | list[int]]:
+        """vLLM's speculative-decoding metrics: drafts, draft tokens, accepted tokens, the
+        acceptance rate and the mean acceptance length (tokens per verification, the target's
+        own token included)."""
+        drafts = self.num_drafts
+        return {
+            "spec_num_drafts": drafts,
+            "spec_num_draft_tokens": self.num_draft_tokens,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_accepted_per_pos": self.accepted_per_pos.tolist(),
+            "spec_acceptance_rate": (
+                self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+            ),
+            "spec_mean_acceptance_length": (
+                1.0 + self.num_accepted_tokens / drafts if drafts else 0.0
+            ),
+        }

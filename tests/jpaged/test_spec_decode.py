@@ -1,0 +1,188 @@
+"""SpeculativeConfig (vLLM's names, defaults and errors) and AcceptanceTracker (the adaptive
+proposal count: full at first, fewer as proposals are rejected, none when they do not pay,
+probed again later, back to full when they are accepted)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jpaged.spec_decode import AcceptanceTracker, SpeculativeConfig
+
+
+def test_config_defaults_follow_vllm():
+    c = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4)
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+    c = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2)
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
+    c = SpeculativeConfig(num_speculative_tokens=2, model="/ckpt/draft")
+    assert c.method == "draft_model" and c.prompt_lookup_min is None
+    assert hash(c) == hash(
+        SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model="/ckpt/draft")
+    )
+
+
+def test_config_from_dict_and_json():
+    value = {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    }
+    c = SpeculativeConfig.from_dict(value)
+    assert c == SpeculativeConfig(**value)
+    assert (
+        SpeculativeConfig.from_json(
+            '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+        )
+        == c
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": "3"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"method": "eagle", "num_speculative_tokens": 3}, "method"),
+        ({"num_speculative_tokens": 3}, "method"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 0},
+            "prompt_lookup_min",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 1.5},
+            "prompt_lookup_max",
+        ),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 2,
+            },
+            "prompt_lookup_min",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 3, "model": "/ckpt"}, "model"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "model"),
+        ({"method": "draft_model", "num_speculative_tokens": 3, "model": ""}, "model"),
+        (
+            {
+                "method": "draft_model",
+                "num_speculative_tokens": 3,
+                "model": "/c",
+                "prompt_lookup_max": 3,
+            },
+            "prompt_lookup_max",
+        ),
+    ],
+)
+def test_config_errors_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+            "draft_tensor_parallel_size",
+        ),
+        ([("method", "ngram")], "mapping"),
+    ],
+)
+def test_config_from_dict_errors(value, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict(value)
+
+
+def test_config_from_json_errors():
+    with pytest.raises(ValueError, match="not valid JSON"):
+        SpeculativeConfig.from_json("{method: ngram}")
+    with pytest.raises(ValueError, match="mapping"):
+        SpeculativeConfig.from_json("[1, 2]")
+
+
+def test_check_draft_vocab():
+    c = SpeculativeConfig(num_speculative_tokens=2, model="/ckpt/draft")
+    c.check_draft_vocab(32000, 32000)
+    with pytest.raises(ValueError, match="vocabulary"):
+        c.check_draft_vocab(32000, 32001)
+
+
+def test_tracker_goes_down_probes_and_recovers():
+    t = AcceptanceTracker(4, min_gain=0.3, decay=0.8, probe_interval=8)
+    seq = [7]
+    counts = []
+
+    def step(num_accepted_of):
+        k = int(t.num_proposals(seq)[0])
+        counts.append(k)
+        t.record(seq, [k], [num_accepted_of(k)])
+
+    step(lambda k: 0)  # fresh: full proposals, all rejected -> alpha 0.44 -> 1
+    step(lambda k: 0)  # 1 rejected -> alpha 0.26 -> 0
+    for _ in range(8):
+        step(lambda k: 0)  # no speculation for 8 steps, then a probe with k_max
+    step(lambda k: k)  # the probe is accepted in full -> alpha 0.76 -> back to 4
+    step(lambda k: k)
+    assert counts == [4, 1] + [0] * 8 + [4, 4]
+    assert t.acceptance_rate(7) == pytest.approx(
+        (0.8**4 + 0.8 * 4 + 4) / (0.8**4 + 0.8 * 4 + 4 + 1.8 * 0.8**2)
+    )
+
+
+def test_tracker_partial_acceptance_gives_fewer_proposals():
+    t = AcceptanceTracker(5, min_gain=0.3, decay=0.8)
+    for _ in range(40):
+        t.record([1], [5], [2])  # two of five proposals accepted, every step
+    # alpha -> 2/3 per proposal: 0.67**2 >= 0.3 > 0.67**3, so two proposals.
+    assert t.acceptance_rate(1) == pytest.approx(2 / 3, abs=1e-3)
+    assert t.num_proposals([1]).tolist() == [2]
+
+
+def test_tracker_bounds_wasted_proposals():
+    """Proposals that are always rejected cost at most k_max per probe interval."""
+    t = AcceptanceTracker(4, probe_interval=8)
+    proposed = 0
+    for _ in range(90):
+        k = int(t.num_proposals([3])[0])
+        proposed += k
+        t.record([3], [k], [0])
+    assert proposed <= 4 + 1 + 4 * (90 // 9)
+    assert proposed / 90 < 0.6  # against 4 per step without adaptation
+
+
+def test_tracker_state_per_sequence_and_free():
+    t = AcceptanceTracker(3)
+    t.num_proposals([1, 2])
+    t.record([1, 2], np.array([3, 3]), np.array([3, 0]))
+    t.record([1, 2], np.array([3, 1]), np.array([3, 0]))
+    assert t.num_proposals([2, 1]).tolist() == [0, 3]
+    t.free(2)
+    assert t.num_proposals([2]).tolist() == [3]  # a new sequence starts at full proposals
+
+
+def test_tracker_stats_and_errors():
+    t = AcceptanceTracker(3)
+    t.record([1, 2, 3], np.array([3, 2, 0]), np.array([1, 2, 0]))
+    s = t.stats()
+    assert s["spec_num_drafts"] == 2
+    assert s["spec_num_draft_tokens"] == 5
+    assert s["spec_num_accepted_tokens"] == 3
+    assert s["spec_accepted_per_pos"] == [2, 1, 0]
+    assert s["spec_acceptance_rate"] == pytest.approx(3 / 5)
+    assert s["spec_mean_acceptance_length"] == pytest.approx(1 + 3 / 2)
+    with pytest.raises(ValueError, match="num_accepted"):
+        t.record([1], [2], [3])
+    with pytest.raises(ValueError, match="num_proposed"):
+        t.record([1], [4], [0])
+    with pytest.raises(ValueError, match="min_gain"):
+        AcceptanceTracker(3, min_gain=1.0)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        AcceptanceTracker(0)
