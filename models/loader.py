@@ -1,8 +1,13 @@
-"""Loads a Hugging Face checkpoint directory into a ModelConfig, a params pytree and a tokenizer.
+"""Loads a model into a ModelConfig, a params pytree, a tokenizer and its chat settings.
 
-Reads config.json, model.safetensors (or shards listed by model.safetensors.index.json),
-tokenizer.json and generation_config.json. torch Linear weights are stored [out, in]; they
-are transposed and split into heads to give the layout documented in models/config.py.
+`load_model` takes a Hugging Face directory, a GGUF file (models/gguf.py), an Orbax directory
+(models/orbax_checkpoint.py) or a Hub repo id (models/hub.py) and returns one LoadedModel.
+
+A Hugging Face directory: config.json, model.safetensors (or shards listed by
+model.safetensors.index.json), tokenizer.json, generation_config.json (EOS ids and sampling
+defaults), tokenizer_config.json or chat_template.jinja (chat template, BOS/EOS texts). torch
+Linear weights are stored [out, in]; they are transposed and split into heads to give the
+layout documented in models/config.py.
 
 Invariants: every tensor the config implies is present with exactly its expected shape, and
 no tensor of the checkpoint is left unused (an unused bias would silently change the model).
@@ -27,8 +32,13 @@ from models.config import ModelConfig
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+# generation_config.json fields that are sampling defaults (SamplingParams' names).
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 # Tensors that some checkpoints carry and that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -40,12 +50,18 @@ class LoadedModel:
     params: dict[str, Any]  # layout of models/config.py, jax arrays
     tokenizer: Any  # tokenizers.Tokenizer, or None when the directory has no tokenizer.json
     eos_token_ids: tuple[int, ...]  # generation_config.json's if present, else config.json's
-    path: Path
+    path: Path  # the model directory, or the .gguf file
     mesh: Any = None  # jax.sharding.Mesh the params are sharded over (None: one device)
+    chat_template: str | None = None  # Jinja source, rendered by models/chat_template.py
+    bos_token: str | None = None  # BOS/EOS texts, the template variables bos_token/eos_token
+    eos_token: str | None = None
+    # Sampling defaults the model ships (temperature, top_p, top_k, min_p, repetition_penalty;
+    # only those it sets), for requests that leave them unset.
+    generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
-class _TensorSpec:
+class TensorSpec:
     """One HF tensor and how it maps into the params layout."""
 
     hf_name: str
@@ -78,21 +94,21 @@ def _split(hf_dim: int, layout_shape: tuple[int, ...]):
     return (lambda w: w.reshape(layout_shape)), (lambda x: x.reshape(hf_dim))
 
 
-def tensor_specs(cfg: ModelConfig) -> dict[tuple, _TensorSpec]:
+def tensor_specs(cfg: ModelConfig) -> dict[tuple, TensorSpec]:
     """Maps each params path (("embed",), ("layers", i, "wq"), ...) to its HF tensor."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
-    def plain(name: str, shape: tuple[int, ...]) -> _TensorSpec:
-        return _TensorSpec(name, shape, _identity, _identity)
+    def plain(name: str, shape: tuple[int, ...]) -> TensorSpec:
+        return TensorSpec(name, shape, _identity, _identity)
 
     def linear(name: str, out_dim: int, in_dim: int, layout_shape: tuple[int, ...]):
-        return _TensorSpec(name, (out_dim, in_dim), *_linear(out_dim, in_dim, layout_shape))
+        return TensorSpec(name, (out_dim, in_dim), *_linear(out_dim, in_dim, layout_shape))
 
-    def bias(name: str, heads: int) -> _TensorSpec:
-        return _TensorSpec(name, (heads * dh,), *_split(heads * dh, (heads, dh)))
+    def bias(name: str, heads: int) -> TensorSpec:
+        return TensorSpec(name, (heads * dh,), *_split(heads * dh, (heads, dh)))
 
-    specs: dict[tuple, _TensorSpec] = {("embed",): plain("model.embed_tokens.weight", (v, d))}
+    specs: dict[tuple, TensorSpec] = {("embed",): plain("model.embed_tokens.weight", (v, d))}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         layer = {
@@ -222,13 +238,47 @@ def _place(value: np.ndarray, sharding: Any):
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
-def load_model(path: str | os.PathLike, *, dtype: Any = None, mesh: Any = None) -> LoadedModel:
-    """A model directory, Hugging Face or converted to Orbax (models/orbax_checkpoint.py)."""
-    from models import orbax_checkpoint
+def build_params(
+    config: ModelConfig,
+    specs: dict[tuple, TensorSpec],
+    read: Callable[[TensorSpec], np.ndarray],
+    *,
+    dtype: Any,
+    mesh: Any = None,
+    on_host: bool = False,
+) -> dict[str, Any]:
+    """The params pytree: read(spec) gives each tensor in its Hugging Face shape (the reader
+    checks it), here turned into the layout, cast to dtype and placed on its devices."""
+    shardings = _shardings(config, mesh)
+    params: dict[str, Any] = {"layers": [{} for _ in range(config.num_layers)]}
+    for key, spec in specs.items():
+        # Cast on the host (ml_dtypes for bfloat16): jnp.asarray(x, dtype=...) would compile
+        # one XLA convert per distinct tensor shape.
+        value = np.ascontiguousarray(spec.to_layout(read(spec)), dtype=dtype)
+        _set(params, key, value if on_host else _place(value, shardings.get(key)))
+    return params
 
-    if orbax_checkpoint.is_orbax_dir(path):
-        return orbax_checkpoint.load_orbax_model(path, dtype=dtype, mesh=mesh)
-    return load_hf_model(path, dtype=dtype, mesh=mesh)
+
+def load_model(
+    path: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    mesh: Any = None,
+    revision: str | None = None,
+) -> LoadedModel:
+    """Any model jpaged reads: a Hugging Face directory, a GGUF file (or a directory holding
+    exactly one .gguf and no config.json), an Orbax directory (models/orbax_checkpoint.py), or
+    a Hub repo id "org/name" fetched into the Hugging Face cache (models/hub.py; revision is
+    a branch, tag or commit)."""
+    from models import gguf, hub, orbax_checkpoint
+
+    local = hub.resolve_model_path(str(path), revision)
+    gguf_file = gguf.find_gguf(local)
+    if gguf_file is not None:
+        return gguf.load_gguf_model(gguf_file, dtype=dtype, mesh=mesh)
+    if orbax_checkpoint.is_orbax_dir(local):
+        return orbax_checkpoint.load_orbax_model(local, dtype=dtype, mesh=mesh)
+    return load_hf_model(local, dtype=dtype, mesh=mesh)
 
 
 def load_hf_model(
@@ -238,8 +288,9 @@ def load_hf_model(
 
     Args:
       path: directory with config.json, model.safetensors (or shards with
-        model.safetensors.index.json), and optionally tokenizer.json and
-        generation_config.json.
+        model.safetensors.index.json), and optionally tokenizer.json,
+        generation_config.json, tokenizer_config.json, special_tokens_map.json and
+        chat_template.jinja.
       dtype: dtype of every param (str or jnp dtype); default bfloat16 on an accelerator,
         float32 on CPU.
       mesh: a Mesh of models.sharding; each tensor is read once on the host and each device
@@ -249,7 +300,8 @@ def load_hf_model(
     Returns:
       LoadedModel. tokenizer is None when there is no tokenizer.json (the engine can still
       run on token ids). eos_token_ids come from generation_config.json when it has
-      eos_token_id, else from config.json; config.eos_token_ids is set to the same.
+      eos_token_id, else from config.json; config.eos_token_ids is set to the same. The chat
+      template, BOS/EOS texts and sampling defaults are read by `read_chat_settings`.
 
     Raises:
       FileNotFoundError: the directory, config.json, the weights or a shard is missing.
@@ -262,11 +314,9 @@ def load_hf_model(
     target_dtype = resolve_dtype(dtype)
     config_path = model_dir / CONFIG_FILE
     config = read_config(model_dir)
-    eos_token_ids = config.eos_token_ids
 
     files, weights_source = _weight_files(model_dir)
     specs = tensor_specs(config)
-    shardings = _shardings(config, mesh)
     wanted = {spec.hf_name for spec in specs.values()}
     unexpected = sorted(
         name
@@ -283,10 +333,10 @@ def load_hf_model(
             f"{config.architecture} as described by {config_path}"
         )
 
-    params: dict[str, Any] = {"layers": [{} for _ in range(config.num_layers)]}
     handles: dict[Path, Any] = {}
     with contextlib.ExitStack() as stack:
-        for key, spec in specs.items():
+
+        def read(spec: TensorSpec) -> np.ndarray:
             file = files.get(spec.hf_name)
             if file is None:
                 raise ValueError(f"{weights_source}: missing tensor {spec.hf_name!r}")
@@ -298,22 +348,34 @@ def load_hf_model(
                     f"{file}: tensor {spec.hf_name!r} has shape {list(array.shape)}, "
                     f"expected {list(spec.hf_shape)} from {config_path}"
                 )
-            # Cast on the host (ml_dtypes for bfloat16): jnp.asarray(x, dtype=...) would compile
-            # one XLA convert per distinct tensor shape.
-            value = np.ascontiguousarray(spec.to_layout(array), dtype=target_dtype)
-            _set(params, key, value if on_host else _place(value, shardings.get(key)))
+            return array
+
+        params = build_params(config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host)
+    tokenizer = load_tokenizer(model_dir)
     return LoadedModel(
         config=config,
         params=params,
-        tokenizer=load_tokenizer(model_dir),
-        eos_token_ids=eos_token_ids,
+        tokenizer=tokenizer,
+        eos_token_ids=config.eos_token_ids,
         path=model_dir,
         mesh=mesh,
+        **read_chat_settings(model_dir, config, tokenizer),
     )
 
 
-def read_config(model_dir: Path) -> ModelConfig:
-    """config.json, with eos_token_ids from generation_config.json when it has them."""
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of any model load_model reads (without loading weights).
+
+    For a Hugging Face or Orbax directory: config.json, with eos_token_ids from
+    generation_config.json when it has them. For a GGUF: its metadata. A Hub repo id is
+    resolved through the Hugging Face cache first.
+    """
+    from models import gguf, hub
+
+    model_dir = hub.resolve_model_path(str(path))
+    gguf_file = gguf.find_gguf(model_dir)
+    if gguf_file is not None:
+        return gguf.read_gguf_config(gguf_file)
     config_path = model_dir / CONFIG_FILE
     config = ModelConfig.from_hf_config(_read_json(config_path), source=str(config_path))
     gen_path = model_dir / GENERATION_CONFIG_FILE
@@ -321,6 +383,66 @@ def read_config(model_dir: Path) -> ModelConfig:
     if gen is not None and gen.get("eos_token_id") is not None:
         config = dataclasses.replace(config, eos_token_ids=_eos_ids(gen["eos_token_id"], gen_path))
     return config
+
+
+def read_chat_settings(model_dir: Path, config: ModelConfig, tokenizer: Any) -> dict[str, Any]:
+    """LoadedModel's chat_template, bos_token, eos_token and generation_defaults for a
+    Hugging Face (or Orbax) directory.
+
+    chat_template: chat_template.jinja if present, else tokenizer_config.json's
+    "chat_template" (a string, or a list of {"name", "template"} of which "default" is used).
+    bos_token/eos_token: tokenizer_config.json's, else special_tokens_map.json's, else the
+    tokenizer's text for config's BOS id and first EOS id. generation_defaults: the fields of
+    GENERATION_DEFAULT_FIELDS that generation_config.json sets.
+    """
+    tok_config_path = model_dir / TOKENIZER_CONFIG_FILE
+    tok_config = _read_json(tok_config_path, required=False) or {}
+    special_map = _read_json(model_dir / SPECIAL_TOKENS_MAP_FILE, required=False) or {}
+
+    def token_text(name: str, token_id: int | None) -> str | None:
+        for source in (tok_config, special_map):
+            value = source.get(name)
+            if isinstance(value, dict):  # a serialized AddedToken
+                value = value.get("content")
+            if isinstance(value, str):
+                return value
+        if tokenizer is not None and token_id is not None:
+            return tokenizer.id_to_token(token_id)
+        return None
+
+    eos_id = config.eos_token_ids[0] if config.eos_token_ids else None
+    gen = _read_json(model_dir / GENERATION_CONFIG_FILE, required=False) or {}
+    return {
+        "chat_template": _chat_template(model_dir, tok_config, tok_config_path),
+        "bos_token": token_text("bos_token", config.bos_token_id),
+        "eos_token": token_text("eos_token", eos_id),
+        "generation_defaults": {
+            k: gen[k] for k in GENERATION_DEFAULT_FIELDS if gen.get(k) is not None
+        },
+    }
+
+
+def _chat_template(model_dir: Path, tok_config: dict[str, Any], source: Path) -> str | None:
+    jinja_path = model_dir / CHAT_TEMPLATE_FILE
+    if jinja_path.is_file():
+        try:
+            return jinja_path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{jinja_path}: not readable text: {e}") from None
+    template = tok_config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) for t in template
+    ):
+        named = {t["name"]: t.get("template") for t in template}
+        chosen = named.get("default")
+        if chosen is None or isinstance(chosen, str):
+            return chosen
+    raise ValueError(
+        f"{source}: field 'chat_template' must be a string or a list of "
+        '{"name": ..., "template": ...} objects'
+    )
 
 
 def _shardings(config: ModelConfig, mesh: Any) -> dict[tuple, Any]:

@@ -2,7 +2,9 @@
 
 A converted model directory is a loadable model directory:
 
-    CKPT_DIR/config.json, generation_config.json, tokenizer.json   (copied from the HF dir)
+    CKPT_DIR/config.json, generation_config.json, tokenizer.json,  (copied from the HF dir
+             tokenizer_config.json, special_tokens_map.json,        when present)
+             chat_template.jinja
     CKPT_DIR/params/                                               (Orbax, params layout of
                                                                     models/config.py)
 
@@ -25,7 +27,14 @@ from models.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 PARAMS_DIR = "params"
-_COPIED_FILES = (loader.CONFIG_FILE, loader.GENERATION_CONFIG_FILE, loader.TOKENIZER_FILE)
+_COPIED_FILES = (
+    loader.CONFIG_FILE,
+    loader.GENERATION_CONFIG_FILE,
+    loader.TOKENIZER_FILE,
+    loader.TOKENIZER_CONFIG_FILE,
+    loader.SPECIAL_TOKENS_MAP_FILE,
+    loader.CHAT_TEMPLATE_FILE,
+)
 
 
 def is_orbax_dir(path: str | os.PathLike) -> bool:
@@ -122,11 +131,13 @@ def load_orbax_model(
         time.perf_counter() - t0,
         "one device" if mesh is None else f"mesh {dict(mesh.shape)}",
     )
+    tokenizer = loader.load_tokenizer(model_dir)
     return loader.LoadedModel(
         config=config,
         params=params,
-        tokenizer=loader.load_tokenizer(model_dir),
+        tokenizer=tokenizer,
         eos_token_ids=config.eos_token_ids,
         path=model_dir,
         mesh=mesh,
+        **loader.read_chat_settings(model_dir, config, tokenizer),
     )

@@ -1,0 +1,408 @@
+"""Loads a GGUF file (llama.cpp's format) into the same LoadedModel as a Hugging Face directory.
+
+The `gguf` package reads the file (GGUFReader, memory-mapped) and dequantizes its tensors
+(gguf.quants.dequantize); this module maps llama.cpp's names and metadata onto
+models/config.py:
+
+  general.architecture   llama -> LlamaForCausalLM (Llama 2/3, Mistral, SmolLM2),
+                         qwen2 -> Qwen2ForCausalLM (q/k/v biases), qwen3 -> Qwen3ForCausalLM
+                         (q/k RMSNorm)
+  {arch}.*               layers, sizes, heads, head dim, context length, rope base, norm eps
+  rope_freqs.weight      Llama 3.1+ rope scaling, stored as per-frequency divisors; read back
+                         as the llama3 RopeScaling that produces exactly those divisors
+  output.weight absent   tied embeddings
+  tokenizer.*            the tokenizer and chat template (models/gguf_tokenizer.py)
+
+llama.cpp's converter permutes the rows of the llama architecture's Q and K projections (and
+their biases) from Hugging Face's rotate-half rope layout to GGML's interleaved one; loading
+undoes it (`unpermute_rows`) so the params equal the Hugging Face checkpoint's. qwen2 and
+qwen3 files are not permuted.
+
+Invariants: as for Hugging Face directories, every tensor the config implies is present with
+its expected shape and no tensor of the file is left unused. Every failure (not a GGUF file,
+a truncated one, an unsupported architecture or tensor type, a missing or misshaped tensor) is
+a ValueError whose message names the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from models import loader
+from models.config import ModelConfig, RopeScaling
+
+GGUF_MAGIC = b"GGUF"
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# GGML tensor types jpaged dequantizes (through gguf.quants) when loading.
+SUPPORTED_TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
+ROPE_FREQS = "rope_freqs.weight"
+
+_TOP_LEVEL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """llama.cpp's name for a Hugging Face tensor ("model.layers.3.mlp.up_proj.weight" ->
+    "blk.3.ffn_up.weight")."""
+    if hf_name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[hf_name]
+    m = _LAYER_NAME.fullmatch(hf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise KeyError(f"no GGUF name for tensor {hf_name!r}")
+    return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+
+
+def find_gguf(path: str | os.PathLike) -> Path | None:
+    """The GGUF file path names: itself if it is a .gguf file, the only .gguf file of a
+    directory without config.json, else None (not a GGUF model).
+
+    Raises:
+      ValueError: a directory without config.json holds several .gguf files.
+    """
+    p = Path(path)
+    if p.suffix == ".gguf" and not p.is_dir():
+        return p
+    if p.is_dir() and not (p / loader.CONFIG_FILE).exists():
+        files = sorted(f for f in p.glob("*.gguf") if f.is_file())
+        if len(files) > 1:
+            names = ", ".join(f.name for f in files)
+            raise ValueError(f"{p}: holds {len(files)} .gguf files ({names}); pass one file's path")
+        if files:
+            return files[0]
+    return None
+
+
+class GGUFFile:
+    """An opened GGUF file: its metadata (key -> Python value) and tensors by name."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: GGUF file not found")
+        with open(self.path, "rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise ValueError(
+                f"{self.path}: not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})"
+            )
+        try:
+            reader = GGUFReader(self.path)
+        except (ValueError, IndexError, OSError) as e:
+            # GGUFReader reshapes every tensor over the memory map: a short file fails there.
+            raise ValueError(f"{self.path}: truncated or corrupt GGUF file ({e})") from None
+        try:
+            self.metadata: dict[str, Any] = {
+                key: field.contents() for key, field in reader.fields.items()
+            }
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{self.path}: unreadable GGUF metadata ({e})") from None
+        self.tensors = {t.name: t for t in reader.tensors}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape in numpy order (GGML lists dimensions innermost first)."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape))
+
+    def read(self, name: str) -> np.ndarray:
+        """A tensor dequantized to float32 in numpy order ([out, in] for a projection)."""
+        from gguf import quants
+
+        tensor = self.tensors[name]
+        kind = tensor.tensor_type.name
+        if kind not in SUPPORTED_TENSOR_TYPES:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} has type {kind}, which jpaged cannot load; "
+                f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+            )
+        return quants.dequantize(tensor.data, tensor.tensor_type).reshape(self.shape(name))
+
+
+def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K permutation for rope: rows [h, j, 2] -> [h, 2, j].
+
+    convert_hf_to_gguf.py stores row (head h, half s, index j) of a Hugging Face projection
+    (rotate-half layout: the two halves of a head are rotated together) at row (h, j, s), so
+    pairs rotated together sit next to each other as GGML's rope expects. w is [rows, ...]
+    with rows = num_heads * head_dim (a weight [out, in] or a bias [out]).
+    """
+    head_dim = w.shape[0] // num_heads
+    grouped = w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a GGUF file (reads metadata and tensor shapes only)."""
+    return _config(GGUFFile(path))
+
+
+def _config(file: GGUFFile) -> ModelConfig:
+    meta, source = file.metadata, file.path
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{source}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(ARCHITECTURES)}"
+        )
+
+    def field(key: str, default: Any = None, *, required: bool = False) -> Any:
+        full = f"{arch}.{key}"
+        if full not in meta:
+            if required:
+                raise ValueError(f"{source}: missing metadata field {full!r}")
+            return default
+        value = meta[full]
+        if isinstance(value, list):
+            # A ValueError like every other malformed-file error, so callers catch one type.
+            raise ValueError(f"{source}: metadata field {full!r} varies per layer; not supported")  # noqa: TRY004
+        return value
+
+    hidden = int(field("embedding_length", required=True))
+    num_heads = int(field("attention.head_count", required=True))
+    head_dim = field("attention.key_length")
+    if head_dim is None and arch == "llama":
+        head_dim = field("rope.dimension_count")  # full rotary: the head dim
+    head_dim = int(head_dim) if head_dim is not None else hidden // num_heads
+    value_dim = field("attention.value_length")
+    if value_dim is not None and int(value_dim) != head_dim:
+        raise ValueError(
+            f"{source}: value head dim {value_dim} differs from key head dim {head_dim}; "
+            "not supported"
+        )
+    scaling_type = field("rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        raise ValueError(f"{source}: {arch}.rope.scaling.type {scaling_type!r} is not supported")
+    rope_theta = float(field("rope.freq_base", 10000.0))
+    embed = gguf_tensor_name("model.embed_tokens.weight")
+    if embed not in file.tensors:
+        raise ValueError(f"{source}: missing tensor {embed!r}")
+    rope_scaling = None
+    if ROPE_FREQS in file.tensors:
+        original = field("rope.scaling.original_context_length")
+        rope_scaling = llama3_rope_scaling(
+            file.read(ROPE_FREQS), rope_theta, head_dim, original, source=str(source)
+        )
+    eos_ids = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None and int(value) not in eos_ids:
+            eos_ids.append(int(value))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    try:
+        return ModelConfig(
+            architecture=ARCHITECTURES[arch],
+            vocab_size=file.shape(embed)[0],
+            hidden_size=hidden,
+            intermediate_size=int(field("feed_forward_length", required=True)),
+            num_layers=int(field("block_count", required=True)),
+            num_heads=num_heads,
+            num_kv_heads=int(field("attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(field("context_length", required=True)),
+            tie_word_embeddings=gguf_tensor_name("lm_head.weight") not in file.tensors,
+            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in file.tensors,
+            qk_norm=arch == "qwen3",
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=tuple(eos_ids),
+        )
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def llama3_rope_scaling(
+    factors: np.ndarray,
+    rope_theta: float,
+    head_dim: int,
+    original_context_length: int | None,
+    *,
+    source: str,
+) -> RopeScaling | None:
+    """The llama3 rope scaling whose per-frequency divisors are `factors` (rope_freqs.weight).
+
+    llama.cpp stores Llama 3.1's scaling as one divisor per rotary frequency: 1 for short
+    wavelengths, `factor` for long ones, a smooth blend between. Every released Llama 3.x
+    uses low_freq_factor 1 and high_freq_factor 4; the original context length comes from
+    the metadata when given, else from a blended frequency, else 8192 (any value between
+    the unscaled and scaled wavelengths gives the same divisors). The result is checked to
+    reproduce every divisor.
+
+    Returns:
+      RopeScaling, or None when every divisor is 1.
+
+    Raises:
+      ValueError: the divisors are not llama3 scaling with those factors.
+    """
+    factors = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if factors.shape != (head_dim // 2,):
+        raise ValueError(
+            f"{source}: tensor {ROPE_FREQS!r} has {factors.size} entries, expected {head_dim // 2}"
+        )
+    if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
+        return None
+    factor = float(factors.max())
+    low, high = 1.0, 4.0
+    wavelen = 2 * np.pi * rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    blended = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if original_context_length is not None:
+        original = int(original_context_length)
+    elif blended.any():
+        # 1/divisor = (1 - s)/factor + s, with s = (original/wavelen - low) / (high - low).
+        i = int(np.flatnonzero(blended)[0])
+        s = (1 / factors[i] - 1 / factor) / (1 - 1 / factor)
+        original = round(float(wavelen[i] * (low + s * (high - low))))
+    else:
+        original = 8192
+    scaling = RopeScaling(
+        factor=factor,
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=original,
+    )
+    if not np.allclose(_llama3_divisors(scaling, wavelen), factors, rtol=1e-5, atol=0):
+        raise ValueError(
+            f"{source}: tensor {ROPE_FREQS!r} does not hold llama3 rope scaling "
+            f"(factor {factor}, low_freq_factor 1, high_freq_factor 4); not supported"
+        )
+    return scaling
+
+
+def _llama3_divisors(rs: RopeScaling, wavelen: np.ndarray) -> np.ndarray:
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    blended = 1 / ((1 - smooth) / rs.factor + smooth)
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    return np.where(
+        wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, rs.factor, blended)
+    )
+
+
+def generation_defaults(metadata: dict[str, Any]) -> dict[str, Any]:
+    """Sampling defaults a GGUF recommends (general.sampling.*), under SamplingParams' names."""
+    names = {
+        "general.sampling.temp": "temperature",
+        "general.sampling.top_p": "top_p",
+        "general.sampling.top_k": "top_k",
+        "general.sampling.min_p": "min_p",
+        "general.sampling.penalty_repeat": "repetition_penalty",
+    }
+    return {ours: metadata[key] for key, ours in names.items() if key in metadata}
+
+
+def load_gguf_model(
+    path: str | os.PathLike, *, dtype: Any = None, mesh: Any = None, on_host: bool = False
+) -> loader.LoadedModel:
+    """Loads a GGUF file, dequantized into dtype.
+
+    Args:
+      path: a .gguf file.
+      dtype: dtype of every param (default as models.loader.resolve_dtype).
+      mesh: a Mesh of models.sharding (None: every param on the default device).
+      on_host: keep params as numpy arrays, ignoring mesh.
+
+    Returns:
+      LoadedModel with the tokenizer, chat template, BOS/EOS texts and sampling defaults the
+      file's metadata gives. eos_token_ids: tokenizer.ggml.eos_token_id, then eot/eom ids.
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: not a GGUF file, truncated, an unsupported architecture, tensor type or
+        tokenizer, a missing, misshaped or unexpected tensor; the message names the file.
+    """
+    from models import gguf_tokenizer
+
+    file = GGUFFile(path)
+    config = _config(file)
+    target_dtype = loader.resolve_dtype(dtype)
+    permuted = file.metadata["general.architecture"] == "llama"
+    heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+    specs = loader.tensor_specs(config)
+    wanted = {gguf_tensor_name(spec.hf_name) for spec in specs.values()} | {ROPE_FREQS}
+    unexpected = sorted(set(file.tensors) - wanted)
+    if unexpected:
+        shown = ", ".join(repr(n) for n in unexpected[:5])
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        raise ValueError(
+            f"{file.path}: unexpected tensor(s) {shown}{more} for {config.architecture}"
+        )
+
+    def read(spec: loader.TensorSpec) -> np.ndarray:
+        name = gguf_tensor_name(spec.hf_name)
+        if name not in file.tensors:
+            raise ValueError(f"{file.path}: missing tensor {name!r}")
+        shape = file.shape(name)
+        if shape != spec.hf_shape:
+            raise ValueError(
+                f"{file.path}: tensor {name!r} has shape {list(shape)}, expected "
+                f"{list(spec.hf_shape)} from the file's metadata"
+            )
+        w = file.read(name)
+        kind = name.split(".")[-2]  # "blk.3.attn_q.weight" -> "attn_q"
+        if permuted and kind in heads:
+            w = unpermute_rows(w, heads[kind])
+        return w
+
+    params = loader.build_params(
+        config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host
+    )
+    built = gguf_tokenizer.build_tokenizer(file.metadata, source=str(file.path))
+    tokenizer, info = built if built is not None else (None, None)
+    return loader.LoadedModel(
+        config=config,
+        params=params,
+        tokenizer=tokenizer,
+        eos_token_ids=config.eos_token_ids,
+        path=file.path,
+        mesh=mesh,
+        chat_template=info.chat_template if info else None,
+        bos_token=info.bos_token if info else None,
+        eos_token=info.eos_token if info else None,
+        generation_defaults=generation_defaults(file.metadata),
+    )
