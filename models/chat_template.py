@@ -1,0 +1,213 @@
+"""Chat templates: a conversation rendered to prompt text with the model's Jinja template.
+
+Rendering follows transformers' apply_chat_template(..., tokenize=False), so a prompt is the
+same string a model was fine-tuned on: a jinja2 ImmutableSandboxedEnvironment (templates come
+from checkpoints and are untrusted) with trim_blocks and lstrip_blocks, the loopcontrols
+extension and `{% generation %}` blocks, and the helpers templates call: raise_exception,
+tojson (json.dumps, not HTML-escaped) and strftime_now. Variables: messages,
+add_generation_prompt, bos_token, eos_token, tools and documents (None), plus any extras.
+
+Messages are validated first: a non-empty list of {"role", "content"} with role one of
+ROLES and content a string or a list of {"type": "text", "text": ...} parts (joined with
+newlines into one string). Every error is a ValueError; a template's own error
+(raise_exception, a Jinja error) carries the template's message.
+
+BOS: a template that writes bos_token itself (Llama 3's does) must not get a second BOS from
+the tokenizer. `prompt_token_ids` encodes the rendered text without special tokens when it
+already starts with bos_token, else with the tokenizer's defaults (as transformers and vLLM).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+ROLES = ("system", "user", "assistant", "tool")
+# Appended to the final message to find where it ends in the rendered text
+# (continue_final_message), then cut off with everything after it.
+_CONTINUE_TAG = "JPAGED_CONTINUE_FINAL_MESSAGE "
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Checked copies of messages, with list contents joined into one string.
+
+    Raises:
+      ValueError: not a non-empty list, or a message that is not a dict, lacks role or
+        content, has an unknown role or a content of the wrong shape; the message names the
+        index and field (messages[2].role ...).
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages: must be a non-empty list of {'role', 'content'} objects")
+    checked = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            # ValueError for every malformed request, so the API layer catches one type.
+            raise ValueError(f"{where}: must be an object with 'role' and 'content'")  # noqa: TRY004
+        role = message.get("role")
+        if role not in ROLES:
+            raise ValueError(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}")
+        if "content" not in message:
+            raise ValueError(f"{where}.content: missing")
+        copy = dict(message)
+        copy["content"] = _content_text(message["content"], where, allow_none=role == "assistant")
+        checked.append(copy)
+    return checked
+
+
+def _content_text(content: Any, where: str, *, allow_none: bool) -> str | None:
+    if isinstance(content, str) or (content is None and allow_none):
+        return content  # an assistant message with only tool calls has no content
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"{where}.content: must be a string or a list of text parts")  # noqa: TRY004
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise ValueError(f"{where}.content[{j}]: must be {{'type': 'text', 'text': ...}}")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}.content[{j}].text: must be a string")  # noqa: TRY004
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def render_chat(
+    template: str,
+    messages: Sequence[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    **extra: Any,
+) -> str:
+    """The prompt text for messages.
+
+    Args:
+      template: Jinja source (LoadedModel.chat_template).
+      messages: see validate_messages.
+      add_generation_prompt: end with the header of an assistant turn (the model answers).
+      continue_final_message: leave the final (assistant) message open, without its
+        end-of-turn tokens, so the model continues it; exclusive with add_generation_prompt.
+      bos_token, eos_token: the texts the template may write (LoadedModel's).
+      **extra: more template variables (tools, documents, enable_thinking, ...).
+
+    Raises:
+      ValueError: invalid messages or arguments; "chat template error: <message>" when the
+        template raises or is not valid Jinja.
+    """
+    chat = validate_messages(messages)
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
+    final = None
+    if continue_final_message:
+        final = chat[-1].get("content")
+        if not final:
+            raise ValueError(f"messages[{len(chat) - 1}].content: empty, nothing to continue")
+        chat[-1]["content"] = final + _CONTINUE_TAG
+    variables = {"tools": None, "documents": None, **extra}
+    try:
+        text = _compile(template).render(
+            messages=chat,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            **variables,
+        )
+    except jinja2.TemplateError as e:  # raise_exception's TemplateError, syntax, undefined ...
+        raise ValueError(f"chat template error: {e.message or type(e).__name__}") from None
+    if final is not None:
+        tag = _CONTINUE_TAG.strip()
+        if tag not in text:
+            raise ValueError(
+                "continue_final_message: the chat template does not write the final message's "
+                "content, so it cannot be left open"
+            )
+        at = text.rindex(tag)
+        # A template that keeps the message verbatim keeps the tag's trailing space: cut right
+        # before the tag. One that trims the message trimmed the tag's space too (and maybe the
+        # message's own trailing whitespace): cut and strip, as transformers does.
+        text = text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
+    return text
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str):
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template error: line {e.lineno}: {e.message}") from None
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes <, >, & and ' for HTML; templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant text with it for
+    training masks): rendered as its body."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja's Extension API)
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body)
+        return call.set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def prompt_token_ids(tokenizer: Any, text: str, bos_token: str | None) -> list[int]:
+    """Token ids of a rendered prompt, with BOS exactly once.
+
+    A template that starts its text with bos_token already wrote the BOS, so the text is
+    encoded with add_special_tokens=False (no second BOS from the post-processor, and no
+    EOS either); any other text is encoded with the tokenizer's defaults, which add BOS when
+    the model wants one.
+
+    Args:
+      tokenizer: a tokenizers.Tokenizer (LoadedModel.tokenizer) or anything with
+        encode(text, add_special_tokens=...) returning ids or an Encoding.
+      text: render_chat's output.
+      bos_token: LoadedModel.bos_token.
+
+    Returns:
+      The prompt's token ids.
+    """
+    has_bos = bool(bos_token) and text.startswith(bos_token)
+    encoded = tokenizer.encode(text, add_special_tokens=not has_bos)
+    return list(getattr(encoded, "ids", encoded))
