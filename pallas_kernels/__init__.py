@@ -13,9 +13,18 @@ and no forced backend on a CPU host, the GPU kernel runs in the Pallas interpret
 engine can exercise the kernel path without an accelerator). Soft capping and sliding
 windows are implemented in every kernel. All functions are traceable inside jit; backend
 selection happens at trace time.
+
+GPU decode has two kernels: "triton" (gpu_decode, the default) and "mosaic"
+(mosaic_gpu_decode: Mosaic GPU, Hopper wgmma, bfloat16/float16 only; the path off jax's
+deprecated Triton lowering). `gpu_kernel=` chooses; when it is None the environment variable
+JPAGED_GPU_KERNEL does (read when the call is traced, so set it before the engine starts),
+and "triton" when that is unset. A shape or dtype the Mosaic kernel refuses runs on Triton.
+Prefill always uses Triton on GPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 
@@ -23,7 +32,9 @@ from pallas_kernels import reference
 from pallas_kernels.reference import MASK_VALUE
 
 __all__ = [
+    "GPU_KERNELS",
     "MASK_VALUE",
+    "gpu_decode_kernel",
     "paged_decode_attention",
     "paged_prefill_attention",
     "reference",
@@ -31,6 +42,8 @@ __all__ = [
 ]
 
 _BACKENDS = ("gpu", "tpu", "cpu")
+GPU_KERNELS = ("triton", "mosaic")
+GPU_KERNEL_ENV = "JPAGED_GPU_KERNEL"
 
 
 def select_backend(q_shape, k_shape, *, interpret: bool, backend: str | None) -> str:
@@ -54,6 +67,22 @@ def select_backend(q_shape, k_shape, *, interpret: bool, backend: str | None) ->
     return "cpu"
 
 
+def gpu_decode_kernel(q_shape, k_shape, dtype, gpu_kernel: str | None) -> str:
+    """Which GPU decode kernel runs: "mosaic" when asked for (argument, else
+    $JPAGED_GPU_KERNEL) and the shape and dtype suit it, else "triton"."""
+    if gpu_kernel is None:
+        gpu_kernel = os.environ.get(GPU_KERNEL_ENV) or "triton"
+    if gpu_kernel not in GPU_KERNELS:
+        raise ValueError(f"unknown GPU kernel {gpu_kernel!r} (from the argument or "
+                         f"${GPU_KERNEL_ENV}); expected one of {GPU_KERNELS}")
+    if gpu_kernel == "mosaic":
+        from pallas_kernels import mosaic_gpu_decode
+
+        if mosaic_gpu_decode.supports(q_shape, k_shape, dtype):
+            return "mosaic"
+    return "triton"
+
+
 def paged_decode_attention(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
@@ -66,14 +95,23 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     interpret: bool = False,
     backend: str | None = None,
+    gpu_kernel: str | None = None,
 ) -> jax.Array:  # [batch, num_q_heads, head_dim], q's dtype
     """Decode attention (one query per sequence at position lengths[b] - 1), dispatched.
 
     See reference.paged_decode_attention for the contract. `backend` forces "gpu", "tpu"
-    or "cpu"; `interpret` runs a Pallas kernel in the interpreter.
+    or "cpu"; `interpret` runs a Pallas kernel in the interpreter; `gpu_kernel` picks the
+    GPU kernel ("triton" or "mosaic"; None: $JPAGED_GPU_KERNEL, else "triton").
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend)
+    if which == "gpu" and gpu_decode_kernel(q.shape, k_pages.shape, k_pages.dtype,
+                                            gpu_kernel) == "mosaic":
+        from pallas_kernels import mosaic_gpu_decode
+
+        return mosaic_gpu_decode.paged_decode_attention(
+            q, k_pages, v_pages, lengths, page_table, interpret=interpret, **kwargs
+        )
     if which == "gpu":
         from pallas_kernels import gpu_decode
 

@@ -25,9 +25,16 @@ def idiv(a, b):
 
 
 def dot_f32(a, b, *, trans_b: bool = False):
-    """a @ b (or a @ b.T), accumulated in float32."""
+    """a @ b (or a @ b.T), accumulated in float32.
+
+    Float32 operands are multiplied at full precision: at the default precision Triton
+    rounds them to TF32 (`inputPrecision = tf32`, 10 mantissa bits) and Mosaic TPU to bf16
+    passes, far outside the 2e-5 the float32 kernels are held to. bf16 operands keep the
+    default (native bf16 tensor-core / MXU dots, float32 accumulation).
+    """
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def online_softmax_step(s, valid, v, v_valid, carry, *, soft_cap, keepdims=False):
@@ -67,6 +74,41 @@ def merge_splits(acc, m, l):
     l_tot = jnp.sum(w * l, axis=0)
     o = jnp.sum(w[..., None] * acc, axis=0)
     return finish(o, l_tot[..., None])
+
+
+# --- decode wrappers (plain jnp, outside the kernels) ---------------------------------------
+
+
+def pad_page_table(page_table, *, pages_per_block: int, sliding_window, multiple: int = 1):
+    """int32 table whose rows a block's page slice never leaves: whole blocks, plus one when a
+    window start may be unaligned, rounded up to `multiple` columns. Padding points at the
+    null page 0, whose tokens are masked anyway."""
+    pages_per_seq = page_table.shape[1]
+    width = -(-pages_per_seq // pages_per_block) * pages_per_block
+    width += pages_per_block if sliding_window else 0
+    width = -(-width // multiple) * multiple
+    return jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, width - pages_per_seq)))
+
+
+def group_queries(q, num_kv_heads: int, rows: int):
+    """q [B, Hq, D] -> [B, Hkv, rows, D]: each KV head's query group, zero-padded to rows."""
+    batch, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    qg = q.reshape(batch, num_kv_heads, group, head_dim)
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+
+
+def ungroup(out, num_q_heads: int):
+    """Inverse of group_queries: [B, Hkv, rows, D] -> [B, Hq, D] (padding rows dropped)."""
+    batch, num_kv_heads, _, head_dim = out.shape
+    group = num_q_heads // num_kv_heads
+    return out[:, :, :group].reshape(batch, num_q_heads, head_dim)
+
+
+def merge_decode_splits(acc, m, l, num_q_heads: int, dtype):
+    """Split partials acc [B, Hkv, S, rows, D], m, l [B, Hkv, S, rows] -> [B, Hq, D] in dtype."""
+    out = merge_splits(jnp.moveaxis(acc, 2, 0), jnp.moveaxis(m, 2, 0), jnp.moveaxis(l, 2, 0))
+    return ungroup(out, num_q_heads).astype(dtype)
 
 
 # --- names that moved between jax versions -------------------------------------------------

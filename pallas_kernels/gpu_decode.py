@@ -29,8 +29,10 @@ from jax.experimental import pallas as pl
 from pallas_kernels import tuning
 from pallas_kernels.common import (
     dot_f32,
-    merge_splits,
+    group_queries,
+    merge_decode_splits,
     online_softmax_step,
+    pad_page_table,
     triton_call_kwargs,
 )
 from pallas_kernels.reference import MASK_VALUE
@@ -139,12 +141,9 @@ def paged_decode_attention(
         )
     rows, ppb, splits = blocks.group_rows, blocks.pages_per_block, blocks.num_splits
 
-    # Pad the table so a block's page slice never leaves it (window start may be unaligned);
-    # padding points at the null page 0, and its tokens are masked anyway.
-    padded = tuning.cdiv(pages_per_seq, ppb) * ppb + (ppb if sliding_window else 0)
-    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, padded - pages_per_seq)))
-    qg = q.reshape(batch, num_kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    table = pad_page_table(page_table, pages_per_block=ppb, sliding_window=sliding_window)
+    padded = table.shape[1]
+    qg = group_queries(q, num_kv_heads, rows)
     lengths2 = lengths.astype(jnp.int32).reshape(batch, 1)
 
     kernel = functools.partial(
@@ -177,6 +176,4 @@ def paged_decode_attention(
         **triton_call_kwargs(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
     )(lengths2, table, qg, k_pages, v_pages)
 
-    out = merge_splits(jnp.moveaxis(acc, 2, 0), jnp.moveaxis(m, 2, 0), jnp.moveaxis(l, 2, 0))
-    out = out[:, :, :group].reshape(batch, num_q_heads, head_dim)
-    return out.astype(q.dtype)
+    return merge_decode_splits(acc, m, l, num_q_heads, q.dtype)

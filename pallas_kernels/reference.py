@@ -18,6 +18,10 @@ import jax.numpy as jnp
 # A large finite negative, so that max-subtraction never computes -inf - (-inf).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
+# Full float32 products: the reference is the ground truth the float32 kernels are held to
+# within 2e-5, and XLA on a GPU would otherwise run float32 einsums in TF32.
+_FULL = jax.lax.Precision.HIGHEST
+
 # Query tokens processed at once by the reference; bounds the gathered-KV temporary.
 _TOKEN_BLOCK = 128
 
@@ -37,10 +41,11 @@ def _probs(s, visible, *, sm_scale, soft_cap):
 
 def _attend(q, k, v, visible, *, sm_scale, soft_cap):
     """q [T, Hkv, G, D]; k, v [Hkv, T, L, D]; visible bool[T, L] -> [T, Hkv, G, D] (f32)."""
-    s = jnp.einsum("tkgd,ktld->tkgl", q.astype(jnp.float32), k.astype(jnp.float32))
+    s = jnp.einsum("tkgd,ktld->tkgl", q.astype(jnp.float32), k.astype(jnp.float32),
+                   precision=_FULL)
     p, denom = _probs(s, visible, sm_scale=sm_scale, soft_cap=soft_cap)
     v = jnp.where(visible[None, :, :, None], v.astype(jnp.float32), 0.0)
-    o = jnp.einsum("tkgl,ktld->tkgd", p, v)
+    o = jnp.einsum("tkgl,ktld->tkgd", p, v, precision=_FULL)
     return o / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
 
 
@@ -48,11 +53,12 @@ def _attend_pair(q, k, v, which, visible, *, sm_scale, soft_cap):
     """Tokens of at most two sequences, whose keys are gathered once per sequence, not once
     per token: q [T, Hkv, G, D]; k, v [Hkv, 2, L, D] with rows past each sequence's length
     already zeroed in v; which int32[T] in {0, 1}; visible bool[T, L] -> [T, Hkv, G, D]."""
-    s2 = jnp.einsum("tkgd,ksld->tkgsl", q.astype(jnp.float32), k.astype(jnp.float32))
+    s2 = jnp.einsum("tkgd,ksld->tkgsl", q.astype(jnp.float32), k.astype(jnp.float32),
+                    precision=_FULL)
     pick = which[:, None, None, None]
     s = jnp.where(pick == 0, s2[:, :, :, 0], s2[:, :, :, 1])
     p, denom = _probs(s, visible, sm_scale=sm_scale, soft_cap=soft_cap)
-    o2 = jnp.einsum("tkgl,ksld->tkgsd", p, v.astype(jnp.float32))
+    o2 = jnp.einsum("tkgl,ksld->tkgsd", p, v.astype(jnp.float32), precision=_FULL)
     o = jnp.where(pick == 0, o2[:, :, :, 0], o2[:, :, :, 1])
     return o / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
 

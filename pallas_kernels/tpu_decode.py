@@ -29,9 +29,12 @@ from pallas_kernels.common import (
     any_memory_space,
     dot_f32,
     finish,
+    group_queries,
     idiv,
     online_softmax_step,
+    pad_page_table,
     tpu_compiler_params,
+    ungroup,
 )
 from pallas_kernels.reference import MASK_VALUE
 
@@ -180,10 +183,9 @@ def paged_decode_attention(
         )
     rows, ppb = blocks.group_rows, blocks.pages_per_block
     block_tokens = ppb * page_size
-    width = tuning.cdiv(pages_per_seq, ppb) * ppb + (ppb if sliding_window else 0)
-    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, width - pages_per_seq)))
-    qg = q.reshape(batch, num_kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    table = pad_page_table(page_table, pages_per_block=ppb, sliding_window=sliding_window)
+    width = table.shape[1]
+    qg = group_queries(q, num_kv_heads, rows)
 
     kernel = functools.partial(
         _decode_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
@@ -212,4 +214,4 @@ def paged_decode_attention(
         interpret=interpret,
         name="jpaged_tpu_decode",
     )(lengths.astype(jnp.int32), table.reshape(-1), qg, k_pages, v_pages)
-    return out[:, :, :group].reshape(batch, num_q_heads, head_dim)
+    return ungroup(out, num_q_heads)

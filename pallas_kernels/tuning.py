@@ -59,6 +59,12 @@ def _pages_for(target_tokens: int, page_size: int, pages_per_seq: int, min_token
     return max(ppb, next_pow2(cdiv(min_tokens, page_size)))
 
 
+def _num_splits(programs: int, blocks_per_seq: int, num_sms: int) -> int:
+    """Context splits that bring `programs` (sequences x KV heads) to about twice the SMs."""
+    splits = cdiv(2 * num_sms, programs) if programs < 2 * num_sms else 1
+    return max(1, min(next_pow2(splits), blocks_per_seq, 16))
+
+
 def gpu_decode_blocks(
     *, batch: int, num_kv_heads: int, group: int, page_size: int, pages_per_seq: int,
     head_dim: int, itemsize: int, num_sms: int = GPU_NUM_SMS,
@@ -66,13 +72,22 @@ def gpu_decode_blocks(
     # 128 tokens of bf16 x 128 dims is 32 KiB per K or V tile; 2 stages x (K + V) = 128 KiB.
     target = 128 if head_dim * itemsize <= 256 else 64
     ppb = _pages_for(target, page_size, pages_per_seq, min_tokens=16)
-    blocks_per_seq = cdiv(pages_per_seq, ppb)
-    programs = batch * num_kv_heads
-    splits = cdiv(2 * num_sms, programs) if programs < 2 * num_sms else 1
-    splits = max(1, min(next_pow2(splits), blocks_per_seq, 16))
+    splits = _num_splits(batch * num_kv_heads, cdiv(pages_per_seq, ppb), num_sms)
     rows = max(16, next_pow2(group))
     return DecodeBlocks(group_rows=rows, pages_per_block=ppb, num_splits=splits,
                         num_warps=4 if rows <= 32 else 8, num_stages=2)
+
+
+def mosaic_decode_blocks(
+    *, batch: int, num_kv_heads: int, page_size: int, pages_per_seq: int,
+    num_sms: int = GPU_NUM_SMS,
+) -> DecodeBlocks:
+    """Mosaic GPU decode (Hopper wgmma): blocks of 128 tokens (a page of 128 is one block),
+    the query group padded to wgmma's 64 rows, splits as for the Triton kernel."""
+    ppb = max(1, 128 // page_size)
+    splits = _num_splits(batch * num_kv_heads, cdiv(pages_per_seq, ppb), num_sms)
+    return DecodeBlocks(group_rows=64, pages_per_block=ppb, num_splits=splits, num_warps=4,
+                        num_stages=2)
 
 
 def tpu_decode_blocks(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -90,3 +91,21 @@ def check(out, expected):
     assert np.all(np.isfinite(o)), "kernel output has non-finite values"
     assert np.all(np.isfinite(e)), "reference output has non-finite values"
     np.testing.assert_allclose(o, e, **tol)
+
+
+def spec(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+def decode_specs(batch, pages_per_seq, hq, hkv, head_dim, page_size, num_pages, dtype):
+    """Abstract arguments of a decode call (for lowering without data)."""
+    pool = spec((hkv, num_pages, page_size, head_dim), dtype)
+    return (spec((batch, hq, head_dim), dtype), pool, pool, spec((batch,), "int32"),
+            spec((batch, pages_per_seq), "int32"))
+
+
+def prefill_specs(tokens, seqs, pages_per_seq, hq, hkv, head_dim, page_size, num_pages, dtype):
+    """Abstract arguments of a ragged prefill call."""
+    pool = spec((hkv, num_pages, page_size, head_dim), dtype)
+    return (spec((tokens, hq, head_dim), dtype), pool, pool, spec((seqs,), "int32"),
+            spec((seqs, pages_per_seq), "int32"), spec((seqs + 1,), "int32"))

@@ -1,0 +1,165 @@
+"""Every GPU kernel configuration the engine can choose compiles for the H200 (sm_90), on CPU.
+
+Each kernel is lowered for 'cuda' inside an abstract H200 (gpu_target.h200) and its Triton IR
+is compiled to a cubin with the `triton` package (its passes and bundled ptxas), checking the
+H200's limits: at most 232,448 bytes of shared memory per block, at most 255 registers per
+thread and 65,536 per block. The configurations:
+
+- every bucket of the default engine (max_num_seqs 32, max_num_batched_tokens 512,
+  max_model_len 2048, page size 16, bfloat16, tensor_parallel_size 1) for the
+  Llama-3.2-1B and Llama-3.1-8B shapes: a decode kernel per (sequences, page columns)
+  bucket and a prefill kernel per (tokens, sequences, page columns) bucket, over the pool
+  the default memory fraction gives on an H200;
+- the grid of tests/pallas_kernels/test_on_gpu.py and bench_attention's shapes.
+
+Float32 kernels must multiply at full precision (no `inputPrecision = tf32` in their dots).
+The whole sweep (about 400 kernels, several CPU-minutes) is marked slow and CI runs it under
+the GPU machine's versions (.ci/run, Python 3.12 stage); a representative subset runs in the
+default suite. Where the triton package is not installed these tests fail, they do not skip:
+it is a test dependency (.ci/run installs it).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+
+import jax.numpy as jnp
+import pytest
+from gpu_target import compile_sm90, lower_for_cuda, triton_calls, ttir_text
+from paged_cases import decode_specs, prefill_specs
+
+from jpaged.config import CacheConfig, EngineConfig
+from pallas_kernels import gpu_decode, gpu_prefill
+
+# name: (layers, q heads, kv heads, head_dim, parameter count) of the Hugging Face configs.
+MODELS = {
+    "llama-3.2-1b": (16, 32, 8, 64, 1_235_814_400),
+    "llama-3.1-8b": (32, 32, 8, 128, 8_030_261_248),
+}
+LLAMA3_CONTEXT = 131_072  # max_position_embeddings of both
+# XLA's default allocator limit on a GPU (75% of its memory; nvidia-smi: 143,771 MiB on an
+# H200), less bf16 weights; the engine's default kv_memory_fraction (0.8) of what is left.
+H200_BYTES_LIMIT = int(0.75 * 143_771 * 2**20)
+
+
+def default_engine() -> EngineConfig:
+    return EngineConfig().resolve(LLAMA3_CONTEXT)
+
+
+def h200_num_pages(model: str, config: EngineConfig) -> int:
+    layers, _, hkv, head_dim, num_params = MODELS[model]
+    page_bytes = 2 * layers * hkv * config.cache.page_size * head_dim * 2  # K and V, bf16
+    free = H200_BYTES_LIMIT - 2 * num_params
+    return int(free * CacheConfig().kv_memory_fraction) // page_bytes + 1
+
+
+def engine_configs(model: str) -> list[tuple[str, object, tuple]]:
+    """(id, kernel, args) for every bucket of the default engine serving `model`."""
+    config = default_engine()
+    _, hq, hkv, head_dim, _ = MODELS[model]
+    pool = (hq, hkv, head_dim, config.cache.page_size, h200_num_pages(model, config), "bfloat16")
+    out = []
+    for s in config.seq_buckets:
+        for p in config.page_buckets:
+            out.append((f"decode-s{s}-p{p}", gpu_decode.paged_decode_attention,
+                        decode_specs(s, p, *pool)))
+            for t in config.token_buckets:
+                out.append((f"prefill-t{t}-s{s}-p{p}", gpu_prefill.paged_prefill_attention,
+                            prefill_specs(t, s, p, *pool)))
+    return out
+
+
+def grid_configs() -> list[tuple[str, object, tuple]]:
+    """test_on_gpu.py's grid (batch 7 x 6 pages; prefill 5 sequences) and bench_attention's
+    shapes (32 query / 8 KV heads, head_dim 128, bf16)."""
+    out = []
+    for ps in (8, 16, 32, 64):
+        for d in (64, 128):
+            for dt in ("float32", "bfloat16"):
+                for hkv, group in ((8, 1), (2, 4), (1, 8)):
+                    out.append((f"gpu-test-decode-ps{ps}-d{d}-{dt}-kv{hkv}g{group}",
+                                gpu_decode.paged_decode_attention,
+                                decode_specs(7, 6, hkv * group, hkv, d, ps, 7 * 6 + 4, dt)))
+    for ps in (16, 32):
+        for d in (64, 128):
+            for dt in ("float32", "bfloat16"):
+                ctx = 4 * ps
+                out.append((f"gpu-test-prefill-ps{ps}-d{d}-{dt}",
+                            gpu_prefill.paged_prefill_attention,
+                            prefill_specs(ps + 65 + 3, 5, -(-ctx // ps), 8, 2, d, ps, 40, dt)))
+    bench = [(64, 2048, 16), (256, 1024, 16), (16, 8192, 16), (8, 512, 16)]
+    bench += [(64, 2048, ps) for ps in (8, 32, 64, 128)]
+    for batch, ctx, ps in bench:
+        pages = ctx // ps
+        out.append((f"bench-{batch}x{ctx}-ps{ps}", gpu_decode.paged_decode_attention,
+                    decode_specs(batch, pages, 32, 8, 128, ps, 4 * batch * pages + 1, "bfloat16")))
+    return out
+
+
+@functools.cache
+def _compiled(ir_hash: str, call):
+    return compile_sm90(call)
+
+
+def check_config(name, kernel, args) -> dict:
+    """Lowers and compiles one configuration; asserts the limits and the dot precision."""
+    head_dim = args[0].shape[-1]
+    lowered = lower_for_cuda(kernel, args, sm_scale=head_dim**-0.5)
+    calls = triton_calls(lowered)
+    assert len(calls) == 1, (name, [c.name for c in calls])
+    call = calls[0]
+    if args[0].dtype == jnp.float32:
+        dots = re.findall(r"tt\.dot [^:]*", ttir_text(call))
+        assert dots and not any("tf32" in d for d in dots), (name, dots)
+    kernel_info = _compiled(hashlib.sha256(call.ir).hexdigest() + str(call.num_warps), call)
+    kernel_info.check_limits()
+    if args[0].dtype != jnp.float32:  # bf16, what the engine runs on a GPU: no spills either
+        assert kernel_info.spill_stores == kernel_info.spill_loads == 0, (name, kernel_info)
+    return {"shared": kernel_info.shared_bytes, "registers": kernel_info.registers,
+            "spills": kernel_info.spill_stores}
+
+
+def _chunks(configs, size):
+    return [configs[i: i + size] for i in range(0, len(configs), size)]
+
+
+ENGINE_CHUNKS = {m: _chunks(engine_configs(m), 24) for m in MODELS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model,chunk",
+    [(m, i) for m in MODELS for i in range(len(ENGINE_CHUNKS[m]))],
+    ids=lambda x: str(x),
+)
+def test_engine_buckets_compile_for_sm90(model, chunk):
+    for name, kernel, args in ENGINE_CHUNKS[model][chunk]:
+        check_config(f"{model}-{name}", kernel, args)
+
+
+@pytest.mark.slow
+def test_gpu_test_grid_and_bench_shapes_compile_for_sm90():
+    for name, kernel, args in grid_configs():
+        check_config(name, kernel, args)
+
+
+def test_representative_kernels_compile_for_sm90():
+    """Default suite: the largest engine buckets of each model (most shared memory), the
+    benchmark's main shape, and float32 kernels at full precision."""
+    picked = {}
+    for model in MODELS:
+        for name, kernel, args in engine_configs(model):
+            if name in ("decode-s32-p128", "prefill-t512-s32-p128", "decode-s4-p4"):
+                picked[f"{model}-{name}"] = (kernel, args)
+    for name, kernel, args in grid_configs():
+        if name in ("bench-64x2048-ps16", "gpu-test-decode-ps64-d128-float32-kv1g8",
+                    "gpu-test-prefill-ps32-d128-float32"):
+            picked[name] = (kernel, args)
+    assert len(picked) == 9
+    infos = {name: check_config(name, *ka) for name, ka in picked.items()}
+    # The 8B model's decode kernel (head_dim 128, 128 tokens x 2 stages of K and V) holds the
+    # most shared memory of the engine's kernels.
+    assert infos["llama-3.1-8b-decode-s32-p128"]["shared"] == max(
+        v["shared"] for k, v in infos.items() if k.startswith("llama"))
