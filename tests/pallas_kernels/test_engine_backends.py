@@ -2,7 +2,7 @@
 this CPU) as through the pure-jnp reference, for a mixed batch with chunked prefill."""
 
 import pytest
-from checkpoints import make_tiny_checkpoint
+from numpy_checkpoints import make_llama_checkpoint
 
 from jpaged import LLM, SamplingParams
 
@@ -13,9 +13,7 @@ PROMPTS = [[7], [3, 9, 27, 81, 243], list(range(100, 119)), list(range(500, 541)
 def checkpoint(tmp_path_factory):
     # head_dim 64 (the kernels' smallest tested size), 2 query heads per KV head.
     path = tmp_path_factory.mktemp("kernel_ckpt")
-    return make_tiny_checkpoint(
-        path, "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1
-    )
+    return make_llama_checkpoint(path / "llama", hidden=128, heads=2, kv_heads=1)
 
 
 def greedy_tokens(path, backend):

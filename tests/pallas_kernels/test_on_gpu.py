@@ -4,6 +4,10 @@ engine's greedy tokens through them. Selected with `pytest -m gpu` on a machine 
 
 Same inputs as the interpret-mode tests (NaN pools, shuffled page tables, edge lengths),
 plus shapes of real models (head_dim 128, GQA 4, bf16), compared per element.
+
+In order of value, because device time is short and pytest runs a file top to bottom: the
+engine's greedy tokens through the kernels, then bfloat16 (what the engine runs on a GPU)
+decode and prefill, the Mosaic GPU decode kernel, then float32 (full-precision dots).
 """
 
 from __future__ import annotations
@@ -25,16 +29,36 @@ def _needs_gpu():
         pytest.skip(f"needs a GPU; jax's default backend here is {jax.default_backend()!r}")
 
 
+def test_engine_greedy_tokens_same_with_kernels_and_reference(tmp_path):
+    from numpy_checkpoints import make_llama_checkpoint
+
+    from jpaged import LLM, SamplingParams
+
+    path = make_llama_checkpoint(tmp_path / "ckpt", hidden=256, heads=4, kv_heads=2)
+    prompts = [[7], [3, 9, 27, 81, 243], list(range(100, 119)), list(range(500, 600))]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for backend in ("reference", "pallas"):
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            attention_backend=backend,
+            max_num_seqs=4,
+            max_model_len=160,
+            max_num_batched_tokens=32,
+            page_size=16,
+            num_pages=64,
+        )
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert tokens["pallas"] == tokens["reference"]
+
+
 def edge_lengths(page_size, pages_per_seq):
     full = page_size * pages_per_seq
     return [0, 1, page_size - 1, page_size, page_size + 1, full - 1, full]
 
 
-@pytest.mark.parametrize("page_size", [8, 16, 32, 64])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("num_kv_heads,group", [(8, 1), (2, 4), (1, 8)])
-def test_decode_kernel_on_gpu(page_size, head_dim, dtype, num_kv_heads, group):
+def run_decode(page_size, head_dim, dtype, num_kv_heads, group, **kwargs):
     case = decode_case(
         page_size,
         lengths=edge_lengths(page_size, 6),
@@ -45,18 +69,15 @@ def test_decode_kernel_on_gpu(page_size, head_dim, dtype, num_kv_heads, group):
         dtype=dtype,
     )
     args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table)
-    out = jax.jit(lambda *a: pallas_kernels.paged_decode_attention(*a, sm_scale=case.sm_scale))(
-        *args
-    )
+    out = jax.jit(
+        lambda *a: pallas_kernels.paged_decode_attention(*a, sm_scale=case.sm_scale, **kwargs)
+    )(*args)
     expected = reference.paged_decode_attention(*args, sm_scale=case.sm_scale)
     check(out, expected)
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
 
 
-@pytest.mark.parametrize("page_size", [16, 32])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prefill_kernel_on_gpu(page_size, head_dim, dtype):
+def run_prefill(page_size, head_dim, dtype):
     # Decode rows, a chunk after a cached prefix, a fresh prompt, a chunk ending exactly on a
     # page boundary, then padding rows.
     seqs = [
@@ -90,27 +111,49 @@ def test_prefill_kernel_on_gpu(page_size, head_dim, dtype):
     check(out, expected)
 
 
-def test_engine_greedy_tokens_same_with_kernels_and_reference(tmp_path):
-    from checkpoints import make_tiny_checkpoint
+PAGE_SIZES = [8, 16, 32, 64]
+HEAD_DIMS = [64, 128]
+GROUPS = [(8, 1), (2, 4), (1, 8)]
 
-    from jpaged import LLM, SamplingParams
 
-    path = make_tiny_checkpoint(
-        tmp_path / "ckpt", "llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2
-    )
-    prompts = [[7], [3, 9, 27, 81, 243], list(range(100, 119)), list(range(500, 600))]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    tokens = {}
-    for backend in ("reference", "pallas"):
-        llm = LLM(
-            str(path),
-            dtype="float32",
-            attention_backend=backend,
-            max_num_seqs=4,
-            max_model_len=160,
-            max_num_batched_tokens=32,
-            page_size=16,
-            num_pages=64,
-        )
-        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert tokens["pallas"] == tokens["reference"]
+def _decode_grid(dtype):
+    return [
+        pytest.param(ps, d, dtype, hkv, g, id=f"ps{ps}-d{d}-{dtype}-kv{hkv}g{g}")
+        for ps in PAGE_SIZES
+        for d in HEAD_DIMS
+        for hkv, g in GROUPS
+    ]
+
+
+def _prefill_grid(dtype):
+    return [
+        pytest.param(ps, d, dtype, id=f"ps{ps}-d{d}-{dtype}") for ps in (16, 32) for d in HEAD_DIMS
+    ]
+
+
+@pytest.mark.parametrize("page_size,head_dim,dtype,num_kv_heads,group", _decode_grid("bfloat16"))
+def test_decode_kernel_on_gpu_bf16(page_size, head_dim, dtype, num_kv_heads, group):
+    run_decode(page_size, head_dim, dtype, num_kv_heads, group, gpu_kernel="triton")
+
+
+@pytest.mark.parametrize("page_size,head_dim,dtype", _prefill_grid("bfloat16"))
+def test_prefill_kernel_on_gpu_bf16(page_size, head_dim, dtype):
+    run_prefill(page_size, head_dim, dtype)
+
+
+@pytest.mark.parametrize("page_size,head_dim,dtype,num_kv_heads,group", _decode_grid("bfloat16"))
+def test_mosaic_decode_kernel_on_gpu(page_size, head_dim, dtype, num_kv_heads, group):
+    """The Mosaic GPU kernel (Hopper wgmma, TMA); needs sm_90."""
+    q_shape, k_shape = (1, num_kv_heads * group, head_dim), (num_kv_heads, 1, page_size, head_dim)
+    assert pallas_kernels.gpu_decode_kernel(q_shape, k_shape, dtype, "mosaic") == "mosaic"
+    run_decode(page_size, head_dim, dtype, num_kv_heads, group, gpu_kernel="mosaic")
+
+
+@pytest.mark.parametrize("page_size,head_dim,dtype,num_kv_heads,group", _decode_grid("float32"))
+def test_decode_kernel_on_gpu_f32(page_size, head_dim, dtype, num_kv_heads, group):
+    run_decode(page_size, head_dim, dtype, num_kv_heads, group, gpu_kernel="triton")
+
+
+@pytest.mark.parametrize("page_size,head_dim,dtype", _prefill_grid("float32"))
+def test_prefill_kernel_on_gpu_f32(page_size, head_dim, dtype):
+    run_prefill(page_size, head_dim, dtype)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from checkpoints import make_tiny_checkpoint
+from numpy_checkpoints import make_llama_checkpoint
 
 
 def run_worker(*args: str, timeout: float = 600) -> dict:
@@ -31,11 +31,11 @@ def run_worker(*args: str, timeout: float = 600) -> dict:
 
 @pytest.fixture(scope="session")
 def tp_checkpoint(tmp_path_factory) -> Path:
-    """Tiny Llama with 8 query heads and 4 KV heads (so T = 8 replicates each KV head twice)."""
+    """Tiny Llama with 8 query heads and 4 KV heads (so T = 8 replicates each KV head twice).
+
+    Written with numpy (no torch), so the sharding tests also run where torch is absent."""
     root = tmp_path_factory.mktemp("tp_checkpoint")
-    return make_tiny_checkpoint(
-        root / "llama", "llama", num_attention_heads=8, num_key_value_heads=4
-    )
+    return make_llama_checkpoint(root / "llama", heads=8, kv_heads=4)
 
 
 @pytest.fixture(scope="session")
