@@ -225,6 +225,7 @@ def write_gguf(
     seed: int = 0,
     chat_template: str | None = None,
     skip: tuple[str, ...] = (),
+    metadata: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Writes the checkpoint at hf_dir as a GGUF file with gguf.GGUFWriter.
 
@@ -240,6 +241,7 @@ def write_gguf(
       seed: for those random bytes.
       chat_template: stored as tokenizer.chat_template when given.
       skip: GGUF tensor names left out of the file.
+      metadata: more key/value pairs (float -> FLOAT32, int -> UINT32, str -> STRING).
 
     Returns:
       {Hugging Face tensor name: float32 array} holding what the file stores, dequantized and
@@ -288,6 +290,9 @@ def write_gguf(
     writer.add_add_bos_token(True)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():
+        add = {float: writer.add_float32, int: writer.add_uint32, str: writer.add_string}
+        add[type(value)](key, value)
 
     rng = np.random.default_rng(seed)
     stored: dict[str, Any] = {}

@@ -110,6 +110,17 @@ def test_every_supported_tensor_type(tmp_path):
     )
 
 
+def test_chat_settings_from_metadata(tmp_path, tiny_checkpoints):
+    path = tmp_path / "chat.gguf"
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    sampling = {"general.sampling.temp": 0.7, "general.sampling.top_k": 40}
+    write_gguf(tiny_checkpoints["qwen3"], path, chat_template=template, metadata=sampling)
+    loaded = load_model(path)
+    assert loaded.chat_template == template
+    assert loaded.generation_defaults == {"temperature": float(np.float32(0.7)), "top_k": 40}
+    assert (loaded.bos_token, loaded.eos_token) == ("<s>", "</s>")
+
+
 def test_directory_with_one_gguf(tmp_path, tiny_checkpoints):
     write_gguf(tiny_checkpoints["qwen2"], tmp_path / "model.gguf")
     (tmp_path / "README.md").write_text("a model")
