@@ -14,7 +14,9 @@ top K, so K per beam is enough). Once every live beam of a request has reported:
 The choice becomes page-table edits, never cache copies: a parent chosen once keeps its
 pages and appends its token; one chosen c > 1 times is forked c - 1 times (the children
 share its pages; a partly filled last page is copied on its first write); an unchosen beam
-is dropped (its page references are freed). The search stops as transformers' does: all
+is dropped (its page references are freed). The search talks to the engine only through its
+narrow beam methods (step_unsampled, append_token, fork_sequence, drop_sequence,
+preempt_sequence); it never touches the scheduler. The search stops as transformers' does: all
 candidates end, or beam_width beams are finished and (early_stopping=True) or no running
 beam can beat the worst of them any more.
 
@@ -30,11 +32,8 @@ from collections.abc import Sequence as SequenceABC
 
 import numpy as np
 
-from jpaged.engine import LLMEngine
 from jpaged.sampler import MAX_LOGPROBS
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
-from jpaged.scheduler import Scheduler
-from jpaged.sequence import SeqStatus, Sequence
 
 
 @dataclasses.dataclass
@@ -63,7 +62,8 @@ class _Candidate:
 
 @dataclasses.dataclass
 class _Beam:
-    seq: Sequence
+    seq_id: int
+    token_ids: list[int]  # generated so far
     score: float  # cumulative log-probability of the generated tokens
 
 
@@ -89,15 +89,15 @@ class _BeamRequest:
         self.reports: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # seq_id -> top K
         self.num_generated = 0
 
-    def report(self, seq: Sequence, top_ids: np.ndarray, top_logprobs: np.ndarray) -> None:
+    def report(self, seq_id: int, top_ids: np.ndarray, top_logprobs: np.ndarray) -> None:
         """Stores a computed beam's top-K next tokens (int32[K]) and log-probabilities."""
         if not self.beams:
-            self.beams = [_Beam(seq, 0.0)]
+            self.beams = [_Beam(seq_id, [], 0.0)]
         k = self.num_candidates
-        self.reports[seq.seq_id] = (top_ids[:k], top_logprobs[:k])
+        self.reports[seq_id] = (top_ids[:k], top_logprobs[:k])
 
     def ready(self) -> bool:
-        return bool(self.beams) and all(b.seq.seq_id in self.reports for b in self.beams)
+        return bool(self.beams) and all(b.seq_id in self.reports for b in self.beams)
 
     def select(self) -> list[_Candidate] | None:
         """One search step from the reports: updates `finished`; returns the next running
@@ -106,7 +106,7 @@ class _BeamRequest:
         width = p.beam_width
         cands = []
         for b, beam in enumerate(self.beams):
-            ids, lps = self.reports.pop(beam.seq.seq_id)
+            ids, lps = self.reports.pop(beam.seq_id)
             cands += [_Candidate(beam.score + float(lp), b, int(t)) for t, lp in zip(ids, lps)]
         # torch.topk over the flat (beam, token) scores; ties broken by that flat index
         cands.sort(key=lambda c: (-c.score, c.beam, c.token))
@@ -117,7 +117,7 @@ class _BeamRequest:
         ends = [e or n >= p.max_tokens for e in is_eos]
         for c, eos, end in zip(cands[:width], is_eos[:width], ends[:width]):
             if end:  # only the best beam_width candidates may finish, as in transformers
-                tokens = self.beams[c.beam].seq.token_ids[len(self.prompt_token_ids) :]
+                tokens = self.beams[c.beam].token_ids
                 self.finished.append(
                     BeamSearchSequence(
                         token_ids=tokens + [c.token],
@@ -142,24 +142,24 @@ class _BeamRequest:
                 return None
         return running
 
-    def advance(self, scheduler: Scheduler, running: list[_Candidate]) -> None:
+    def advance(self, engine, running: list[_Candidate]) -> None:
         """Makes `running` the live beams: drop unchosen parents, fork parents chosen more
         than once (pages shared, not copied), then append each beam's token."""
         chosen = {c.beam for c in running}
         for b, beam in enumerate(self.beams):
             if b not in chosen:
-                scheduler.finish(beam.seq, "abort")
-        group = self.beams[0].seq.group  # keeps only its live beams, not every dropped one
-        group.seqs[:] = [s for s in group.seqs if not s.is_finished]
-        seqs: list[Sequence] = []
+                engine.drop_sequence(beam.seq_id)
+        seq_ids: list[int] = []
         taken: set[int] = set()
         for c in running:
-            parent = self.beams[c.beam].seq
-            seqs.append(scheduler.fork(parent) if c.beam in taken else parent)
+            parent = self.beams[c.beam].seq_id
+            seq_ids.append(engine.fork_sequence(parent) if c.beam in taken else parent)
             taken.add(c.beam)
-        for seq, c in zip(seqs, running, strict=True):
-            seq.token_ids.append(c.token)
-        self.beams = [_Beam(seq, c.score) for seq, c in zip(seqs, running, strict=True)]
+        beams = []
+        for seq_id, c in zip(seq_ids, running, strict=True):
+            engine.append_token(seq_id, c.token)
+            beams.append(_Beam(seq_id, [*self.beams[c.beam].token_ids, c.token], c.score))
+        self.beams = beams
 
     def output(self, tokenizer) -> BeamSearchOutput:
         for s in self.finished:
@@ -170,7 +170,7 @@ class _BeamRequest:
 
 
 def beam_search(
-    engine: LLMEngine,
+    engine,
     prompts: SequenceABC,
     params: BeamSearchParams,
     request_ids: list[str],
@@ -178,7 +178,7 @@ def beam_search(
     """Runs beam search for every prompt on an idle engine; outputs in prompt order.
 
     Args:
-      engine: an engine with no unfinished requests.
+      engine: an LLMEngine with no unfinished requests.
       prompts: texts or token-id lists; all are validated before any is queued.
       params: the search's BeamSearchParams.
       request_ids: one unused request id per prompt.
@@ -186,7 +186,7 @@ def beam_search(
     Returns:
       One BeamSearchOutput per prompt, holding beam_width sequences, best first.
     """
-    if not isinstance(engine, LLMEngine):
+    if not hasattr(engine, "step_unsampled"):
         raise ValueError(
             f"beam search runs on one LLMEngine (data_parallel_size 1), got {type(engine).__name__}"
         )
@@ -209,7 +209,7 @@ def beam_search(
     requests = []
     for i, (rid, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
         try:
-            text, ids = engine._prompt_tokens(prompt)
+            text, ids = engine.tokenize_prompt(prompt)
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
         if len(ids) + params.max_tokens > engine.max_model_len:
@@ -231,15 +231,12 @@ def beam_search(
                 req = pending.popleft()
                 engine.add_request(req.request_id, list(req.prompt_token_ids), sampling)
                 active[req.request_id] = req
-            plan, out = engine.step_unsampled()
-            if out is None:
-                _make_room(engine.scheduler, active.values())
+            reports = engine.step_unsampled()
+            if reports is None:
+                _make_room(engine, active.values())
                 continue
-            for i, row in enumerate(plan.rows):
-                if row.keep_sample and row.seq.status is SeqStatus.RUNNING:
-                    active[row.seq.group.request_id].report(
-                        row.seq, out.top_ids[i], out.top_logprobs[i]
-                    )
+            for rid, seq_id, out, row in reports:
+                active[rid].report(seq_id, out.top_ids[row], out.top_logprobs[row])
             for rid, req in list(active.items()):
                 if not req.ready():
                     continue
@@ -249,19 +246,19 @@ def beam_search(
                     done[rid] = req.output(engine.tokenizer)
                     del active[rid]
                 else:
-                    req.advance(engine.scheduler, running)
+                    req.advance(engine, running)
     except BaseException:
         engine.abort_request(list(active))
         raise
     return [done[r.request_id] for r in requests]
 
 
-def _make_room(scheduler: Scheduler, active) -> None:
+def _make_room(engine, active) -> None:
     """Nothing could run: beams that must still be computed wait for pages that beams
     already computed (waiting for their siblings) hold. Preempts the newest of those."""
     reported = {seq_id for req in active for seq_id in req.reports}
-    for seq in reversed(scheduler.running):
-        if seq.seq_id in reported:
-            scheduler.preempt(seq)
+    for seq_id in reversed(engine.running_sequence_ids()):
+        if seq_id in reported:
+            engine.preempt_sequence(seq_id)
             return
     raise RuntimeError("beam search cannot proceed: the page pool is too small for one beam")

@@ -1,136 +1,187 @@
-"""The `jpaged` command line: generate, batch, and (from server/) serve and client.
+"""The offline command line: generate, batch and convert (server/cli.py adds serve and client,
+and is the `jpaged` command's entry point, so that this package never imports the server).
 
 Flags are parsed only here, at the edge; everything below takes configs and SamplingParams.
+Engine flags come from the config dataclasses (jpaged/engine_args.py); sampling flags are one
+table, shared by generate, batch, client and serve, each showing its default. A user's error
+(a bad value, a missing file) ends in one line on stderr, `jpaged: error: ...`, and exit
+status 2 (1 for files); `--debug` or JPAGED_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
 import sys
+import unicodedata
+from collections.abc import Callable, Iterable
 
-# Engine flags: the keyword arguments of jpaged.llm.engine_config_from_args, shared by
-# generate, batch and serve. Only flags given on the command line are passed on, so the
-# engine's defaults stay its own (documented there).
-ENGINE_FLAGS = (
-    # (flag, type, help)
-    ("dtype", str, "bfloat16 or float32 (default: bfloat16 on accelerators, float32 on CPU)"),
-    ("seed", int, "engine seed for requests without their own (default 0)"),
-    ("page-size", int, "tokens per KV page (default 16)"),
-    ("num-pages", int, "KV pages in the pool (default: from the memory budget)"),
-    ("kv-cache-memory-bytes", int, "KV-cache budget in bytes"),
-    ("kv-memory-fraction", float, "share of free accelerator memory for KV pages (default 0.8)"),
-    ("kv-allocation", str, "paged (default) or reserve"),
-    ("preemption-mode", str, "recompute (default) or swap: preempted K/V to host memory and back"),
-    ("swap-space-bytes", int, "host memory for swap preemption (default 4 GiB)"),
-    ("num-swap-pages", int, "host pages for swap preemption (instead of --swap-space-bytes)"),
-    ("max-num-seqs", int, "sequences per step (default 32)"),
-    ("max-model-len", int, "longest prompt + output (default: the model's, at most 2048)"),
-    ("max-num-batched-tokens", int, "tokens per step, the chunked-prefill budget"),
-    ("attention-backend", str, "reference, pallas or pallas_interpret (default: best)"),
-    ("tensor-parallel-size", int, "devices each replica's weights and KV heads split over"),
-    ("data-parallel-size", int, "engine replicas, each on its own tensor-parallel devices"),
-    (
-        "compilation-cache-dir",
-        str,
-        "JAX persistent compilation cache: auto (default, ~/.cache/jpaged/xla), a directory, or off",
-    ),
+from jpaged.engine_args import add_engine_flags, engine_kwargs
+from jpaged.sampling_params import SamplingParams
+
+# The command line's default for --max-tokens (the Python API's SamplingParams keeps vLLM's 16).
+CLI_MAX_TOKENS = 256
+
+# Sampling flags: (SamplingParams field, type, help). Defaults come from SamplingParams,
+# except --max-tokens (CLI_MAX_TOKENS).
+_SAMPLING_FLAGS = (
+    ("n", int, "completions per prompt"),
+    ("temperature", float, "0 is greedy"),
+    ("top_p", float, "nucleus sampling: smallest set with this probability"),
+    ("top_k", int, "sample from the k most likely tokens (-1: all)"),
+    ("min_p", float, "drop tokens less likely than min_p x the most likely one"),
+    ("presence_penalty", float, "penalty for tokens already generated, in [-2, 2]"),
+    ("frequency_penalty", float, "penalty per occurrence in the output, in [-2, 2]"),
+    ("repetition_penalty", float, "divides the logits of tokens seen (> 1 discourages)"),
+    ("seed", int, "per-request seed: the same tokens whatever else runs (default: random)"),
+    ("max_tokens", int, "tokens to generate at most"),
+    ("min_tokens", int, "tokens to generate before EOS or a stop token may end the output"),
+    ("logprobs", int, "log-probabilities of the sampled token and the N most likely"),
 )
-ENGINE_SWITCHES = (
-    # (flag, what it turns on or off)
-    ("enable-prefix-caching", "prefix caching (default on)"),
-    ("enable-chunked-prefill", "chunked prefill (default on)"),
-    ("precompile", "compiling every shape bucket at start-up (default off)"),
-    ("async-scheduling", "scheduling the next step while the device runs this one (default on)"),
+_SAMPLING_SWITCHES = (
+    ("ignore_eos", "keep generating after EOS"),
+    ("include_stop_str_in_output", "keep the stop string that ended the output"),
+    ("skip_special_tokens", "leave special tokens out of the text"),
 )
+SAMPLING_FIELDS = (
+    [name for name, *_ in _SAMPLING_FLAGS]
+    + [name for name, _ in _SAMPLING_SWITCHES]
+    + ["stop", "stop_token_ids"]
+)
+_DEFAULTS = SamplingParams()
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: the demo model)")
-    engine = p.add_argument_group("engine")
-    for flag, kind, text in ENGINE_FLAGS:
-        engine.add_argument(f"--{flag}", type=kind, default=None, help=text)
-    for flag, text in ENGINE_SWITCHES:
-        engine.add_argument(
-            f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=f"turn {text}"
+def _default(name: str):
+    return CLI_MAX_TOKENS if name == "max_tokens" else getattr(_DEFAULTS, name)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, *, defaults_only: bool = False) -> None:
+    """The sampling flags. defaults_only: they set defaults for requests (batch lines, a
+    server's requests) that leave a field unset; unset flags are left out."""
+    g = p.add_argument_group(
+        "sampling (defaults for requests that leave them unset)" if defaults_only else "sampling"
+    )
+    for name, kind, text in _SAMPLING_FLAGS:
+        flags = ["-n", "--n"] if name == "n" else ["--" + name.replace("_", "-")]
+        default = _default(name)
+        shown = "" if "default" in text else f" (default: {default})"
+        g.add_argument(*flags, dest=name, type=kind, default=None, help=text + shown)
+    for name, text in _SAMPLING_SWITCHES:
+        on_off = "on" if _default(name) else "off"
+        g.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=f"{text} (default: {on_off})",
         )
-    engine.add_argument(  # short form of --no-enable-prefix-caching
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help=argparse.SUPPRESS,
+    g.add_argument(
+        "--stop", action="append", default=None, help="stop string (repeatable; default: none)"
+    )
+    g.add_argument(
+        "--stop-token-ids",
+        type=_int_list,
+        default=None,
+        help="stop token ids, comma-separated (default: none)",
     )
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The engine keyword arguments given on the command line (unset ones are left out)."""
-    names = [f.replace("-", "_") for f, *_ in ENGINE_FLAGS + ENGINE_SWITCHES]
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+def sampling_overrides(args: argparse.Namespace) -> dict:
+    """The sampling fields given on the command line (unset ones left out)."""
+    return {n: getattr(args, n) for n in SAMPLING_FIELDS if getattr(args, n, None) is not None}
 
 
-def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--min-tokens", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+def sampling_params_from_args(args: argparse.Namespace, **extra) -> SamplingParams:
+    """SamplingParams from the flags, the CLI defaults where a flag is unset."""
+    values = {"max_tokens": CLI_MAX_TOKENS, **sampling_overrides(args), **extra}
+    return SamplingParams(**values)
+
+
+def add_prompt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", default=None, help="prompt text")
     p.add_argument(
-        "--request-seed", type=int, default=None, help="per-request seed (reproducible sampling)"
+        "--prompt-token-ids",
+        type=_int_list,
+        default=None,
+        help="the prompt as token ids, comma-separated, instead of text (e.g. 1,2,3)",
     )
-    p.add_argument("--n", type=int, default=1)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--logprobs", type=int, default=None)
 
 
-def sampling_params_from_args(args: argparse.Namespace):
-    from jpaged.sampling_params import SamplingParams
+def prompt_from_args(args: argparse.Namespace) -> str | list[int]:
+    if (args.prompt is None) == (args.prompt_token_ids is None):
+        raise ValueError("give a prompt: either text or --prompt-token-ids, not both")
+    return args.prompt if args.prompt is not None else args.prompt_token_ids
 
-    return SamplingParams(
-        n=args.n,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.request_seed,
-        max_tokens=args.max_tokens,
-        min_tokens=args.min_tokens,
-        stop=args.stop,
-        stop_token_ids=args.stop_token_ids,
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-    )
+
+def printable(text: str) -> str:
+    """text with control and other non-printable characters escaped (\\x07, \\u200b ...);
+    newlines and tabs kept."""
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch in "\n\t" or ch.isprintable() or unicodedata.category(ch) == "Zs":
+            out.append(ch)
+        else:
+            out.append(ch.encode("unicode_escape").decode("ascii"))
+    return "".join(out)
+
+
+def make_engine_from_args(args: argparse.Namespace):
+    from jpaged.engine_args import engine_config_from_args
+    from jpaged.parallel import make_engine
+
+    return make_engine(engine_config_from_args(args.model, **engine_kwargs(args)))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jpaged.engine import LLMEngine
+    from jpaged.sampling_params import RequestOutputKind
 
-    params = sampling_params_from_args(args)
-    engine = LLMEngine.from_args(model=args.model, **engine_kwargs(args))
-    engine.add_request("cli-0", args.prompt, params)
-    printed = [0] * params.n
+    prompt = prompt_from_args(args)
+    stream = args.stream and args.output == "text"
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    params = sampling_params_from_args(args, output_kind=kind)
+    engine = make_engine_from_args(args)
+    engine.add_request("cli-0", prompt, params)
+    texts: dict[int, list[str]] = {}
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
             final = out
-            if args.stream and params.n == 1:
-                text = out.outputs[0].text
-                sys.stdout.write(text[printed[0] :])
-                sys.stdout.flush()
-                printed[0] = len(text)
-    if args.stream and params.n == 1:
+            for c in out.outputs:
+                texts.setdefault(c.index, []).append(c.text)
+                if stream and params.n == 1:
+                    sys.stdout.write(printable(c.text))
+                    sys.stdout.flush()
+                elif stream and c.text:  # several choices: one line per delta
+                    print(f"[{c.index}] {printable(c.text)!r}", flush=True)
+    choices = {c.index: c for c in final.outputs}
+    if args.output == "json":
+        record = {
+            "prompt": final.prompt,
+            "prompt_token_ids": final.prompt_token_ids,
+            "outputs": [
+                dataclasses.asdict(choices[i]) | {"text": "".join(texts[i])} for i in sorted(texts)
+            ],
+        }
+        print(json.dumps(record, ensure_ascii=False))
+    elif stream and params.n == 1:
         sys.stdout.write("\n")
-    else:
-        for c in final.outputs:
-            prefix = f"[{c.index}] " if params.n > 1 else ""
-            print(f"{prefix}{c.text}")
+    elif not stream:
+        for i in sorted(texts):
+            prefix = f"[{i}] " if params.n > 1 else ""
+            print(f"{prefix}{printable(''.join(texts[i]))}")
     for c in final.outputs:
         print(
             f"# choice {c.index}: {len(c.token_ids)} tokens, finish_reason={c.finish_reason}",
@@ -142,7 +193,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_batch(args: argparse.Namespace) -> int:
     from jpaged.batch import run_batch
 
-    return run_batch(args.input, args.output, model=args.model, engine_kwargs=engine_kwargs(args))
+    return run_batch(
+        args.input,
+        args.output,
+        engine_factory=lambda: make_engine_from_args(args),
+        defaults={"max_tokens": CLI_MAX_TOKENS, **sampling_overrides(args)},
+    )
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -156,46 +212,83 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_common_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        default=None,
+        help="show the traceback of an error (also: JPAGED_DEBUG=1)",
+    )
+
+
+def build_parser(extensions: Iterable[Callable] = ()) -> argparse.ArgumentParser:
+    """The parser of the offline commands; each extension(subparsers) adds more commands."""
     parser = argparse.ArgumentParser(prog="jpaged", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate from one prompt")
-    gen.add_argument("prompt")
+    add_prompt_args(gen)
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument(
+        "--output",
+        choices=("text", "json"),
+        default="text",
+        help="text (non-printable characters escaped) or one JSON object (default: text)",
+    )
+    add_common_flags(gen)
     add_engine_flags(gen)
     add_sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
-    batch = sub.add_parser("batch", help="offline batch inference over a JSONL file")
-    batch.add_argument("input", help='JSONL: one {"prompt": ..., sampling params...} per line')
+    batch = sub.add_parser(
+        "batch",
+        help="offline batch inference over a JSONL file",
+        description='Each input line: {"prompt": "text"} or {"prompt_token_ids": [1, 2, 3]}, '
+        'an optional "id", and any SamplingParams field; the flags below are the defaults '
+        "for fields a line leaves unset.",
+    )
+    batch.add_argument("input", help="JSONL input, one request per line")
     batch.add_argument("output", help="JSONL of results, in input order")
+    add_common_flags(batch)
     add_engine_flags(batch)
+    add_sampling_flags(batch, defaults_only=True)
     batch.set_defaults(func=cmd_batch)
 
     conv = sub.add_parser("convert", help="write an Orbax checkpoint of a Hugging Face model")
     conv.add_argument("--from-hf", required=True, help="Hugging Face model directory")
     conv.add_argument("--out", required=True, help="new model directory (Orbax params + config)")
     conv.add_argument("--dtype", default=None, help="stored dtype (default: the platform's)")
+    add_common_flags(conv)
     conv.set_defaults(func=cmd_convert)
-
-    try:
-        from server.cli import add_client_parser, add_serve_parser
-    except ImportError:  # the server package is optional for the offline CLI
-        pass
-    else:
-        add_serve_parser(sub)
-        add_client_parser(sub)
+    for extend in extensions:
+        extend(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parses argv and runs the command; a user's error is one line on stderr."""
+    args = parser.parse_args(argv)
+    debug = bool(getattr(args, "debug", False)) or os.environ.get("JPAGED_DEBUG", "") not in (
+        "",
+        "0",
+    )
     try:
         return args.func(args) or 0
-    except ValueError as e:
-        print(f"jpaged: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, KeyboardInterrupt) as e:
+        if debug:
+            raise
+        if isinstance(e, KeyboardInterrupt):
+            print("jpaged: interrupted", file=sys.stderr)
+            return 130
+        message = " ".join(str(e).split()) or type(e).__name__
+        if isinstance(e, OSError) and e.filename is not None and str(e.filename) not in message:
+            message = f"{message}: {e.filename}"
+        print(f"jpaged: error: {message}", file=sys.stderr)
+        return 1 if isinstance(e, OSError) else 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

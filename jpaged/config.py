@@ -4,6 +4,11 @@ CacheConfig sizes the page pool; SchedulerConfig bounds each step; ParallelConfi
 many devices a replica spans (tensor parallel) and how many replicas serve (data parallel);
 EngineConfig holds them with the model path and numeric settings. The shape buckets every
 step is padded into are derived here, so the number of compiled programs is known before anything runs.
+
+These dataclasses are the one declaration of the engine's settings: every field carries its
+help text (`setting(default, help)`), and the LLM's keyword arguments and the CLI's engine flags
+are derived from them (jpaged/engine_args.py). Settings that depend on the model
+(SchedulerConfig.max_model_len, max_num_batched_tokens) are None until `EngineConfig.resolve`.
 """
 
 from __future__ import annotations
@@ -15,6 +20,12 @@ KV_ALLOCATIONS = ("paged", "reserve")
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = (None, "reference", "pallas", "pallas_interpret")
 DEFAULT_SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap space
+DEFAULT_MAX_MODEL_LEN = 2048  # the cap on the model's own context length by default
+
+
+def setting(default, help: str, **kwargs):
+    """A config field with its help text (shown by the CLI with the default)."""
+    return dataclasses.field(default=default, metadata={"help": help, **kwargs})
 
 
 def _positive(name: str, value, *, allow_none: bool = False) -> None:
@@ -37,16 +48,26 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheConfig:
-    page_size: int = 16
-    num_pages: int | None = None  # None: sized from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int | None = None  # budget for K and V pages of all layers
-    kv_memory_fraction: float = 0.8  # of free accelerator memory, when neither is given
-    enable_prefix_caching: bool = True
-    kv_allocation: str = "paged"
+    page_size: int = setting(16, "tokens per KV page")
+    num_pages: int | None = setting(None, "KV pages in the pool (default: from the memory budget)")
+    kv_cache_memory_bytes: int | None = setting(
+        None, "KV-cache budget in bytes, K and V pages of all layers (instead of --num-pages)"
+    )
+    kv_memory_fraction: float = setting(
+        0.8, "share of free accelerator memory for KV pages, when neither of the above is given"
+    )
+    enable_prefix_caching: bool = setting(True, "prefix caching: identical prompt pages shared")
+    kv_allocation: str = setting(
+        "paged",
+        "paged, or reserve (prompt + max_tokens at admission, for comparison)",
+        choices=KV_ALLOCATIONS,
+    )
     # Host memory for preemption_mode="swap": pages of all layers' K and V, given as a page
     # count or a byte budget (default 4 GiB when neither is given). Unused under "recompute".
-    num_swap_pages: int | None = None
-    swap_space_bytes: int | None = None
+    num_swap_pages: int | None = setting(
+        None, "host pages for swap preemption (instead of --swap-space-bytes)"
+    )
+    swap_space_bytes: int | None = setting(None, "host memory for swap preemption (default: 4 GiB)")
 
     def __post_init__(self) -> None:
         _positive("page_size", self.page_size)
@@ -60,27 +81,46 @@ class CacheConfig:
                 f"({self.swap_space_bytes}), not both"
             )
         if self.num_pages is not None and self.num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
+            raise ValueError(
+                f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}"
+            )
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.kv_allocation not in KV_ALLOCATIONS:
-            raise ValueError(f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}")
+            raise ValueError(
+                f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 1024
-    preemption_mode: str = "recompute"
-    enable_chunked_prefill: bool = True
-    min_token_bucket: int = 16
-    min_seq_bucket: int = 4
-    min_page_bucket: int = 4
+    max_num_seqs: int = setting(32, "sequences per step")
+    max_num_batched_tokens: int | None = setting(
+        None, "tokens per step, the chunked-prefill budget (default: max(512, max_num_seqs))"
+    )
+    max_model_len: int | None = setting(
+        None, f"longest prompt + output (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})"
+    )
+    preemption_mode: str = setting(
+        "recompute",
+        "recompute, or swap: preempted K/V copied to host memory and back",
+        choices=PREEMPTION_MODES,
+    )
+    enable_chunked_prefill: bool = setting(True, "chunked prefill")
+    min_token_bucket: int = setting(16, "smallest token bucket", cli=False)
+    min_seq_bucket: int = setting(4, "smallest sequence bucket", cli=False)
+    min_page_bucket: int = setting(4, "smallest page-column bucket", cli=False)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            _positive(name, getattr(self, name))
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        _positive("max_model_len", self.max_model_len, allow_none=True)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if self.max_num_batched_tokens is None or self.max_model_len is None:
+            return  # the rest is checked once resolved
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
@@ -91,16 +131,14 @@ class SchedulerConfig:
                 "without chunked prefill max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
-            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1  # devices per replica (weights and KV heads split over them)
-    data_parallel_size: int = 1  # replicas, each with its own pool and scheduler
+    tensor_parallel_size: int = setting(
+        1, "devices each replica's weights and KV heads are split over"
+    )
+    data_parallel_size: int = setting(1, "engine replicas, each on its own tensor-parallel devices")
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -113,17 +151,31 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    model: str | None = None  # None: the built-in demo model
-    dtype: str | None = None  # None: bfloat16 on accelerators, float32 on CPU
-    seed: int = 0
-    attention_backend: str | None = None  # None: the best for the platform
-    precompile: bool = False
+    model: str | None = setting(
+        None, "model: a Hugging Face directory, a .gguf file (default: the demo model)", cli=False
+    )
+    dtype: str | None = setting(
+        None, "bfloat16 or float32 (default: bfloat16 on accelerators, float32 on CPU)"
+    )
+    seed: int = setting(
+        0, "engine seed: seeds the requests that have none of their own", flag="engine-seed"
+    )
+    attention_backend: str | None = setting(
+        None,
+        "reference, pallas or pallas_interpret (default: the best for the platform)",
+        choices=ATTENTION_BACKENDS[1:],
+    )
+    precompile: bool = setting(False, "compiling every shape bucket at start-up")
     # Schedule and pack step N+1 while the device runs step N (its sampled tokens stay on the
     # device and feed N+1); steps with penalties, and multi-host runs, stay synchronous.
-    async_scheduling: bool = True
+    async_scheduling: bool = setting(
+        True, "scheduling the next step while the device runs this one"
+    )
     # JAX's persistent compilation cache: "auto" = $JPAGED_CACHE_DIR/xla or ~/.cache/jpaged/xla,
     # a path, or None to turn it off (see jpaged/compilation_cache.py).
-    compilation_cache_dir: str | None = "auto"
+    compilation_cache_dir: str | None = setting(
+        "auto", "JAX persistent compilation cache: auto (~/.cache/jpaged/xla), a directory, or off"
+    )
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -135,6 +187,18 @@ class EngineConfig:
                 f"got {self.attention_backend!r}"
             )
 
+    def resolve(self, model_max_len: int) -> EngineConfig:
+        """This config with the model-dependent defaults filled in: max_model_len (the
+        model's context length, at most DEFAULT_MAX_MODEL_LEN) and max_num_batched_tokens
+        (max(512, max_num_seqs)). Validates the result."""
+        s = self.scheduler
+        max_len = s.max_model_len or min(model_max_len, DEFAULT_MAX_MODEL_LEN)
+        batched = s.max_num_batched_tokens or max(512, s.max_num_seqs)
+        if max_len == s.max_model_len and batched == s.max_num_batched_tokens:
+            return self
+        scheduler = dataclasses.replace(s, max_model_len=max_len, max_num_batched_tokens=batched)
+        return dataclasses.replace(self, scheduler=scheduler)
+
     @property
     def max_pages_per_seq(self) -> int:
         return math.ceil(self.scheduler.max_model_len / self.cache.page_size)
@@ -142,7 +206,9 @@ class EngineConfig:
     @property
     def token_buckets(self) -> tuple[int, ...]:
         s = self.scheduler
-        return powers_of_two(min(s.min_token_bucket, s.max_num_batched_tokens), s.max_num_batched_tokens)
+        return powers_of_two(
+            min(s.min_token_bucket, s.max_num_batched_tokens), s.max_num_batched_tokens
+        )
 
     @property
     def seq_buckets(self) -> tuple[int, ...]:

@@ -4,7 +4,11 @@
              step = runner.dispatch(plan)          # device: one jitted step, pool donated
              out = runner.fetch(step)              # its sampled tokens on the host
              seqs = scheduler.commit(plan, out)    # host: append tokens, token-level stops
-             output_processor.process(seqs)        # host: text, stop strings, outputs
+             outputs = self._outputs(seqs)         # host: text, stop strings -> finish
+
+The engine owns the requests (RequestGroup by id) and is the only code that moves results
+from one stage to the next: the output processor reports stop strings and the engine
+finishes those sequences in the scheduler; nothing later calls back into an earlier stage.
 
 With async scheduling (EngineConfig.async_scheduling) the next plan is made and dispatched
 before this one's tokens are fetched, so the host's work for step N+1 (and the commit and
@@ -28,14 +32,16 @@ import numpy as np
 
 from jpaged import compilation_cache
 from jpaged.config import DEFAULT_SWAP_SPACE_BYTES, CacheConfig, EngineConfig
+from jpaged.model_loading import load_for_config
 from jpaged.output_processor import OutputProcessor
 from jpaged.outputs import RequestOutput
 from jpaged.page_allocator import PageAllocator
 from jpaged.runner import InFlightStep, ModelRunner
 from jpaged.sampler import SamplerOutput
 from jpaged.sampling_params import SamplingParams
-from jpaged.scheduler import Scheduler, StepPlan
-from jpaged.sequence import RequestGroup
+from jpaged.scheduler import Scheduler
+from jpaged.sequence import RequestGroup, SeqStatus, Sequence
+from jpaged.step_plan import StepPlan
 from jpaged.tokenizer import Tokenizer
 from models.config import ModelConfig
 
@@ -58,11 +64,10 @@ def resolve_num_pages(
     per_page = _kv_bytes_per_page(model_config, cache.page_size, itemsize)
     if cache.kv_cache_memory_bytes is not None:
         return max(2, cache.kv_cache_memory_bytes // per_page + 1)
-    full = config.scheduler.max_num_seqs * config.max_pages_per_seq + 1
     device = jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
-        return full
+        return config.scheduler.max_num_seqs * config.max_pages_per_seq + 1
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     shards = min(config.parallel.tensor_parallel_size, model_config.num_kv_heads)
     per_device_page = -(-per_page // shards)
@@ -87,34 +92,36 @@ def resolve_num_swap_pages(config: EngineConfig, model_config: ModelConfig, item
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, loaded=None) -> None:
         t0 = time.perf_counter()
-        self.config = config
         self.compilation_cache_dir = compilation_cache.enable(config.compilation_cache_dir)
         if loaded is None:
-            from jpaged.parallel import load_for_config
-
             loaded = load_for_config(config)  # sharded when config.parallel asks for it
         self.model_config: ModelConfig = loaded.config
+        self.config = config = config.resolve(self.model_config.max_position_embeddings)
         self.eos_token_ids = tuple(loaded.eos_token_ids)
         self.tokenizer = (
-            Tokenizer(loaded.tokenizer, self.eos_token_ids) if loaded.tokenizer is not None else None
+            Tokenizer(loaded.tokenizer, self.eos_token_ids)
+            if loaded.tokenizer is not None
+            else None
         )
         self.max_model_len = config.scheduler.max_model_len
         dtype = jax.tree_util.tree_leaves(loaded.params)[0].dtype
-        self.num_pages = resolve_num_pages(
-            config.cache, config, self.model_config, np.dtype(dtype).itemsize
-        )
+        itemsize = np.dtype(dtype).itemsize
+        self.num_pages = resolve_num_pages(config.cache, config, self.model_config, itemsize)
         self.allocator = PageAllocator(
             self.num_pages, enable_prefix_caching=config.cache.enable_prefix_caching
         )
-        self.num_swap_pages = resolve_num_swap_pages(
-            config, self.model_config, np.dtype(dtype).itemsize
-        )
+        self.num_swap_pages = resolve_num_swap_pages(config, self.model_config, itemsize)
         swap_allocator = None
         if self.num_swap_pages:  # host pages; the allocator's page 0 stays unused
             swap_allocator = PageAllocator(self.num_swap_pages + 1, enable_prefix_caching=False)
         self.scheduler = Scheduler(
             config, self.allocator, self.eos_token_ids, swap_allocator=swap_allocator
         )
+        broadcast = None
+        if loaded.mesh is not None and jax.process_count() > 1:
+            from jpaged.multihost import StepBroadcast
+
+            broadcast = StepBroadcast(loaded.mesh)
         self.runner = ModelRunner(
             config,
             self.model_config,
@@ -123,11 +130,12 @@ class LLMEngine:
             dtype,
             mesh=loaded.mesh,
             num_swap_pages=self.num_swap_pages,
+            broadcast=broadcast,
         )
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._groups: dict[str, RequestGroup] = {}
         # The step on the device whose results the next step() call collects (async only).
-        self._in_flight: tuple[StepPlan, InFlightStep] | None = None
+        self._in_flight: InFlightStep | None = None
         self._early_outputs: list[RequestOutput] = []  # collected outside step()
         self._arrivals = 0
         self._rng = np.random.default_rng(config.seed)
@@ -136,7 +144,7 @@ class LLMEngine:
         self.warmup_seconds = 0.0
         if config.precompile:
             self.warmup_seconds = self.runner.precompile()
-            self.runner.warmed_up = True
+            self.runner.programs.warmed_up = True
         logger.info(
             "engine ready: %s, %d pages of %d tokens, load %.1fs, warm-up %.1fs",
             self.model_config.architecture,
@@ -146,14 +154,6 @@ class LLMEngine:
             self.warmup_seconds,
         )
 
-    @classmethod
-    def from_args(cls, **kwargs) -> LLMEngine:
-        from jpaged.llm import engine_config_from_args
-        from jpaged.parallel import make_engine
-
-        # data_parallel_size > 1 gives replicas behind this same interface.
-        return make_engine(engine_config_from_args(**kwargs))
-
     # -- requests --------------------------------------------------------------------------
     def add_request(
         self,
@@ -162,17 +162,17 @@ class LLMEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
-        stream: bool = True,
     ) -> None:
-        """Queues a request. stream=False: step() returns its RequestOutput only once, when it
-        finishes (what offline generation needs; a snapshot every step costs host time)."""
+        """Queues a request. params.output_kind says what step() returns for it."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        text, token_ids = self._prompt_tokens(prompt)
+            raise ValueError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
+        text, token_ids = self.tokenize_prompt(prompt)
         budget = self.config.scheduler.max_num_seqs
         if params.n > budget:
             raise ValueError(f"n must be <= max_num_seqs ({budget}), got {params.n}")
@@ -185,26 +185,35 @@ class LLMEngine:
             params=params,
             arrival=self._arrivals,
             cache_salt=cache_salt,
-            stream=stream,
         )
         self._arrivals += 1
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         self._groups[request_id] = group
         self.scheduler.add(group, seed)
 
-    def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """Validates a prompt (text or token ids) -> (text or None, token ids).
+
+        Raises ValueError naming what is wrong: empty, not text nor ids, ids outside the
+        vocabulary, or too long for max_model_len.
+        """
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
-                raise ValueError("prompt is text but the model has no tokenizer.json; pass token ids")
+                raise ValueError(
+                    "prompt is text but the model has no tokenizer; pass token ids "
+                    "(--prompt-token-ids on the command line)"
+                )
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            text, ids = None, [int(t) for t in prompt] if len(prompt) else []
             if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
                 raise ValueError("prompt token ids must be integers")
+            text, ids = None, [int(t) for t in prompt]
         else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
         if not ids:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
@@ -225,6 +234,7 @@ class LLMEngine:
             group = self._groups.pop(rid, None)
             if group is not None:
                 self.scheduler.abort(group)
+                self.output_processor.release(group)
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -234,24 +244,21 @@ class LLMEngine:
         self._in_flight = None
         if current is None:
             return self._take_early_outputs()
-        if self._can_overlap(current[0]):
-            self._in_flight = self._dispatch(current[0])
-        outputs = self._collect(*current)
+        if self._can_overlap(current.plan):
+            self._in_flight = self._dispatch(current.plan)
+        outputs = self._collect(current)
         if not self._groups:  # whatever is on the device belongs to finished requests
             self._in_flight = None
         return outputs
 
-    def _dispatch(self, prev: StepPlan | None) -> tuple[StepPlan, InFlightStep] | None:
+    def _dispatch(self, prev: StepPlan | None) -> InFlightStep | None:
         """Schedules and dispatches a step; prev: the plan still on the device, if any."""
         plan = self._schedule()
-        if not plan.rows:
+        if not len(plan):
             return None
-        prev_rows = None
-        if prev is not None:
-            prev_rows = {r.seq.seq_id: i for i, r in enumerate(prev.rows) if r.keep_sample}
-        step = self.runner.dispatch(plan, self.eos_token_ids, prev_rows)
+        step = self.runner.dispatch(plan, prev)
         self.scheduler.dispatched(plan)
-        return plan, step
+        return step
 
     def _schedule(self) -> StepPlan:
         """The next plan, its pages' peak noted and its swaps done (they precede the step)."""
@@ -265,40 +272,31 @@ class LLMEngine:
         return (
             self.config.async_scheduling
             and self.runner.broadcast is None
-            and not any(r.keep_sample and r.seq.params.uses_penalties for r in plan.rows)
+            and not np.any(plan.sampling.uses_penalties & plan.keep_sample)
         )
 
-    def _collect(self, plan: StepPlan, step: InFlightStep) -> list[RequestOutput]:
+    def _collect(self, step: InFlightStep) -> list[RequestOutput]:
         out = self.runner.fetch(step)
-        seqs = self.scheduler.commit(plan, out)
-        outputs = self._take_early_outputs()
+        seqs = self.scheduler.commit(step.plan, out)
+        return self._take_early_outputs() + self._outputs(seqs)
+
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Text and stop strings for the sequences that got tokens, then their requests'
+        outputs; finished requests are forgotten."""
         touched: dict[str, RequestGroup] = {}
         for seq in seqs:
-            self.output_processor.process(seq)
+            stop = self.output_processor.process(seq)
+            if stop is not None:
+                self.scheduler.finish(seq, "stop", stop)
             touched[seq.group.request_id] = seq.group
+        outputs = []
         for rid, group in touched.items():
-            finished = group.finished
-            if group.stream or finished:
-                outputs.append(self.output_processor.make_output(group))
-            if finished:
+            out = self.output_processor.make_output(group)
+            if out is not None:
+                outputs.append(out)
+            if group.finished:
                 del self._groups[rid]
         return outputs
-
-    def step_unsampled(self) -> tuple[StepPlan, SamplerOutput | None]:
-        """One device step whose next tokens the caller chooses (beam search): the scheduled
-        tokens are marked computed, nothing is appended and no RequestOutput is made.
-
-        Returns the plan and its SamplerOutput (rows in plan order; None when nothing ran).
-        """
-        if self._in_flight is not None:  # its outputs go out with the next step()
-            self._early_outputs = self._collect(*self._in_flight)
-            self._in_flight = None
-        plan = self._schedule()
-        if not plan.rows:
-            return plan, None
-        out = self.runner.execute(plan, self.eos_token_ids)
-        self.scheduler.mark_computed(plan)
-        return plan, out
 
     def _take_early_outputs(self) -> list[RequestOutput]:
         outputs, self._early_outputs = self._early_outputs, []
@@ -307,14 +305,68 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
+    # -- beam search: steps whose next tokens the caller chooses ---------------------------
+    def step_unsampled(self) -> list[tuple[str, int, SamplerOutput, int]] | None:
+        """One device step whose next tokens the caller chooses (beam search): the scheduled
+        tokens are marked computed, nothing is appended and no RequestOutput is made.
+
+        Returns (request_id, seq_id, out, row) for every running sequence whose tokens are
+        all computed (out.top_ids[row], out.top_logprobs[row] are its next-token candidates),
+        or None when nothing could run.
+        """
+        if self._in_flight is not None:  # its outputs go out with the next step()
+            self._early_outputs = self._collect(self._in_flight)
+            self._in_flight = None
+        plan = self._schedule()
+        if not len(plan):
+            return None
+        out = self.runner.execute(plan)
+        sampled = self.scheduler.mark_computed(plan)
+        return [
+            (seq.group.request_id, seq.seq_id, out, row)
+            for row, seq in enumerate(sampled)
+            if seq is not None
+        ]
+
+    def append_token(self, seq_id: int, token: int) -> None:
+        """Appends a token the caller chose to a sequence (computed by its next step)."""
+        self.scheduler.sequence(seq_id).token_ids.append(int(token))
+
+    def fork_sequence(self, seq_id: int) -> int:
+        """A new sequence of the same request with seq_id's tokens, sharing its pages;
+        returns its seq_id."""
+        return self.scheduler.fork(self.scheduler.sequence(seq_id)).seq_id
+
+    def drop_sequence(self, seq_id: int) -> None:
+        """Finishes one sequence of a request (a dropped beam): its pages are freed and its
+        request keeps only its other sequences."""
+        seq = self.scheduler.sequence(seq_id)
+        self.scheduler.finish(seq, "abort")
+        seq.group.seqs.remove(seq)
+
+    def running_sequence_ids(self) -> list[int]:
+        """Running sequences, oldest admission first."""
+        return [s.seq_id for s in self.scheduler.running]
+
+    def preempt_sequence(self, seq_id: int) -> None:
+        """Frees a running sequence's pages; it is recomputed after the waiting ones."""
+        seq = self.scheduler.sequence(seq_id)
+        if seq is not None and seq.status is SeqStatus.RUNNING:
+            self.scheduler.preempt(seq)
+
+    # -- stats -----------------------------------------------------------------------------
     def stats(self) -> dict:
         a, swap = self.allocator, self.scheduler.swap_allocator
+        programs = self.runner.programs
         return dict(
             pages_total=a.num_usable_pages,
             pages_used=a.num_used(),
@@ -330,9 +382,11 @@ class LLMEngine:
             swap_pages_used=swap.num_used() if swap is not None else 0,
             num_running=self.num_running(),
             num_waiting=self.num_waiting(),
-            num_compiled=self.runner.num_compiled,
+            num_compiled=programs.num_compiled,
             num_buckets=self.runner.num_buckets(),
-            num_recompiles=self.runner.num_recompiles,
+            num_compiles=programs.num_compiles,
+            compile_seconds=programs.compile_seconds,
+            num_recompiles=programs.num_recompiles,
         )
 
     def reset_stats(self) -> None:

@@ -3,105 +3,26 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
 from jpaged.beam_search import BeamSearchOutput, beam_search
-from jpaged.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from jpaged.engine import LLMEngine
+from jpaged.engine_args import engine_config_from_args
 from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import BeamSearchParams, SamplingParams
+from jpaged.parallel import make_engine
+from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
-_DEFAULT_MAX_MODEL_LEN = 2048
-
-
-def engine_config_from_args(
-    model: str | None = None,
-    *,
-    dtype: str | None = None,
-    seed: int = 0,
-    page_size: int = 16,
-    num_pages: int | None = None,
-    kv_cache_memory_bytes: int | None = None,
-    kv_memory_fraction: float = 0.8,
-    enable_prefix_caching: bool = True,
-    kv_allocation: str = "paged",
-    preemption_mode: str = "recompute",
-    num_swap_pages: int | None = None,
-    swap_space_bytes: int | None = None,
-    max_num_seqs: int = 32,
-    max_model_len: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    enable_chunked_prefill: bool = True,
-    attention_backend: str | None = None,
-    precompile: bool = False,
-    async_scheduling: bool = True,
-    tensor_parallel_size: int = 1,
-    data_parallel_size: int = 1,
-    compilation_cache_dir: str | None = "auto",
-) -> EngineConfig:
-    """One flat set of keyword arguments (the LLM's, the CLI's and the server's) -> config.
-
-    max_model_len defaults to the model's max_position_embeddings, capped at 2048.
-    """
-    if max_model_len is None:
-        max_model_len = min(_model_max_len(model), _DEFAULT_MAX_MODEL_LEN)
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = max(512, max_num_seqs)
-    return EngineConfig(
-        model=model,
-        dtype=dtype,
-        seed=seed,
-        attention_backend=attention_backend,
-        precompile=precompile,
-        async_scheduling=async_scheduling,
-        compilation_cache_dir=compilation_cache_dir,
-        cache=CacheConfig(
-            page_size=page_size,
-            num_pages=num_pages,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            kv_memory_fraction=kv_memory_fraction,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_allocation=kv_allocation,
-            num_swap_pages=num_swap_pages,
-            swap_space_bytes=swap_space_bytes,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            preemption_mode=preemption_mode,
-            enable_chunked_prefill=enable_chunked_prefill,
-        ),
-        parallel=ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size
-        ),
-    )
-
-
-def _model_max_len(model: str | None) -> int:
-    """max_position_embeddings from the model's config.json (the demo model's when None)."""
-    import json
-    import pathlib
-
-    if model is None:
-        from models.demo import ensure_demo_model
-
-        model = str(ensure_demo_model())
-    path = pathlib.Path(model) / "config.json"
-    try:
-        return int(json.loads(path.read_text()).get("max_position_embeddings", 2048))
-    except (OSError, ValueError):
-        return _DEFAULT_MAX_MODEL_LEN  # the loader reports the real problem with the file
+logger = logging.getLogger(__name__)
 
 
 class LLM:
-    """Offline batched generation. Keyword arguments are those of engine_config_from_args."""
+    """Offline batched generation. Keyword arguments are the engine settings of
+    jpaged/config.py (jpaged.engine_args.ENGINE_ARGS); an unknown one is a TypeError naming
+    the closest valid one."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        from jpaged.parallel import make_engine
-
         # An LLMEngine, or data-parallel replicas behind the same interface.
-        self.llm_engine: LLMEngine = make_engine(engine_config_from_args(model, **kwargs))
+        self.llm_engine = make_engine(engine_config_from_args(model, **kwargs))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -132,22 +53,41 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
-        else:
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
             params = list(sampling_params)
             if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        else:
+            params = [sampling_params]
+        for i, sp in enumerate(params):
+            if not isinstance(sp, SamplingParams):
+                where = f" (item {i})" if len(params) > 1 else ""
                 raise ValueError(
-                    f"got {len(params)} sampling params for {len(prompts)} prompts"
+                    f"sampling_params must be a SamplingParams or a list of them, got "
+                    f"{type(sp).__name__}{where}: {sp!r:.80}"
                 )
         engine = self.llm_engine
-        for i, p in enumerate(prompts):
+        checked = []
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             try:
-                engine._prompt_tokens(p)
+                _, ids = engine.tokenize_prompt(p)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+            checked.append(ids)
+            if sp.max_tokens is not None and len(ids) + sp.max_tokens > engine.max_model_len:
+                logger.warning(
+                    "prompt %d: %d prompt tokens + max_tokens %d exceed max_model_len %d; "
+                    "its output stops at %d tokens with finish_reason 'length'",
+                    i,
+                    len(ids),
+                    sp.max_tokens,
+                    engine.max_model_len,
+                    engine.max_model_len - len(ids),
+                )
         ids = []
         for p, sp in zip(prompts, params, strict=True):
             rid = f"offline-{next(self._ids)}"
-            engine.add_request(rid, p, sp, stream=False)
+            engine.add_request(rid, p, sp.clone(output_kind=RequestOutputKind.FINAL_ONLY))
             ids.append(rid)
         return self._run(ids, use_tqdm)
 

@@ -21,6 +21,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jpaged.programs import PRELUDE_COPIES, PRELUDE_UPDATES
+from jpaged.step_inputs import StepKey
+
 logger = logging.getLogger(__name__)
 
 _STOP, _PRELUDE, _STEP = 0, 1, 2
@@ -41,12 +44,14 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
 
 
 class StepBroadcast:
-    """Process 0 sends each device call of a ModelRunner; the others receive and replay it."""
+    """Process 0 sends each device call of a ModelRunner; the others receive and replay it.
 
-    def __init__(self, runner) -> None:
-        self.runner = runner
+    mesh: the Mesh spanning every process's devices that the runner's params live on.
+    """
+
+    def __init__(self, mesh) -> None:
         self.is_leader = jax.process_index() == 0
-        self._replicated = NamedSharding(runner.mesh, P())
+        self._replicated = NamedSharding(mesh, P())
 
     def _exchange(self, tree):
         """Process 0's tree on every process, as global replicated arrays."""
@@ -80,13 +85,11 @@ class StepBroadcast:
     def stop(self) -> None:
         self._header(_STOP)
 
-    def follow(self) -> None:
-        """Replays process 0's calls until it sends stop (processes other than 0 only)."""
-        from jpaged.runner import _PRELUDE_COPIES, _PRELUDE_UPDATES, StepKey
-
+    def follow(self, runner) -> None:
+        """Replays process 0's calls on runner (a ModelRunner) until it sends stop
+        (processes other than 0 only)."""
         if self.is_leader:
             raise RuntimeError("process 0 leads; it does not follow")
-        runner = self.runner
         while True:
             h = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(8, np.int32)))
             kind = int(h[0])
@@ -94,8 +97,8 @@ class StepBroadcast:
                 return
             if kind == _PRELUDE:
                 runner.run_prelude(
-                    np.zeros((_PRELUDE_UPDATES, 3), np.int32),
-                    np.zeros((_PRELUDE_COPIES, 2), np.int32),
+                    np.zeros((PRELUDE_UPDATES, 3), np.int32),
+                    np.zeros((PRELUDE_COPIES, 2), np.int32),
                 )
                 continue
             penalty = None if h[6] < 0 else (int(h[6]), int(h[7]))

@@ -1,16 +1,29 @@
-"""Turns sampled tokens into text and RequestOutputs; finds stop strings.
+"""Turns committed tokens into text and RequestOutputs; finds stop strings.
 
-It owns each sequence's text and detokenizer offsets. Stop strings are searched only in the
-window the newest text can complete; a match truncates the text (before the stop string, or
-after it with include_stop_str_in_output) and finishes the sequence through the scheduler.
-While a sequence runs, the last (longest stop string - 1) characters are held back, so a
-stop string is never partly emitted.
+It owns each sequence's text: an incremental detokenizer (tokenizers' DecodeStream, seeded
+with the prompt's last tokens so word-boundary spaces come out right; it releases text only
+once a UTF-8 character is complete) and, for DELTA outputs, how much was already emitted.
+The engine owns everything else: `process` only reports a stop string it found, and the engine
+finishes the sequence.
+
+Stop strings are searched only in the window the newest text can complete; a match truncates
+the text (before the stop string, or after it with include_stop_str_in_output). While a
+sequence runs, its last (longest stop string - 1) characters are held back from every output,
+so a stop string is never partly emitted; this is the only hold-back on the way to a client.
+
+Output kinds (SamplingParams.output_kind): CUMULATIVE, everything so far at every step;
+DELTA, only the new text, token ids and logprobs of each choice that changed (a choice's
+finish is emitted exactly once); FINAL_ONLY, everything, once, when the request finishes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+from tokenizers.decoders import DecodeStream
+
 from jpaged.outputs import CompletionOutput, RequestOutput
-from jpaged.scheduler import Scheduler
+from jpaged.sampling_params import RequestOutputKind
 from jpaged.sequence import RequestGroup, Sequence
 from jpaged.tokenizer import Tokenizer
 
@@ -18,73 +31,130 @@ from jpaged.tokenizer import Tokenizer
 _PREFIX_CONTEXT = 5
 
 
+@dataclasses.dataclass(eq=False)
+class _SeqText:
+    stream: DecodeStream | None
+    text: str = ""
+    num_sent_tokens: int = 0  # DELTA: token ids (and logprobs) already emitted
+    num_sent_chars: int = 0  # DELTA: characters already emitted
+    finish_sent: bool = False
+
+
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, scheduler: Scheduler) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
+        self._texts: dict[int, _SeqText] = {}  # by seq_id
 
-    def start(self, seq: Sequence) -> None:
-        seq.read_offset = seq.num_prompt_tokens
-        seq.prefix_offset = max(seq.num_prompt_tokens - _PREFIX_CONTEXT, 0)
+    def _state(self, seq: Sequence) -> _SeqText:
+        state = self._texts.get(seq.seq_id)
+        if state is None:
+            stream = None
+            if self.tokenizer is not None:
+                context = seq.token_ids[
+                    max(seq.num_prompt_tokens - _PREFIX_CONTEXT, 0) : seq.num_prompt_tokens
+                ]
+                stream = DecodeStream(
+                    ids=context, skip_special_tokens=seq.params.skip_special_tokens
+                )
+            state = self._texts[seq.seq_id] = _SeqText(stream)
+        return state
 
-    def process(self, seq: Sequence) -> None:
-        """Detokenizes a sequence's newest token and applies stop strings."""
-        if self.tokenizer is None:
-            return
+    def process(self, seq: Sequence, num_new: int = 1) -> str | None:
+        """Detokenizes seq's newest num_new tokens; returns the stop string the new text
+        completed (the text is already cut there), or None. The caller finishes the sequence."""
+        state = self._state(seq)
+        if state.stream is None:
+            return None
         p = seq.params
-        if seq.read_offset == 0:  # first token: start from the prompt's end
-            self.start(seq)
-        delta, seq.prefix_offset, seq.read_offset = self.tokenizer.decode_incremental(
-            seq.token_ids, seq.prefix_offset, seq.read_offset, p.skip_special_tokens
-        )
+        new = seq.token_ids[len(seq.token_ids) - num_new :]
+        delta = state.stream.step(self.tokenizer.backend, new if num_new > 1 else new[0])
+        stop = None
         if delta:
-            seq.text += delta
+            state.text += delta
             if p.stop and seq.finish_reason != "stop":
-                self._check_stop_strings(seq, len(delta))
-        if seq.is_finished and not isinstance(seq.stop_reason, str):
-            self._flush(seq)
+                stop = self._find_stop(state, p, len(delta))
+        if stop is None and seq.is_finished and not isinstance(seq.stop_reason, str):
+            self._flush(seq, state)
+        return stop
 
-    def _check_stop_strings(self, seq: Sequence, new_chars: int) -> None:
-        text = seq.text
-        for stop in seq.params.stop:
+    @staticmethod
+    def _find_stop(state: _SeqText, params, new_chars: int) -> str | None:
+        text = state.text
+        for stop in params.stop:
             start = max(len(text) - new_chars - len(stop) + 1, 0)
             idx = text.find(stop, start)
-            if idx == -1:
-                continue
-            end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
-            seq.text = text[:end]
-            self.scheduler.finish(seq, "stop", stop)
-            return
+            if idx != -1:
+                end = idx + len(stop) if params.include_stop_str_in_output else idx
+                state.text = text[:end]
+                return stop
+        return None
 
-    def _flush(self, seq: Sequence) -> None:
+    def _flush(self, seq: Sequence, state: _SeqText) -> None:
         """At a token-level finish, releases text held back by an incomplete character."""
         full = self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
-        if full.startswith(seq.text):
-            seq.text = full
+        if full.startswith(state.text):
+            state.text = full
 
-    def make_output(self, group: RequestGroup) -> RequestOutput:
+    def text(self, seq: Sequence) -> str:
+        state = self._texts.get(seq.seq_id)
+        return state.text if state is not None else ""
+
+    def make_output(self, group: RequestGroup) -> RequestOutput | None:
+        """The request's output of this step by its output kind (None: nothing to emit).
+        A finished request's text states are dropped."""
+        finished = group.finished
+        kind = group.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
         holdback = max((len(s) for s in group.params.stop), default=1) - 1
+        want_logprobs = group.params.logprobs is not None
         outputs = []
         for seq in sorted(group.seqs, key=lambda s: s.index):
-            text = seq.text
+            state = self._state(seq)
+            text = state.text
             if not seq.is_finished and holdback:
                 text = text[: max(len(text) - holdback, 0)]
+            token_ids = seq.token_ids[seq.num_prompt_tokens :]
+            logprobs = seq.logprobs if want_logprobs else None
+            if delta:
+                if state.finish_sent:
+                    continue
+                new_tokens = token_ids[state.num_sent_tokens :]
+                new_text = text[state.num_sent_chars :]
+                if not new_tokens and not new_text and not seq.is_finished:
+                    continue
+                if logprobs is not None:
+                    logprobs = logprobs[state.num_sent_tokens :]
+                state.num_sent_tokens = len(token_ids)
+                state.num_sent_chars = len(text)
+                state.finish_sent = seq.is_finished
+                token_ids, text = new_tokens, new_text
             outputs.append(
                 CompletionOutput(
                     index=seq.index,
                     text=text,
-                    token_ids=list(seq.output_token_ids),
+                    token_ids=list(token_ids),
                     cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=list(seq.logprobs) if group.params.logprobs is not None else None,
+                    logprobs=list(logprobs) if logprobs is not None else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
             )
+        if finished:
+            self.release(group)
+        if delta and not outputs and not finished:
+            return None
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
-            prompt_token_ids=list(group.prompt_token_ids),
+            prompt_token_ids=group.prompt_token_ids,
             outputs=outputs,
-            finished=group.finished,
+            finished=finished,
             num_cached_tokens=group.num_cached_tokens,
         )
+
+    def release(self, group: RequestGroup) -> None:
+        """Drops the text states of a request's sequences (finished or aborted)."""
+        for seq in group.seqs:
+            self._texts.pop(seq.seq_id, None)

@@ -15,40 +15,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
-from pathlib import Path
 
 import jax
 
 from jpaged.config import EngineConfig
 from jpaged.engine import LLMEngine
+from jpaged.model_loading import load_for_config
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import SamplingParams
 from models import sharding
-from models.loader import LoadedModel, load_model, read_config
 
 logger = logging.getLogger(__name__)
-
-
-def model_path(config: EngineConfig) -> Path:
-    if config.model is not None:
-        return Path(config.model)
-    from models.demo import ensure_demo_model
-
-    return Path(ensure_demo_model())
-
-
-def load_for_config(config: EngineConfig, *, data_parallel: bool = False) -> LoadedModel:
-    """The model of config, sharded over a mesh when it asks for more than one device.
-
-    Without data_parallel the mesh is replica 0's (T devices); with it, all D x T devices.
-    """
-    path = model_path(config)
-    p = config.parallel
-    mesh = None
-    if p.num_devices > 1 or jax.process_count() > 1:
-        d = p.data_parallel_size if data_parallel else 1
-        mesh = sharding.make_mesh(read_config(path), p.tensor_parallel_size, d)
-    return load_model(path, dtype=config.dtype, mesh=mesh)
 
 
 def make_engine(config: EngineConfig):
@@ -88,6 +65,7 @@ class DataParallelEngine:
             self.replicas.append(LLMEngine(config, loaded=replica))
         self._owner: dict[str, LLMEngine] = {}
         first = self.replicas[0]
+        self.config = first.config  # resolved (max_model_len ...)
         self.model_config = first.model_config
         self.tokenizer = first.tokenizer
         self.eos_token_ids = first.eos_token_ids
@@ -99,12 +77,12 @@ class DataParallelEngine:
         """LLMEngine.add_request on the replica with the fewest unfinished requests."""
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        replica = min(self.replicas, key=lambda r: len(r._groups))
+        replica = min(self.replicas, key=lambda r: r.num_unfinished_requests())
         replica.add_request(request_id, prompt, params, **kwargs)
         self._owner[request_id] = replica
 
-    def _prompt_tokens(self, prompt):
-        return self.replicas[0]._prompt_tokens(prompt)
+    def tokenize_prompt(self, prompt):
+        return self.replicas[0].tokenize_prompt(prompt)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):
@@ -126,6 +104,9 @@ class DataParallelEngine:
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def num_unfinished_requests(self) -> int:
+        return sum(r.num_unfinished_requests() for r in self.replicas)
 
     def num_waiting(self) -> int:
         return sum(r.num_waiting() for r in self.replicas)

@@ -7,11 +7,20 @@ that names the field and the allowed range, so nothing invalid reaches the engin
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import numbers
 from collections.abc import Sequence
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What the engine emits for a request (vLLM's names)."""
+
+    CUMULATIVE = 0  # every step it progresses: everything so far
+    DELTA = 1  # every step it progresses: only what is new (text, token ids, logprobs)
+    FINAL_ONLY = 2  # once, when it finishes: everything
 
 
 def _check_int(name: str, value, *, allow_none: bool = False) -> None:
@@ -52,6 +61,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -94,9 +104,7 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.stop, Sequence) or not all(
-            isinstance(s, str) for s in self.stop
-        ):
+        if not isinstance(self.stop, Sequence) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop must not contain empty strings")
@@ -117,6 +125,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:

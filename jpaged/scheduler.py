@@ -1,8 +1,9 @@
 """Host-side scheduler: continuous batching over a paged KV cache.
 
-The scheduler owns the waiting and running queues, the slots (rows of the device page table)
-and the host mirror of the page table; the PageAllocator owns pages. Each `schedule()` returns
-one frozen StepPlan; `commit()` takes the sampled tokens back.
+The scheduler owns the waiting and running queues, the rows of the device page table and the
+host page tables (each running Sequence's `pages`: nothing else writes them); the
+PageAllocator owns pages. Each `schedule()` returns one frozen StepPlan of plain arrays
+(jpaged/step_plan.py); `commit()` takes the sampled tokens back.
 
 Async scheduling: `dispatched(plan)` marks a plan's tokens computed as soon as the step is on
 the device and gives each sampling row a placeholder (Sequence.num_placeholders) unless the
@@ -31,42 +32,18 @@ A write into a page shared with another sequence copies it first (copy-on-write)
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 
-import numpy as np
-
+from jpaged import step_plan
 from jpaged.config import EngineConfig
-from jpaged.page_allocator import NULL_PAGE, PageAllocator, page_hash
+from jpaged.page_allocator import PageAllocator, page_hash
+from jpaged.sampler import seeds_to_key_data
 from jpaged.sequence import RequestGroup, SeqStatus, Sequence
+from jpaged.step_plan import StepPlan
 
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # tokens computed for this sequence in the step (0 for a fresh fork)
-    start: int  # num_computed_tokens before the step
-    sample_row: int  # row whose last token's hidden state this row samples from
-    keep_sample: bool  # the sampled token is appended (the sequence's tokens are all computed)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-    rows: tuple[ScheduledSeq, ...]
-    page_updates: tuple[tuple[int, int, int], ...]  # (slot, column, page) to write on device
-    page_copies: tuple[tuple[int, int], ...]  # (src, dst) page copies before the step (CoW)
-    num_tokens: int
-    swap_out: tuple[tuple[int, int], ...] = ()  # (device page, host page), before swap_in
-    swap_in: tuple[tuple[int, int], ...] = ()  # (host page, device page), before the step
-
-    @property
-    def decode_only(self) -> bool:
-        return all(
-            r.num_new_tokens == 1 and r.sample_row == i for i, r in enumerate(self.rows)
-        )
-
-    def __len__(self) -> int:
-        return len(self.rows)
+# A scheduled row while a plan is made: (seq, num_new_tokens, start, sample_row, keep_sample).
+# num_new_tokens is 0 for a fresh fork, which samples from its parent's row (sample_row).
+Row = tuple
 
 
 class Scheduler:
@@ -87,14 +64,13 @@ class Scheduler:
             raise ValueError('preemption_mode="swap" needs a swap_allocator (host swap pages)')
         self.swap_allocator = swap_allocator if self.sched.preemption_mode == "swap" else None
         self.eos_token_ids = frozenset(eos_token_ids)
+        self._eos_list = list(eos_token_ids)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
-        # Row max_num_seqs is a scratch row that padding writes go to.
-        self.page_table = np.zeros(
-            (self.sched.max_num_seqs + 1, config.max_pages_per_seq), dtype=np.int32
-        )
-        self._free_slots = list(range(self.sched.max_num_seqs - 1, -1, -1))  # pop() -> 0 first
-        self._reserved_slots: dict[int, list[int]] = {}  # parent seq_id -> slots for its forks
+        self._seqs: dict[int, Sequence] = {}  # every unfinished sequence, by seq_id
+        # Page-table rows; row max_num_seqs is a scratch row that padding writes go to.
+        self._free_rows = list(range(self.sched.max_num_seqs - 1, -1, -1))  # pop() -> 0 first
+        self._reserved_rows: dict[int, list[int]] = {}  # parent seq_id -> rows for its forks
         self._updates: list[tuple[int, int, int]] = []
         self._copies: list[tuple[int, int]] = []
         self._swap_out: list[tuple[int, int]] = []
@@ -127,6 +103,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self._drop_swap(seq)
         seq.status = SeqStatus.FINISHED
+        self._seqs.pop(seq.seq_id, None)
         seq.num_placeholders = 0
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -134,10 +111,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def sequence(self, seq_id: int) -> Sequence | None:
+        """The unfinished sequence seq_id, or None."""
+        return self._seqs.get(seq_id)
+
     # -- scheduling ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         budget = self.sched.max_num_batched_tokens
-        rows: list[ScheduledSeq] = []
+        rows: list[Row] = []
         preempted = False
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
@@ -162,30 +143,31 @@ class Scheduler:
             rows.append(self._row(seq, num_new, len(rows)))
             budget -= num_new
         for i in range(len(rows)):
-            if rows[i].seq.needs_fork and rows[i].keep_sample:
-                rows.extend(self._fork(rows[i].seq, i))
-        plan = StepPlan(
-            rows=tuple(rows),
-            page_updates=tuple(self._updates),
-            page_copies=tuple(self._copies),
-            num_tokens=sum(r.num_new_tokens for r in rows),
-            swap_out=tuple(self._swap_out),
-            swap_in=tuple(self._swap_in),
+            seq, keep = rows[i][0], rows[i][4]
+            if seq.needs_fork and keep:
+                rows.extend(self._fork(seq, i))
+        plan = step_plan.build(
+            rows,
+            page_size=self.page_size,
+            eos_token_ids=self._eos_list,
+            page_updates=self._updates,
+            page_copies=self._copies,
+            swap_out=self._swap_out,
+            swap_in=self._swap_in,
         )
         self._updates, self._copies, self._swap_out, self._swap_in = [], [], [], []
         return plan
 
-    def _row(self, seq: Sequence, num_new: int, row: int) -> ScheduledSeq:
+    def _row(self, seq: Sequence, num_new: int, row: int) -> Row:
         start = seq.num_computed_tokens
-        keep = start + num_new == seq.num_planned_tokens
-        return ScheduledSeq(seq, num_new, start, row, keep)
+        return (seq, num_new, start, row, start + num_new == seq.num_planned_tokens)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Admits the waiting head if slots, pages and budget allow; returns its new tokens."""
         slots_needed = seq.group.params.n if seq.needs_fork else 1
         if len(self.running) + slots_needed > self.sched.max_num_seqs:
             return 0
-        if len(self._free_slots) < slots_needed:
+        if len(self._free_rows) < slots_needed:
             return 0
         swapped = bool(seq.swap_pages)
         if swapped:  # its computed K/V comes back from host into fresh pages
@@ -208,10 +190,10 @@ class Scheduler:
         self.waiting.popleft()
         for p in hits:
             self.allocator.take_cached(p)
-        seq.slot = self._free_slots.pop()
+        seq.table_row = self._free_rows.pop()
         if seq.needs_fork:
-            self._reserved_slots[seq.seq_id] = [
-                self._free_slots.pop() for _ in range(seq.group.params.n - 1)
+            self._reserved_rows[seq.seq_id] = [
+                self._free_rows.pop() for _ in range(seq.group.params.n - 1)
             ]
         seq.status = SeqStatus.RUNNING
         seq.num_computed_tokens = computed
@@ -252,7 +234,8 @@ class Scheduler:
         first = seq.num_computed_tokens // self.page_size
         last = (seq.num_computed_tokens + num_new - 1) // self.page_size
         shared = [
-            i for i in range(first, min(last + 1, len(seq.pages)))
+            i
+            for i in range(first, min(last + 1, len(seq.pages)))
             if self.allocator.ref_counts[seq.pages[i]] > 1
         ]
         need = max(0, last + 1 - len(seq.pages)) + len(shared)
@@ -263,28 +246,25 @@ class Scheduler:
             self._copies.append((seq.pages[i], new))
             self.allocator.free([seq.pages[i]])
             seq.pages[i] = new
-            self.page_table[seq.slot, i] = new
-            self._updates.append((seq.slot, i, new))
+            self._updates.append((seq.table_row, i, new))
         self._append_pages(seq, self.allocator.allocate(need - len(shared)))
         return True
 
     def _append_pages(self, seq: Sequence, pages: list[int]) -> None:
         for p in pages:
-            col = len(seq.pages)
+            self._updates.append((seq.table_row, len(seq.pages), p))
             seq.pages.append(p)
-            self.page_table[seq.slot, col] = p
-            self._updates.append((seq.slot, col, p))
 
-    def _fork(self, parent: Sequence, parent_row: int) -> list[ScheduledSeq]:
+    def _fork(self, parent: Sequence, parent_row: int) -> list[Row]:
         """Forks n - 1 children sharing every page of the parent; they sample from its row."""
         parent.needs_fork = False
         rows = []
         group = parent.group
-        for index, slot in enumerate(self._reserved_slots.pop(parent.seq_id), start=1):
+        for index, table_row in enumerate(self._reserved_rows.pop(parent.seq_id), start=1):
             child = self._new_seq(
                 group, index, list(parent.token_ids), seed=hash((parent.seed, index)) % 2**63
             )
-            child.slot = slot
+            child.table_row = table_row
             child.status = SeqStatus.RUNNING
             child.num_computed_tokens = parent.num_tokens  # computed by the parent's step
             child.page_hashes = list(parent.page_hashes)
@@ -293,7 +273,7 @@ class Scheduler:
             self._append_pages(child, list(parent.pages))
             group.seqs.append(child)
             self.running.append(child)
-            rows.append(ScheduledSeq(child, 0, child.num_computed_tokens, parent_row, True))
+            rows.append((child, 0, child.num_computed_tokens, parent_row, True))
         return rows
 
     def _new_seq(self, group: RequestGroup, index: int, token_ids: list[int], seed: int):
@@ -305,6 +285,10 @@ class Scheduler:
             num_prompt_tokens=len(group.prompt_token_ids),
             seed=seed,
         )
+        seq.sampling_constants = step_plan.sampling_constants(
+            group.params, seeds_to_key_data([seed])[0]
+        )
+        self._seqs[seq.seq_id] = seq
         self._next_seq_id += 1
         return seq
 
@@ -341,24 +325,28 @@ class Scheduler:
             seq.swap_pages = []
 
     def _release(self, seq: Sequence) -> None:
-        """Frees a sequence's pages (tail first) and its slot(s)."""
+        """Frees a sequence's pages (tail first) and its page-table row(s). The device row keeps
+        stale entries until the row's next owner overwrites them; nothing reads past a
+        sequence's context length."""
         self.allocator.free(seq.pages[::-1])
         seq.pages = []
         seq.page_hashes = []
-        self.page_table[seq.slot] = NULL_PAGE
-        self._free_slots.append(seq.slot)
-        self._free_slots.extend(self._reserved_slots.pop(seq.seq_id, []))
-        seq.slot = -1
+        self._free_rows.append(seq.table_row)
+        self._free_rows.extend(self._reserved_rows.pop(seq.seq_id, []))
+        seq.table_row = -1
 
     # -- results ---------------------------------------------------------------------------
     def dispatched(self, plan: StepPlan) -> None:
         """The plan's step is on the device: its tokens count as computed, and each sampling
         row that may continue holds a placeholder for its token (see the module docstring)."""
         max_len = self.sched.max_model_len
-        for row in plan.rows:
-            seq = row.seq
-            seq.num_computed_tokens = row.start + row.num_new_tokens
-            if not row.keep_sample:
+        ends = plan.context_lens.tolist()
+        for seq_id, end, keep in zip(plan.seq_ids.tolist(), ends, plan.keep_sample.tolist()):
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                continue
+            seq.num_computed_tokens = end
+            if not keep:
                 continue
             n = seq.num_placeholders + 1  # tokens in flight, this one included
             max_tokens = seq.params.max_tokens
@@ -372,36 +360,48 @@ class Scheduler:
         that got a new token. Rows of finished sequences are dropped; a sequence preempted
         after the step was dispatched still gets its token."""
         result = []
-        for i, row in enumerate(plan.rows):
-            seq = row.seq
-            if seq.status is SeqStatus.FINISHED:
+        tokens = out.tokens.tolist()
+        logprobs = out.logprobs.tolist()
+        ends = plan.context_lens.tolist()
+        keep = plan.keep_sample.tolist()
+        for i, seq_id in enumerate(plan.seq_ids.tolist()):
+            seq = self._seqs.get(seq_id)
+            if seq is None:  # finished (or aborted) since the plan was made
                 continue
             if seq.status is SeqStatus.RUNNING:
-                end = row.start + row.num_new_tokens
-                seq.num_computed_tokens = max(seq.num_computed_tokens, end)
-                self._cache_full_pages(seq, end)  # only pages of real tokens
-            if not row.keep_sample:
+                seq.num_computed_tokens = max(seq.num_computed_tokens, ends[i])
+                self._cache_full_pages(seq, ends[i])  # only pages of real tokens
+            if not keep[i]:
                 continue
             if seq.num_placeholders:
                 seq.num_placeholders -= 1
-            token = int(out.tokens[i])
+            token = tokens[i]
             seq.token_ids.append(token)
-            seq.cumulative_logprob += float(out.logprobs[i])
+            seq.cumulative_logprob += logprobs[i]
             n = seq.params.logprobs
             if n is not None:
-                top = {int(t): float(lp) for t, lp in zip(out.top_ids[i, :n], out.top_logprobs[i, :n])}
-                seq.logprobs.append({token: float(out.logprobs[i]), **top})
+                top = zip(out.top_ids[i, :n].tolist(), out.top_logprobs[i, :n].tolist())
+                seq.logprobs.append({token: logprobs[i], **dict(top)})
             result.append(seq)
             self._check_stop(seq, token)
         return result
 
-    def mark_computed(self, plan: StepPlan) -> None:
+    def mark_computed(self, plan: StepPlan) -> list[Sequence]:
         """Commits a step's computed tokens but appends none of its samples: the caller picks
-        each sequence's next token itself (beam search)."""
-        for row in plan.rows:
-            if row.seq.status is SeqStatus.RUNNING:
-                row.seq.num_computed_tokens = row.start + row.num_new_tokens
-                self._cache_full_pages(row.seq, row.seq.num_computed_tokens)
+        each sequence's next token itself (beam search). Returns, in row order, the running
+        sequence of each row whose sample is its next token, or None."""
+        sampled: list[Sequence | None] = []
+        for seq_id, end, keep in zip(
+            plan.seq_ids.tolist(), plan.context_lens.tolist(), plan.keep_sample.tolist()
+        ):
+            seq = self._seqs.get(seq_id)
+            if seq is not None and seq.status is SeqStatus.RUNNING:
+                seq.num_computed_tokens = end
+                self._cache_full_pages(seq, end)
+            sampled.append(
+                seq if keep and seq is not None and seq.status is SeqStatus.RUNNING else None
+            )
+        return sampled
 
     def preempt(self, seq: Sequence) -> None:
         """Frees a running sequence's pages and queues it last, to be recomputed after the
@@ -412,17 +412,18 @@ class Scheduler:
     def fork(self, parent: Sequence) -> Sequence:
         """A new sequence of parent's group with parent's tokens (beam search's fork).
 
-        A running parent's child takes a free slot and shares every page of the parent (a
-        write into a shared partly filled page copies it first, in _grow); with no free slot,
-        or a parent that is not running, the child waits and is recomputed (prefix hits).
+        A running parent's child takes a free page-table row and shares every page of the
+        parent (a write into a shared partly filled page copies it first, in _grow); with no
+        free row, or a parent that is not running, the child waits and is recomputed (prefix
+        hits).
         """
         group = parent.group
         child = self._new_seq(group, len(group.seqs), list(parent.token_ids), parent.seed)
         group.seqs.append(child)
-        if parent.status is not SeqStatus.RUNNING or not self._free_slots:
+        if parent.status is not SeqStatus.RUNNING or not self._free_rows:
             self.waiting.append(child)
             return child
-        child.slot = self._free_slots.pop()
+        child.table_row = self._free_rows.pop()
         child.status = SeqStatus.RUNNING
         child.num_computed_tokens = parent.num_computed_tokens
         child.page_hashes = list(parent.page_hashes)
@@ -454,7 +455,9 @@ class Scheduler:
             if token in p.stop_token_ids:
                 self.finish(seq, "stop", token)
                 return
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
-            self.finish(seq, "length")
-        elif seq.num_tokens >= self.sched.max_model_len:
+        if (
+            p.max_tokens is not None
+            and seq.num_output_tokens >= p.max_tokens
+            or seq.num_tokens >= self.sched.max_model_len
+        ):
             self.finish(seq, "length")

@@ -34,7 +34,6 @@ class RequestGroup:
     seqs: list[Sequence] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     aborted: bool = False  # an n > 1 request aborted before its fork never gets n sequences
-    stream: bool = True  # a RequestOutput every step it progresses (False: only when finished)
 
     @property
     def finished(self) -> bool:
@@ -55,9 +54,11 @@ class Sequence:
     # Tokens sampled by steps still in flight (async scheduling), not yet in token_ids; the
     # scheduler plans as if they were there.
     num_placeholders: int = 0
+    # The sequence's row of the page table while running (its pages are the host copy of
+    # that row, owned by the scheduler; the device table is edited by each plan's updates).
     pages: list[int] = dataclasses.field(default_factory=list)
     page_hashes: list[int] = dataclasses.field(default_factory=list)  # of the full pages
-    slot: int = -1  # row of the device page table while running
+    table_row: int = -1  # row of the device page table while running, else -1
     # Host swap pages holding the K/V of the computed tokens while swapped out (waiting with
     # num_computed_tokens kept); empty otherwise.
     swap_pages: list[int] = dataclasses.field(default_factory=list)
@@ -67,10 +68,8 @@ class Sequence:
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    # Incremental detokenization (written only by the output processor).
-    text: str = ""
-    prefix_offset: int = 0
-    read_offset: int = 0
+    # (temperature or 0, top_k or 0, top_p, min_p, key high, key low): set at creation.
+    sampling_constants: tuple = ()
 
     @property
     def num_tokens(self) -> int:

@@ -67,7 +67,7 @@ def make_engine(
     preemption_mode="recompute",
 ):
     from jpaged.engine import LLMEngine
-    from jpaged.llm import engine_config_from_args
+    from jpaged.engine_args import engine_config_from_args
 
     config = engine_config_from_args(
         args.model,

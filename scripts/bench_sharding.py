@@ -52,8 +52,9 @@ def check_programs(model: str, sizes: list[int], num_layers: int) -> bool:
         t0 = time.perf_counter()
         outs = llm.generate([[p[0] + 1, *p[1:]] for p in prompts], params)
         rate = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0) / t
-        for key, exe in llm.llm_engine.runner._compiled.items():
-            text = exe.as_text()
+        programs = llm.llm_engine.runner.programs
+        for key in programs.step_keys():
+            text = programs.executable(key).as_text()
             modules = len(re.findall(r"^HloModule ", text, re.MULTILINE))
             reduces = len(re.findall(r"\ball-reduce(?:-start)?\(", text))
             gathers = len(re.findall(r"\ball-gather(?:-start)?\(", text))

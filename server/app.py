@@ -29,12 +29,14 @@ logger = logging.getLogger("jpaged.server")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerOptions:
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback: the service has no authentication unless api_key
     port: int = 50051  # 0 picks a free port
     metrics_port: int | None = 9090  # None: no metrics endpoint; 0 picks a free port
     max_waiting: int | None = 1024  # None: no limit
     grace_s: float = 30.0
     max_n: int = 64
+    # SamplingParams fields for requests that leave them unset (the serve command's flags).
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -49,7 +51,9 @@ class ServerOptions:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ServerOptions:
+    def from_args(
+        cls, args: argparse.Namespace, sampling_defaults: dict | None = None
+    ) -> ServerOptions:
         return cls(
             host=args.host,
             port=args.port,
@@ -57,34 +61,47 @@ class ServerOptions:
             max_waiting=None if args.max_waiting < 0 else args.max_waiting,
             grace_s=args.drain_grace,
             max_n=args.max_n,
+            sampling_defaults=dict(sampling_defaults or {}),
         )
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    g.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address every port listens on (default: 127.0.0.1, this machine only; "
+        "0.0.0.0 listens on all interfaces)",
+    )
+    g.add_argument(
+        "--port", type=int, default=50051, help="gRPC port (0: any free port; default: 50051)"
+    )
     g.add_argument(
         "--metrics-port",
         type=int,
         default=9090,
-        help="Prometheus /metrics port (0: any free port, -1: off)",
+        help="Prometheus /metrics port (0: any free port, -1: off; default: 9090)",
     )
     g.add_argument(
         "--max-waiting",
         type=int,
         default=1024,
-        help="waiting requests past which calls get RESOURCE_EXHAUSTED (-1: no limit)",
+        help="waiting requests past which calls get RESOURCE_EXHAUSTED (-1: no limit; "
+        "default: 1024)",
     )
     g.add_argument(
         "--drain-grace",
         type=float,
         default=30.0,
-        help="seconds in-flight requests get to finish after SIGTERM",
+        help="seconds in-flight requests get to finish after SIGTERM (default: 30)",
     )
-    g.add_argument("--max-n", type=int, default=64, help="largest n a request may ask for")
-    g.add_argument("--log-level", default="INFO")
-    g.add_argument("--log-format", choices=("logfmt", "json"), default="logfmt")
+    g.add_argument(
+        "--max-n", type=int, default=64, help="largest n a request may ask for (default: 64)"
+    )
+    g.add_argument("--log-level", default="INFO", help="(default: INFO)")
+    g.add_argument(
+        "--log-format", choices=("logfmt", "json"), default="logfmt", help="(default: logfmt)"
+    )
 
 
 class Server:
@@ -95,7 +112,11 @@ class Server:
         self.metrics = Metrics()
         self.engine_loop = EngineLoop(engine, max_waiting=options.max_waiting, metrics=self.metrics)
         self.service = GenerationService(
-            self.engine_loop, model_name=model_name, metrics=self.metrics, max_n=options.max_n
+            self.engine_loop,
+            model_name=model_name,
+            metrics=self.metrics,
+            max_n=options.max_n,
+            sampling_defaults=options.sampling_defaults,
         )
         self.health = health.aio.HealthServicer()
         self.grpc_server: grpc.aio.Server | None = None

@@ -5,9 +5,11 @@ Invariants:
     tokenizer calls reach it through one FIFO command queue, so an abort queued after an
     add is always seen after it.
   - The step thread never waits on the network: each step's results go back to the event
-    loop in one loop.call_soon_threadsafe, as per-request deltas that the request's handle
-    accumulates. A slow client only makes its own handle's buffer longer (bounded by its
-    max_tokens); it never slows the step loop.
+    loop in one loop.call_soon_threadsafe. Requests run with RequestOutputKind.DELTA, so the
+    engine's outputs are already deltas (text held back for stop strings and unfinished
+    characters, once, by the engine) and are forwarded as they are; the request's handle
+    accumulates them until its handler takes them. A slow client only makes its own handle's
+    buffer longer (bounded by its max_tokens); it never slows the step loop.
   - Engine request ids are made here and are unique for the server's lifetime, so a late
     result of an aborted request can never reach a newer request that reused its client id.
 """
@@ -24,7 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jpaged.sampling_params import SamplingParams
+from jpaged.outputs import RequestOutput
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jpaged.server")
 
@@ -45,39 +48,23 @@ class DuplicateRequestId(Exception):
 
 
 @dataclasses.dataclass
-class ChoiceDelta:
-    """What one choice produced in one step, as seen by the step thread."""
-
-    index: int
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None
-    text: str  # cumulative
-    finish_reason: str | None
-    stop_reason: int | str | None
-    cumulative_logprob: float | None
-
-
-@dataclasses.dataclass
-class Update:
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    finished: bool
-    choices: list[ChoiceDelta]
-
-
-@dataclasses.dataclass
 class ChoiceState:
-    """A choice as the handler sees it: tokens not yet sent, and the latest text."""
+    """A choice as the handler sees it: what arrived and was not taken yet, and its totals."""
 
     index: int
-    pending_token_ids: list[int] = dataclasses.field(default_factory=list)
-    pending_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    num_tokens: int = 0
-    text: str = ""
-    sent_text_len: int = 0
+    text: str = ""  # new text not taken yet
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # new, not taken yet
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)  # per new token
+    num_tokens: int = 0  # every token of the choice so far
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
+
+    def take(self) -> tuple[str, list[int], list[dict[int, float]]]:
+        """(text, token ids, logprobs) that arrived since the last take."""
+        out = self.text, self.token_ids, self.logprobs
+        self.text, self.token_ids, self.logprobs = "", [], []
+        return out
 
 
 class RequestHandle:
@@ -89,25 +76,28 @@ class RequestHandle:
         self.choices = [ChoiceState(index=j) for j in range(n)]
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
+        self.prompt_token_ids: list[int] | None = None
         self.finished = False
         self.aborted = False  # by Abort or by the server's drain; the stream ends as "abort"
         self.error: ValueError | Exception | None = None
         self.arrival_time = time.monotonic()
         self._event = asyncio.Event()
 
-    def apply(self, update: Update) -> None:
-        self.num_prompt_tokens = update.num_prompt_tokens
-        self.num_cached_tokens = update.num_cached_tokens
-        for d in update.choices:
+    def apply(self, out: RequestOutput) -> None:
+        """Adds one DELTA RequestOutput of the engine."""
+        self.prompt_token_ids = out.prompt_token_ids
+        self.num_prompt_tokens = len(out.prompt_token_ids)
+        self.num_cached_tokens = out.num_cached_tokens
+        for d in out.outputs:
             c = self.choices[d.index]
-            c.pending_token_ids.extend(d.new_token_ids)
-            if d.new_logprobs is not None:
-                c.pending_logprobs.extend(d.new_logprobs)
-            c.num_tokens += len(d.new_token_ids)
-            c.text = d.text
+            c.text += d.text
+            c.token_ids.extend(d.token_ids)
+            if d.logprobs is not None:
+                c.logprobs.extend(d.logprobs)
+            c.num_tokens += len(d.token_ids)
             c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
             c.cumulative_logprob = d.cumulative_logprob
-        self.finished = update.finished
+        self.finished = out.finished
         self._event.set()
 
     def fail(self, error: Exception) -> None:
@@ -190,6 +180,7 @@ class EngineLoop:
         self._idle.clear()
         with self._lock:
             self._num_queued_adds += 1
+        params = params.clone(output_kind=RequestOutputKind.DELTA)
         self._commands.put(("add", engine_id, prompt, params, cache_salt))
         return handle
 
@@ -230,11 +221,11 @@ class EngineLoop:
         self._commands.put(("call", fn, future))
         return await future
 
-    def _deliver(self, updates: list[tuple[str, Update]], errors: list[tuple[str, Exception]]):
-        for engine_id, update in updates:
-            handle = self._handles.get(engine_id)
+    def _deliver(self, outputs: list[RequestOutput], errors: list[tuple[str, Exception]]) -> None:
+        for out in outputs:
+            handle = self._handles.get(out.request_id)
             if handle is not None and not handle.aborted:
-                handle.apply(update)
+                handle.apply(out)
         for engine_id, error in errors:
             handle = self._handles.get(engine_id)
             if handle is not None:
@@ -250,8 +241,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         """The step loop: take commands, one engine step, hand the results to the loop."""
-        # Engine id -> tokens forwarded so far, per choice. Only this thread touches it.
-        self._active: dict[str, list[int]] = {}
+        # Engine ids of the requests in the engine. Only this thread touches it.
+        self._active: set[str] = set()
         stopping = False
         while not stopping:
             errors: list[tuple[str, Exception]] = []
@@ -286,7 +277,7 @@ class EngineLoop:
             _, engine_id, prompt, params, salt = cmd
             try:
                 self.engine.add_request(engine_id, prompt, params, cache_salt=salt)
-                self._active[engine_id] = [0] * params.n
+                self._active.add(engine_id)
             # ValueError is bad input; anything else is an engine bug that must fail this
             # request, not the step thread.
             except Exception as e:  # noqa: BLE001
@@ -295,8 +286,7 @@ class EngineLoop:
             ids = [i for i in cmd[1] if i in self._active]
             if ids:
                 self.engine.abort_request(ids)
-                for i in ids:
-                    del self._active[i]
+                self._active.difference_update(ids)
         elif kind == "call":
             _, fn, future = cmd
             try:
@@ -306,7 +296,7 @@ class EngineLoop:
             self._post(_settle, future, result, exc)
         return kind == "stop"
 
-    def _step(self, errors: list) -> list[tuple[str, Update]]:
+    def _step(self, errors: list) -> list[RequestOutput]:
         if not self.engine.has_unfinished_requests():
             return []
         try:
@@ -315,15 +305,14 @@ class EngineLoop:
             logger.exception("engine step failed; failing %d requests", len(self._active))
             errors += self._abort_active(e)
             return []
-        updates = []
+        ours = []
         for out in outputs:
-            sent = self._active.get(out.request_id)
-            if sent is None:  # not ours, or aborted meanwhile
+            if out.request_id not in self._active:  # not ours, or aborted meanwhile
                 continue
-            updates.append((out.request_id, _update_from(out, sent)))
+            ours.append(out)
             if out.finished:
-                del self._active[out.request_id]
-        return updates
+                self._active.discard(out.request_id)
+        return ours
 
     def _abort_active(self, error: Exception) -> list[tuple[str, Exception]]:
         ids = list(self._active)
@@ -343,34 +332,6 @@ class EngineLoop:
         self.stats = stats  # replaced whole, so readers on other threads see one snapshot
         if self.metrics is not None:
             self.metrics.observe_engine(stats)
-
-
-def _update_from(out, sent: list[int]) -> Update:
-    """The part of a cumulative RequestOutput not yet forwarded; advances sent."""
-    choices = []
-    for c in out.outputs:
-        k = sent[c.index]
-        new = list(c.token_ids[k:])
-        if not new and c.finish_reason is None:
-            continue
-        sent[c.index] = k + len(new)
-        choices.append(
-            ChoiceDelta(
-                index=c.index,
-                new_token_ids=new,
-                new_logprobs=None if c.logprobs is None else list(c.logprobs[k:]),
-                text=c.text,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                cumulative_logprob=c.cumulative_logprob,
-            )
-        )
-    return Update(
-        num_prompt_tokens=len(out.prompt_token_ids),
-        num_cached_tokens=out.num_cached_tokens,
-        finished=out.finished,
-        choices=choices,
-    )
 
 
 def _settle(future: asyncio.Future, result, exc: Exception | None) -> None:

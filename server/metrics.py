@@ -145,7 +145,7 @@ class Metrics:
         if latency_s is not None:
             self.e2e.observe(latency_s)
 
-    def start_http(self, port: int, host: str = "0.0.0.0") -> int:
+    def start_http(self, port: int, host: str = "127.0.0.1") -> int:
         """Serves /metrics on host:port (0 picks a free port); returns the port."""
         self._http = make_server(
             host, port, make_wsgi_app(self.registry), _ThreadingWSGIServer, _QuietHandler

@@ -34,8 +34,17 @@ _MAX_REQUEST_ID_LEN = 256
 
 
 class GenerationService:
-    def __init__(self, loop: EngineLoop, *, model_name: str, metrics=None, max_n: int = 64) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        *,
+        model_name: str,
+        metrics=None,
+        max_n: int = 64,
+        sampling_defaults: dict | None = None,
+    ) -> None:
         self._loop = loop
+        self._sampling_defaults = dict(sampling_defaults or {})
         self._metrics = metrics
         self._max_n = max_n
         engine = loop.engine
@@ -76,7 +85,6 @@ class GenerationService:
                 context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", e, client_id
             )
 
-        holdback = max((len(s) for s in params.stop), default=1) - 1
         outcome, first_token_time = "cancelled", None
         try:
             await context.send_initial_metadata((("x-request-id", client_id),))
@@ -86,7 +94,7 @@ class GenerationService:
                     outcome, code = _error_status(handle.error)
                     await context.abort(code, _error_message(handle.error))
                 done = handle.finished or handle.aborted
-                message = _response(handle, holdback, final=done)
+                message = _response(handle, final=done)
                 if first_token_time is None and any(c.num_tokens for c in handle.choices):
                     first_token_time = time.monotonic()
                 if done:
@@ -125,7 +133,7 @@ class GenerationService:
                     raise ValueError(
                         f"prompt token_ids[{i}] = {t} is out of range [0, {self._vocab_size})"
                     )
-        params = sampling_params_from_proto(request.sampling)
+        params = sampling_params_from_proto(request.sampling, self._sampling_defaults)
         if params.n > self._max_n:
             raise ValueError(f"n must be <= {self._max_n} on this server, got {params.n}")
         for i, t in enumerate(params.stop_token_ids):
@@ -231,12 +239,15 @@ class GenerationService:
         return pb.DetokenizeResponse(text=text)
 
 
-def sampling_params_from_proto(msg: pb.SamplingParameters) -> SamplingParams:
-    """Set fields become SamplingParams arguments; unset ones keep its defaults.
+def sampling_params_from_proto(
+    msg: pb.SamplingParameters, defaults: dict | None = None
+) -> SamplingParams:
+    """Set fields become SamplingParams arguments; unset ones take the server's defaults,
+    else SamplingParams'.
 
     Raises the ValueError SamplingParams raises, which names the field.
     """
-    kwargs = {}
+    kwargs = dict(defaults or {})
     for f in msg.DESCRIPTOR.fields:
         if f.is_repeated:
             values = list(getattr(msg, f.name))
@@ -247,16 +258,14 @@ def sampling_params_from_proto(msg: pb.SamplingParameters) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
-def _response(handle: RequestHandle, holdback: int, *, final: bool) -> pb.GenerateResponse:
-    """The choices' progress since the last message; the whole rest when final."""
+def _response(handle: RequestHandle, *, final: bool) -> pb.GenerateResponse:
+    """The choices' progress since the last message (the engine's deltas, as they are)."""
     msg = pb.GenerateResponse(request_id=handle.client_id, finished=final)
     for c in handle.choices:
-        token_ids, c.pending_token_ids = c.pending_token_ids, []
-        logprobs, c.pending_logprobs = c.pending_logprobs, []
-        text_delta = _text_delta(c, holdback, final or c.finish_reason is not None)
-        if not (token_ids or text_delta or final):
+        text, token_ids, logprobs = c.take()
+        if not (token_ids or text or final):
             continue
-        delta = msg.choices.add(index=c.index, token_ids=token_ids, text=text_delta)
+        delta = msg.choices.add(index=c.index, token_ids=token_ids, text=text)
         for t, position in zip(token_ids, logprobs):
             entry = delta.logprobs.add(token_id=t, logprob=position.get(t, math.nan))
             for top_id, lp in sorted(position.items(), key=lambda kv: -kv[1]):
@@ -275,25 +284,6 @@ def _response(handle: RequestHandle, holdback: int, *, final: bool) -> pb.Genera
         msg.usage.completion_tokens = sum(c.num_tokens for c in handle.choices)
         msg.usage.cached_prompt_tokens = handle.num_cached_tokens
     return msg
-
-
-def _text_delta(c, holdback: int, done: bool) -> str:
-    """The text not sent yet, less what a stop string or an unfinished character may change.
-
-    A stop string is cut from the text only once it is complete, so its first len-1
-    characters may already be in the text: those are held back until the choice ends.
-    A trailing U+FFFD is a character whose bytes have not all arrived yet.
-    """
-    end = len(c.text)
-    if not done:
-        end -= holdback
-        while end > c.sent_text_len and c.text[end - 1] == "\ufffd":
-            end -= 1
-    if end <= c.sent_text_len:
-        return ""
-    delta = c.text[c.sent_text_len : end]
-    c.sent_text_len = end
-    return delta
 
 
 def _outcome(handle: RequestHandle) -> str:

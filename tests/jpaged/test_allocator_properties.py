@@ -10,7 +10,10 @@ computed token's id into its slot, so a wrong page shows up as a wrong token.
 After every operation:
 - each page's reference count equals the number of page-table entries holding it;
 - the free list is exactly the unreferenced pages (never the null page);
-- host and device page tables agree, and every slot is free, running or reserved, once;
+- host page tables (each running sequence's pages) and the device table agree, and every
+  page-table row is free, running or reserved, once;
+- each plan's flat slots (slot_mapping) and token ids are exactly those of its rows'
+  positions through the device table;
 - every position a sequence has computed reads back its own token through the device table;
 - every cached page holds the tokens of its entry, and its hash is the page_hash chain of
   a prefix some sequence really had;
@@ -32,8 +35,9 @@ from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
 from jpaged.page_allocator import NULL_PAGE, PageAllocator, page_hash
 from jpaged.sampler import SamplerOutput
 from jpaged.sampling_params import SamplingParams
-from jpaged.scheduler import Scheduler, StepPlan
+from jpaged.scheduler import Scheduler
 from jpaged.sequence import RequestGroup, SeqStatus
+from jpaged.step_plan import PLACEHOLDER, StepPlan
 
 EOS = 0
 MAX_MODEL_LEN = 24
@@ -61,25 +65,33 @@ class FakeDevice:
         page = self.page_table[slot, pos // self.page_size]
         return int(self.kv[page, pos % self.page_size])
 
-    def run(self, plan: StepPlan) -> None:
+    def run(self, plan: StepPlan, sched: Scheduler) -> None:
         for dev, host in plan.swap_out:  # the runner's order: out, in, then the step
             self.host[host] = self.kv[dev]
         for host, dev in plan.swap_in:
             self.kv[dev] = self.host[host]
         for row, col, page in plan.page_updates:
             self.page_table[row, col] = page
-        if plan.page_copies:
-            src, dst = np.asarray(plan.page_copies).T
+        if len(plan.page_copies):
+            src, dst = plan.page_copies.T
             self.kv[dst] = self.kv[src]  # all copies read before any write, as in jit
-        for r in plan.rows:
-            seq = r.seq
-            for pos in range(r.start):  # what the step's attention reads
-                assert self.token_at(seq.slot, pos) == seq.token_ids[pos], (seq.seq_id, pos)
-            for pos in range(r.start, r.start + r.num_new_tokens):
-                page = self.page_table[seq.slot, pos // self.page_size]
+        assert not np.any(plan.token_ids == PLACEHOLDER)  # synchronous steps only
+        for i in range(len(plan)):
+            seq = sched.sequence(int(plan.seq_ids[i]))
+            row, start = int(plan.table_rows[i]), int(plan.starts[i])
+            assert row == seq.table_row and start <= seq.num_tokens
+            for pos in range(start):  # what the step's attention reads
+                assert self.token_at(row, pos) == seq.token_ids[pos], (seq.seq_id, pos)
+            first, last = plan.query_start[i], plan.query_start[i + 1]
+            assert last - first == plan.num_new_tokens[i]
+            for t, pos in zip(range(first, last), range(start, start + last - first)):
+                page = self.page_table[row, pos // self.page_size]
                 assert page != NULL_PAGE
-                assert page == seq.pages[pos // self.page_size]  # device table == host slot map
-                self.kv[page, pos % self.page_size] = seq.token_ids[pos]
+                assert page == seq.pages[pos // self.page_size]  # device table == host pages
+                assert plan.positions[t] == pos
+                assert plan.slot_mapping[t] == page * self.page_size + pos % self.page_size
+                assert plan.token_ids[t] == seq.token_ids[pos]
+                self.kv[page, pos % self.page_size] = plan.token_ids[t]
 
 
 class Harness:
@@ -107,7 +119,8 @@ class Harness:
             PageAllocator(swap_pages + 1, enable_prefix_caching=False) if swap_pages else None
         )
         self.sched = Scheduler(config, self.alloc, eos_token_ids=(EOS,), swap_allocator=self.swap)
-        self.device = FakeDevice(num_pages, page_size, self.sched.page_table.shape, swap_pages)
+        table_shape = (max_num_seqs + 1, config.max_pages_per_seq)
+        self.device = FakeDevice(num_pages, page_size, table_shape, swap_pages)
         self.groups: list[RequestGroup] = []
         self.num_steps = 0
 
@@ -121,9 +134,9 @@ class Harness:
     def step(self, tokens):
         plan = self.sched.schedule()
         self.check_scheduled(plan)
-        self.device.run(plan)
-        out_tokens = np.asarray([tokens[i % len(tokens)] for i in range(len(plan.rows))])
-        n = len(plan.rows)
+        self.device.run(plan, self.sched)
+        out_tokens = np.asarray([tokens[i % len(tokens)] for i in range(len(plan))])
+        n = len(plan)
         self.sched.commit(plan, SamplerOutput(out_tokens.astype(np.int32), np.zeros(n), None, None))
         self.num_steps += 1
         return plan
@@ -137,12 +150,12 @@ class Harness:
         return [s for g in self.groups for s in g.seqs if s.status is SeqStatus.RUNNING]
 
     def check_scheduled(self, plan: StepPlan):
-        for r in plan.rows:
-            assert r.seq.status is SeqStatus.RUNNING
-            end = r.start + r.num_new_tokens
-            assert len(r.seq.pages) * self.ps >= end  # the step's writes have slots
+        for seq_id, end in zip(plan.seq_ids.tolist(), plan.context_lens.tolist()):
+            seq = self.sched.sequence(seq_id)
+            assert seq.status is SeqStatus.RUNNING
+            assert len(seq.pages) * self.ps >= end  # the step's writes have slots
             if self.paged:
-                assert len(r.seq.pages) * self.ps - end <= self.ps - 1
+                assert len(seq.pages) * self.ps - end <= self.ps - 1
         assert plan.num_tokens <= self.sched.sched.max_num_batched_tokens
 
     def check(self):
@@ -159,22 +172,16 @@ class Harness:
         free = alloc.free_pages()
         assert len(free) == len(set(free)) == alloc.num_free()
         assert set(free) == {p for p in range(1, alloc.num_pages) if expected[p] == 0}
-        # Slots: free, running or reserved for forks, each exactly once.
-        slots = [s.slot for s in running] + sched._free_slots
-        slots += [x for v in sched._reserved_slots.values() for x in v]
-        assert sorted(slots) == list(range(sched.sched.max_num_seqs))
-        held = {s.slot for s in running}
-        for row in range(sched.sched.max_num_seqs):
-            if row not in held:
-                assert not sched.page_table[row].any()
+        # Page-table rows: free, running or reserved for forks, each exactly once.
+        rows = [s.table_row for s in running] + sched._free_rows
+        rows += [x for v in sched._reserved_rows.values() for x in v]
+        assert sorted(rows) == list(range(sched.sched.max_num_seqs))
         for s in running:
             k = len(s.pages)
-            assert sched.page_table[s.slot, :k].tolist() == s.pages
-            assert not sched.page_table[s.slot, k:].any()
-            assert self.device.page_table[s.slot, :k].tolist() == s.pages
+            assert self.device.page_table[s.table_row, :k].tolist() == s.pages
             assert 0 < s.num_computed_tokens <= s.num_tokens
             for pos in range(s.num_computed_tokens):
-                assert self.device.token_at(s.slot, pos) == s.token_ids[pos], (s.seq_id, pos)
+                assert self.device.token_at(s.table_row, pos) == s.token_ids[pos], (s.seq_id, pos)
             if self.paged:
                 assert k == -(-s.num_computed_tokens // ps)  # waste <= page_size - 1
             # Its page hashes are the chain of its own full computed pages.
@@ -237,8 +244,8 @@ class Harness:
         alloc = self.alloc
         assert alloc.num_used() == 0 and not alloc.ref_counts.any()
         assert sorted(alloc.free_pages()) == list(range(1, alloc.num_pages))
-        assert sorted(self.sched._free_slots) == list(range(self.sched.sched.max_num_seqs))
-        assert not self.sched._reserved_slots and not self.sched.page_table.any()
+        assert sorted(self.sched._free_rows) == list(range(self.sched.sched.max_num_seqs))
+        assert not self.sched._reserved_rows
         assert self.swap is None or self.swap.num_used() == 0
 
 
@@ -326,11 +333,11 @@ def max_waste_per_step(kv_allocation, page_size=8, steps=400):
             n = 3 if rng.random() < 0.2 else 1
             h.admit(prompt, n, int(rng.integers(1, 10)), None, seed=i)
         plan = h.sched.schedule()
-        for r in plan.rows:
-            worst = max(worst, waste(r.seq, r.start + r.num_new_tokens))
-        h.device.run(plan)
-        tokens = rng.integers(1, 9, len(plan.rows)).astype(np.int32)
-        h.sched.commit(plan, SamplerOutput(tokens, np.zeros(len(plan.rows)), None, None))
+        for seq_id, end in zip(plan.seq_ids.tolist(), plan.context_lens.tolist()):
+            worst = max(worst, waste(h.sched.sequence(seq_id), end))
+        h.device.run(plan, h.sched)
+        tokens = rng.integers(1, 9, len(plan)).astype(np.int32)
+        h.sched.commit(plan, SamplerOutput(tokens, np.zeros(len(plan)), None, None))
         worst = max([worst] + [waste(s, s.num_computed_tokens) for s in h.running()])
         h.check()
     assert h.sched.num_preemptions > 0 and h.sched.prefix_cache_hit_tokens > 0

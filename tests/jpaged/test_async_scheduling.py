@@ -14,8 +14,10 @@ import pytest
 
 from jpaged import SamplingParams
 from jpaged.engine import LLMEngine
-from jpaged.llm import engine_config_from_args
-from jpaged.parallel import load_for_config
+from jpaged.engine_args import engine_config_from_args
+from jpaged.model_loading import load_for_config
+from jpaged.sampling_params import RequestOutputKind
+from jpaged.step_plan import PLACEHOLDER
 
 # Tokens the tiny checkpoint's greedy decoding reaches from the prompts below (see PROMPTS):
 # the EOS these engines are given, a stop token id and a stop string.
@@ -90,7 +92,8 @@ def run(engine: LLMEngine, script) -> dict:
         for action, rid, *rest in script.get(call, []):
             if action == "add":
                 p, params, stream = rest
-                engine.add_request(rid, p, params, stream=stream)
+                kind = RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY
+                engine.add_request(rid, p, params.clone(output_kind=kind))
                 streams[rid] = []
             else:
                 engine.abort_request(rid)
@@ -107,10 +110,10 @@ def count_overlapped(engine: LLMEngine) -> list[int]:
     counter = [0]
     dispatch = engine.runner.dispatch
 
-    def counting(plan, eos, prev_rows=None):
-        if prev_rows and any(r.start == len(r.seq.token_ids) for r in plan.rows):
+    def counting(plan, prev_plan=None):
+        if prev_plan is not None and np.any(plan.token_ids == PLACEHOLDER):
             counter[0] += 1
-        return dispatch(plan, eos, prev_rows)
+        return dispatch(plan, prev_plan)
 
     engine.runner.dispatch = counting
     return counter

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jpaged import SamplingParams
+from jpaged.sampling_params import RequestOutputKind
 
 
 @pytest.fixture
@@ -107,11 +108,13 @@ def test_n_samples_share_the_prompt_and_differ(llm):
     assert llm.stats()["pages_used"] == 0
 
 
-def test_stream_false_gets_one_output_when_finished(llm):
+def test_final_only_gets_one_output_when_finished(llm):
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    engine.add_request("quiet", "a quiet one", params, stream=False)
-    engine.add_request("loud", "a quiet one", params)
+    engine.add_request(
+        "quiet", "a quiet one", params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+    )
+    engine.add_request("loud", "a quiet one", params)  # CUMULATIVE: SamplingParams' default
     seen = {"quiet": [], "loud": []}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from checkpoints import ARCHS
 
 from jpaged import LLM, SamplingParams
-from checkpoints import ARCHS
 
 LENGTHS = [1, 3, 16, 17, 40, 64, 99, 128, 150, 200]
 NEW_TOKENS = 32

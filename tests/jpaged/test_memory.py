@@ -15,7 +15,7 @@ import pytest
 
 from jpaged import SamplingParams
 from jpaged.engine import LLMEngine
-from jpaged.llm import engine_config_from_args
+from jpaged.engine_args import engine_config_from_args
 
 PAGE_SIZE = 4
 MAX_MODEL_LEN = 64

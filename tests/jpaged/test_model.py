@@ -1,16 +1,15 @@
 """The model over the paged pool: prefill logits equal transformers'; decode equals prefill."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
-
-import jax
-import jax.numpy as jnp
+from checkpoints import ARCHS
 
 from models.llama import compute_logits, forward
 from models.loader import load_hf_model
-from checkpoints import ARCHS
 
 PAGE = 8
 _forward = jax.jit(forward, static_argnums=(1,), static_argnames=("decode_only",))

@@ -33,7 +33,7 @@ def make_scheduler(num_swap_pages):
 
 
 def feed(sched, plan, token=5):
-    n = len(plan.rows)
+    n = len(plan)
     out = SamplerOutput(np.full(n, token, np.int32), np.zeros(n, np.float32), None, None)
     sched.commit(plan, out)
 
@@ -57,29 +57,30 @@ def test_swap_out_copies_the_computed_pages_and_swap_in_restores_them_into_fresh
     sched, swap = make_scheduler(num_swap_pages=4)
     a, b = two_requests_until_b_is_preempted(sched)
     plan = sched.schedule()
-    assert plan.swap_out == ((3, 1), (4, 2)) and plan.swap_in == ()
-    assert [r.seq for r in plan.rows] == [a] and a.pages == [1, 2, 4]  # b's tail page first
+    assert plan.swap_out.tolist() == [[3, 1], [4, 2]] and plan.swap_in.tolist() == []
+    assert plan.seq_ids.tolist() == [a.seq_id] and a.pages == [1, 2, 4]  # b's tail page first
     assert b.status is SeqStatus.WAITING and b.num_computed_tokens == 8
     assert (b.pages, b.swap_pages, swap.num_used()) == ([], [1, 2], 2)
     assert (sched.num_preemptions, sched.num_swaps_out, sched.num_swaps_in) == (1, 1, 0)
     feed(sched, plan)
     plan = sched.schedule()  # b needs 3 pages, 1 is free: it keeps waiting
-    assert [r.seq for r in plan.rows] == [a] and plan.swap_in == ()
+    assert plan.seq_ids.tolist() == [a.seq_id] and plan.swap_in.tolist() == []
     feed(sched, plan)
     sched.abort(a.group)  # frees 4, 2, 1 (tail first) after 3
     plan = sched.schedule()
-    assert plan.swap_in == ((1, 3), (2, 4)) and plan.swap_out == ()
-    ((row),) = plan.rows
-    assert (row.seq, row.start, row.num_new_tokens) == (b, 8, 1)  # no recompute
+    assert plan.swap_in.tolist() == [[1, 3], [2, 4]] and plan.swap_out.tolist() == []
+    row = (plan.seq_ids.tolist(), plan.starts.tolist(), plan.num_new_tokens.tolist())
+    assert row == ([b.seq_id], [8], [1])  # no recompute
     assert (b.pages, b.swap_pages, swap.num_used(), sched.num_swaps_in) == ([3, 4, 2], [], 0, 1)
-    assert plan.page_updates == ((b.slot, 0, 3), (b.slot, 1, 4), (b.slot, 2, 2))
+    r = b.table_row
+    assert plan.page_updates.tolist() == [[r, 0, 3], [r, 1, 4], [r, 2, 2]]
 
 
 def test_a_full_swap_space_falls_back_to_recompute():
     sched, swap = make_scheduler(num_swap_pages=1)  # b's 2 pages do not fit
     _, b = two_requests_until_b_is_preempted(sched)
     plan = sched.schedule()
-    assert plan.swap_out == () and b.num_computed_tokens == 0 and b.swap_pages == []
+    assert plan.swap_out.tolist() == [] and b.num_computed_tokens == 0 and b.swap_pages == []
     assert (sched.num_preemptions, sched.num_swaps_out, swap.num_used()) == (1, 0, 0)
 
 

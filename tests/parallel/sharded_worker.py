@@ -69,7 +69,7 @@ def _layout(runner) -> dict:
             continue
         spec = getattr(x.sharding, "spec", None)
         weights[name] = [str(spec), list(x.addressable_shards[0].data.shape)]
-    k = runner.state.kv_caches[0][0]
+    k = runner.state.kv_pages[0][0]
     return {
         "weights": weights,
         "pool_total_bytes": k.nbytes,
@@ -80,8 +80,8 @@ def _layout(runner) -> dict:
 
 def _collectives(runner) -> list[dict]:
     out = []
-    for key, exe in runner._compiled.items():
-        text = exe.as_text()
+    for key in runner.programs.step_keys():
+        text = runner.programs.executable(key).as_text()
         out.append(
             {
                 "key": repr(key),
@@ -108,9 +108,9 @@ def run_tp(ckpt: str, orbax_dir: str) -> dict:
         engine = llm.llm_engine
         replicas = getattr(engine, "replicas", [engine])
         res["layout"] = _layout(replicas[0].runner)
-        res["replica_steps"] = [r.runner.num_compiled for r in replicas]
+        res["replica_steps"] = [r.runner.programs.num_compiled for r in replicas]
         res["replica_devices"] = [
-            sorted(d.id for d in r.runner.state.kv_caches[0][0].sharding.device_set)
+            sorted(d.id for d in r.runner.state.kv_pages[0][0].sharding.device_set)
             for r in replicas
         ]
         if t > 1:
@@ -123,7 +123,7 @@ def run_tp(ckpt: str, orbax_dir: str) -> dict:
         llm = LLM(ckpt, tensor_parallel_size=t, **engine)
         res = _generate(llm)
         res["stats"] = llm.stats()
-        res["pool_spec"] = str(llm.llm_engine.runner.state.kv_caches[0][0].sharding.spec)
+        res["pool_spec"] = str(llm.llm_engine.runner.state.kv_pages[0][0].sharding.spec)
         results[f"swap_{t}x1"] = res
     convert_hf_to_orbax(ckpt, orbax_dir)
     llm = LLM(orbax_dir, tensor_parallel_size=4, **ENGINE)

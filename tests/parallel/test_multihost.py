@@ -16,7 +16,8 @@ import pytest
 
 from jpaged import multihost
 from jpaged.config import EngineConfig, SchedulerConfig
-from jpaged.runner import ModelRunner, StepKey
+from jpaged.runner import ModelRunner
+from jpaged.step_inputs import StepKey
 from models import sharding
 from models.config import ModelConfig
 
@@ -84,23 +85,25 @@ def _runner() -> ModelRunner:
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
     )
     mesh = sharding.make_mesh(cfg, 1)
-    runner = ModelRunner(config, cfg, {}, 8, np.float32, mesh=mesh)
-    runner.broadcast = multihost.StepBroadcast(runner)
-    return runner
+    broadcast = multihost.StepBroadcast(mesh)
+    return ModelRunner(config, cfg, {}, 8, np.float32, mesh=mesh, broadcast=broadcast)
 
 
 def _record_calls(runner, calls: list) -> None:
     """Replaces the compiled programs with recorders (nothing is compiled)."""
 
-    def step_exe(key, _inputs):
+    def step_exe(key, *_example):
         return lambda params, state, inputs, prev_tokens: (
             calls.append((key, inputs)),
             prev_tokens,
             state,
         )
 
-    runner._executable = step_exe
-    runner._prelude = lambda: lambda state, u, c: (calls.append(("prelude", u, c)), state)[1]
+    runner.programs.step = step_exe
+    runner.programs.prelude = lambda _state: lambda state, u, c: (
+        calls.append(("prelude", u, c)),
+        state,
+    )[1]
 
 
 @pytest.mark.parametrize("penalties", [False, True])

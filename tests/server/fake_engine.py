@@ -1,7 +1,8 @@
 """A fake LLMEngine with hand-checkable outputs, for testing the server without a model.
 
 It has the real engine's interface (add_request / abort_request / step / stats ...) and its
-contract: one token per running choice per step, cumulative RequestOutput snapshots,
+contract: one token per running choice per step, outputs by SamplingParams.output_kind
+(cumulative snapshots, deltas with the stop-string hold-back, or the final output only),
 finished=True exactly once per request, aborted requests never reported, pages freed at once.
 
 Token i (0-based) of choice j of a request is
@@ -28,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jpaged.outputs import CompletionOutput, RequestOutput
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 EOS_TOKEN_ID = 2
 _WORD = re.compile(r"t(\d+)")
@@ -77,6 +78,9 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     page_ids: list[int] = field(default_factory=list)
+    num_sent_tokens: int = 0  # DELTA: what earlier outputs carried
+    num_sent_chars: int = 0
+    finish_sent: bool = False
 
 
 @dataclass
@@ -178,7 +182,9 @@ class FakeEngine:
                 if c.finish_reason is None:
                     self._append_token(r, c)
             finished = all(c.finish_reason is not None for c in r.choices)
-            outputs.append(_snapshot(r, finished))
+            out = _output(r, finished)
+            if out is not None:
+                outputs.append(out)
             if finished:
                 self._running.remove(r)
                 self._free(r)
@@ -186,6 +192,13 @@ class FakeEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting or self._running)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return (prompt if isinstance(prompt, str) else None), ids
 
     def num_waiting(self) -> int:
         return len(self._waiting)
@@ -284,23 +297,43 @@ class FakeEngine:
             c.finish_reason = "length"
 
 
-def _snapshot(r: _Request, finished: bool) -> RequestOutput:
+def _output(r: _Request, finished: bool) -> RequestOutput | None:
+    """This step's output of r by its output kind (None: nothing to emit)."""
+    kind = r.params.output_kind
+    if kind is RequestOutputKind.FINAL_ONLY and not finished:
+        return None
+    holdback = max((len(s) for s in r.params.stop), default=1) - 1
+    outputs = []
+    for c in r.choices:
+        text, token_ids, logprobs = c.text, list(c.token_ids), c.logprobs
+        if c.finish_reason is None and holdback:
+            text = text[: max(len(text) - holdback, 0)]
+        if kind is RequestOutputKind.DELTA:
+            if c.finish_sent or (
+                len(token_ids) == c.num_sent_tokens and c.finish_reason is None
+            ):
+                continue
+            token_ids = token_ids[c.num_sent_tokens :]
+            logprobs = None if logprobs is None else logprobs[c.num_sent_tokens :]
+            text, c.num_sent_chars = text[c.num_sent_chars :], len(text)
+            c.num_sent_tokens += len(token_ids)
+            c.finish_sent = c.finish_reason is not None
+        outputs.append(
+            CompletionOutput(
+                index=c.index,
+                text=text,
+                token_ids=token_ids,
+                cumulative_logprob=c.cumulative_logprob,
+                logprobs=None if logprobs is None else [dict(d) for d in logprobs],
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+        )
     return RequestOutput(
         request_id=r.request_id,
         prompt=r.prompt,
         prompt_token_ids=list(r.prompt_ids),
-        outputs=[
-            CompletionOutput(
-                index=c.index,
-                text=c.text,
-                token_ids=list(c.token_ids),
-                cumulative_logprob=c.cumulative_logprob,
-                logprobs=None if c.logprobs is None else [dict(d) for d in c.logprobs],
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in r.choices
-        ],
+        outputs=outputs,
         finished=finished,
         num_cached_tokens=r.num_cached_tokens,
     )

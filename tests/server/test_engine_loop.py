@@ -79,7 +79,7 @@ def test_consumer_that_never_reads_does_not_hold_back_the_engine():
 
     h, engine = asyncio.run(scenario())
     assert engine.num_steps == 2000 and h.finished
-    assert h.choices[0].pending_token_ids == [(5 + k) % 1000 for k in range(2000)]
+    assert h.choices[0].token_ids == [(5 + k) % 1000 for k in range(2000)]
 
 
 class FlakyEngine(FakeEngine):

@@ -8,7 +8,7 @@ import threading
 from fake_engine import FakeEngine, offline_generate
 from serving_helpers import Collected, collect, request
 
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 from server.proto.jpaged.v1 import generation_pb2 as pb
 
 STOP, LENGTH = pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH
@@ -167,12 +167,14 @@ def test_every_sampling_field_reaches_the_engine(make_server):
     }
     collect(s.stub, request([1, 2], request_id="all-fields", cache_salt="salty", **fields))
     ((params, salt),) = [v for k, v in engine.received.items() if k.startswith("all-fields#")]
-    assert params == SamplingParams(**fields)
+    # The server asks for deltas (it forwards the engine's outputs as they are).
+    delta = RequestOutputKind.DELTA
+    assert params == SamplingParams(**fields, output_kind=delta)
     assert salt == "salty"
     # Unset fields keep the offline defaults.
     collect(s.stub, request([1, 2], request_id="defaults"))
     ((params, salt),) = [v for k, v in engine.received.items() if k.startswith("defaults#")]
-    assert params == SamplingParams() and salt is None
+    assert params == SamplingParams(output_kind=delta) and salt is None
 
 
 def test_cached_prompt_tokens_and_salt(server):

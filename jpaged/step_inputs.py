@@ -1,0 +1,203 @@
+"""Host packing: a StepPlan padded into one of the engine's bucket shapes.
+
+Every step runs a program compiled for a StepKey (token, sequence and page-column buckets,
+decode-only or not, logprobs, penalty widths), so the number of programs is bounded and known
+(`bucket_keys`). `pack` is a pure function of the plan: numpy in, numpy out, one transfer.
+
+Padding: tokens past the plan's write the null page's slots (slot 0 of page 0); sequence rows
+past the plan use the scratch page-table row (max_num_seqs) and context length 0; page-table
+updates pad with writes of the null page into the scratch row, copies with page 0 onto itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import jax
+import numpy as np
+
+from jpaged.config import EngineConfig
+from jpaged.sampler import MAX_LOGPROBS, Penalties, SamplingInputs
+from jpaged.step_plan import PLACEHOLDER, StepPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKey:
+    num_tokens: int
+    num_seqs: int
+    num_page_cols: int
+    decode_only: bool
+    num_logprobs: int = 0
+    penalty_shape: tuple[int, int] | None = None  # (Hp, Ho)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepInputs:
+    token_ids: jax.Array  # int32[T]
+    src_rows: jax.Array  # int32[T]: row of prev_tokens holding the token; -1: token_ids'
+    positions: jax.Array  # int32[T]
+    slot_mapping: jax.Array  # int32[T]: page * page_size + offset; padding -> null page
+    table_rows: jax.Array  # int32[S]: page-table row of each sequence; padding -> scratch row
+    context_lens: jax.Array  # int32[S]: cached tokens after the step; padding -> 0
+    query_start: jax.Array  # int32[S + 1]
+    logits_indices: jax.Array  # int32[S]: token whose hidden state each row samples from
+    page_updates: jax.Array  # int32[U, 3]: (table row, column, page)
+    page_copies: jax.Array  # int32[C, 2]: (src, dst)
+    sampling: SamplingInputs
+
+
+def bucket(buckets: tuple[int, ...], n: int) -> int:
+    """The smallest bucket >= n."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+def step_key(plan: StepPlan, config: EngineConfig) -> StepKey:
+    """The bucket key a plan runs under."""
+    num_seqs = bucket(config.seq_buckets, len(plan))
+    cols = bucket(config.page_buckets, max(plan.max_pages, 1))
+    sampling = plan.sampling
+    num_logprobs = MAX_LOGPROBS if sampling.wants_logprobs else 0
+    penalty_shape = None
+    if sampling.penalties is not None:
+        penalty_shape = (
+            sampling.penalties.prompt_tokens.shape[1],
+            sampling.penalties.output_tokens.shape[1],
+        )
+    if plan.decode_only:
+        return StepKey(num_seqs, num_seqs, cols, True, num_logprobs, penalty_shape)
+    num_tokens = bucket(config.token_buckets, max(plan.num_tokens, 1))
+    return StepKey(num_tokens, num_seqs, cols, False, num_logprobs, penalty_shape)
+
+
+def bucket_keys(config: EngineConfig) -> list[StepKey]:
+    """Every step shape the scheduler can produce (without logprobs or penalties)."""
+    c = config
+    keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in c.page_buckets]
+    keys += [
+        StepKey(t, s, p, False)
+        for t in c.token_buckets
+        for s in c.seq_buckets
+        for p in c.page_buckets
+    ]
+    return keys
+
+
+def update_capacity(key: StepKey, page_size: int) -> int:
+    """Page-table updates a step of this key carries (more go through the prelude first)."""
+    n = 2 * key.num_seqs + key.num_tokens // page_size
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def pad_rows(rows: np.ndarray, n: int, fill: tuple[int, ...]) -> np.ndarray:
+    """int32[k, w] rows (k <= n) padded with `fill` rows to int32[n, w]."""
+    out = np.empty((n, len(fill)), np.int32)
+    out[:] = fill
+    out[: len(rows)] = rows
+    return out
+
+
+def previous_rows(plan: StepPlan | None) -> dict[int, int]:
+    """seq_id -> row of plan, for the rows whose sample the sequence appends."""
+    if plan is None:
+        return {}
+    rows = np.flatnonzero(plan.keep_sample)
+    return dict(zip(plan.seq_ids[rows].tolist(), rows.tolist(), strict=True))
+
+
+def pack(
+    plan: StepPlan,
+    key: StepKey,
+    *,
+    scratch_row: int,
+    page_size: int,
+    prev_plan: StepPlan | None = None,
+) -> StepInputs:
+    """The plan padded to key's shapes.
+
+    Args:
+      plan: its page updates and copies must fit the key (update_capacity, num_seqs).
+      key: step_key(plan) or a larger key.
+      scratch_row: the page-table row padding rows point at (max_num_seqs).
+      prev_plan: the plan of the step still on the device, whose samples are this plan's
+        PLACEHOLDER tokens.
+    """
+    t_pad, s_pad = key.num_tokens, key.num_seqs
+    t, s = plan.num_tokens, len(plan)
+    token_ids = np.zeros(t_pad, np.int32)
+    src_rows = np.full(t_pad, -1, np.int32)
+    positions = np.zeros(t_pad, np.int32)
+    slot_mapping = np.zeros(t_pad, np.int32)
+    token_ids[:t] = plan.token_ids
+    pending = np.flatnonzero(plan.token_ids == PLACEHOLDER)
+    if len(pending):
+        token_ids[pending] = 0
+        rows = np.searchsorted(plan.query_start[1:], pending, side="right")
+        prev = previous_rows(prev_plan)
+        src_rows[pending] = [prev[int(sid)] for sid in plan.seq_ids[rows]]
+    positions[:t] = plan.positions
+    slot_mapping[:t] = plan.slot_mapping
+    table_rows = np.full(s_pad, scratch_row, np.int32)
+    table_rows[:s] = plan.table_rows
+    context_lens = np.zeros(s_pad, np.int32)
+    context_lens[:s] = plan.context_lens
+    query_start = np.full(s_pad + 1, t, np.int32)
+    query_start[: s + 1] = plan.query_start
+    logits_indices = np.zeros(s_pad, np.int32)
+    logits_indices[:s] = np.maximum(plan.query_start[plan.sample_rows + 1] - 1, 0)
+    return StepInputs(
+        token_ids=token_ids,
+        src_rows=src_rows,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        table_rows=table_rows,
+        context_lens=context_lens,
+        query_start=query_start,
+        logits_indices=logits_indices,
+        page_updates=pad_rows(
+            plan.page_updates, update_capacity(key, page_size), (scratch_row, 0, 0)
+        ),
+        page_copies=pad_rows(plan.page_copies, key.num_seqs, (0, 0)),
+        sampling=_pack_sampling(plan, key),
+    )
+
+
+def _padded(values: np.ndarray, n: int, fill) -> np.ndarray:
+    out = np.full((n, *values.shape[1:]), fill, values.dtype)
+    out[: len(values)] = values
+    return out
+
+
+def _pack_sampling(plan: StepPlan, key: StepKey) -> SamplingInputs:
+    s_pad, r = key.num_seqs, plan.sampling
+    penalties = None
+    if key.penalty_shape is not None:
+        hp, ho = key.penalty_shape
+        penalties = Penalties(
+            np.full((s_pad, hp), -1, np.int32),
+            np.full((s_pad, ho), -1, np.int32),
+            np.zeros(s_pad, np.float32),
+            np.zeros(s_pad, np.float32),
+            np.ones(s_pad, np.float32),
+        )
+        p = r.penalties
+        if p is not None:
+            penalties.prompt_tokens[: len(plan), : p.prompt_tokens.shape[1]] = p.prompt_tokens
+            penalties.output_tokens[: len(plan), : p.output_tokens.shape[1]] = p.output_tokens
+            penalties.presence[: len(plan)] = p.presence
+            penalties.frequency[: len(plan)] = p.frequency
+            penalties.repetition[: len(plan)] = p.repetition
+    return SamplingInputs(
+        temperature=_padded(r.temperature, s_pad, 0.0),
+        top_k=_padded(r.top_k, s_pad, 0),
+        top_p=_padded(r.top_p, s_pad, 1.0),
+        min_p=_padded(r.min_p, s_pad, 0.0),
+        key_data=_padded(r.key_data, s_pad, 0),
+        num_generated=_padded(r.num_generated, s_pad, 0),
+        banned=_padded(r.banned, s_pad, -1),
+        penalties=penalties,
+    )

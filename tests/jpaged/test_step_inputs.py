@@ -1,0 +1,119 @@
+"""Host packing: the scheduler's plan as plain arrays, padded into a bucket (exact arrays)."""
+
+import numpy as np
+
+from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
+from jpaged.page_allocator import PageAllocator
+from jpaged.sampler import SamplerOutput
+from jpaged.sampling_params import SamplingParams
+from jpaged.scheduler import Scheduler
+from jpaged.sequence import RequestGroup
+from jpaged.step_inputs import StepKey, bucket_keys, pack, step_key, update_capacity
+from jpaged.step_plan import PLACEHOLDER
+
+SCRATCH = 4  # max_num_seqs: the scratch page-table row
+
+
+def make():
+    config = EngineConfig(
+        cache=CacheConfig(page_size=4, num_pages=16),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32),
+    )
+    return Scheduler(config, PageAllocator(16), eos_token_ids=(0,)), config
+
+
+def add(sched, rid, prompt, **params):
+    group = RequestGroup(rid, None, list(prompt), SamplingParams(**params), arrival=0)
+    sched.add(group, seed=7)
+    return group
+
+
+def feed(sched, plan, tokens):
+    out = SamplerOutput(np.asarray(tokens, np.int32), np.zeros(len(plan), np.float32), None, None)
+    sched.commit(plan, out)
+
+
+def test_a_prefill_plan_is_plain_arrays_and_packs_into_its_bucket():
+    sched, config = make()
+    add(sched, "a", [11, 12, 13, 14, 15], temperature=0.0, max_tokens=4)  # pages 1, 2
+    add(sched, "b", [21, 22], temperature=0.5, top_k=3, min_tokens=2, max_tokens=4)  # page 3
+    plan = sched.schedule()
+    assert plan.seq_ids.tolist() == [0, 1]
+    assert plan.table_rows.tolist() == [0, 1]
+    assert plan.starts.tolist() == [0, 0] and plan.num_new_tokens.tolist() == [5, 2]
+    assert plan.query_start.tolist() == [0, 5, 7]
+    assert plan.token_ids.tolist() == [11, 12, 13, 14, 15, 21, 22]
+    assert plan.positions.tolist() == [0, 1, 2, 3, 4, 0, 1]
+    # page * 4 + offset: a's positions 0-3 in page 1, 4 in page 2; b's in page 3
+    assert plan.slot_mapping.tolist() == [4, 5, 6, 7, 8, 12, 13]
+    assert plan.page_updates.tolist() == [[0, 0, 1], [0, 1, 2], [1, 0, 3]]
+    assert plan.max_pages == 2 and not plan.decode_only
+    assert plan.sampling.banned.tolist()[1][:1] == [0]  # b: EOS banned before min_tokens
+
+    key = step_key(plan, config)
+    assert key == StepKey(num_tokens=16, num_seqs=4, num_page_cols=4, decode_only=False)
+    assert key in bucket_keys(config)
+    inputs = pack(plan, key, scratch_row=SCRATCH, page_size=4)
+    assert inputs.token_ids.tolist() == [11, 12, 13, 14, 15, 21, 22] + [0] * 9
+    assert inputs.src_rows.tolist() == [-1] * 16
+    assert inputs.slot_mapping.tolist() == [4, 5, 6, 7, 8, 12, 13] + [0] * 9  # pad: null page
+    assert inputs.table_rows.tolist() == [0, 1, SCRATCH, SCRATCH]
+    assert inputs.context_lens.tolist() == [5, 2, 0, 0]
+    assert inputs.query_start.tolist() == [0, 5, 7, 7, 7]
+    assert inputs.logits_indices.tolist() == [4, 6, 0, 0]
+    cap = update_capacity(key, 4)
+    assert inputs.page_updates.shape == (cap, 3)
+    assert inputs.page_updates.tolist() == [[0, 0, 1], [0, 1, 2], [1, 0, 3]] + [
+        [SCRATCH, 0, 0]
+    ] * (cap - 3)
+    assert inputs.page_copies.tolist() == [[0, 0]] * 4
+    s = inputs.sampling
+    assert s.temperature.tolist() == [0.0, 0.5, 0.0, 0.0]
+    assert s.top_k.tolist() == [0, 3, 0, 0] and s.top_p.tolist() == [1.0] * 4
+    assert s.num_generated.tolist() == [0, 0, 0, 0]
+    assert s.key_data.tolist()[:2] == [[0, 7], [0, 7]] and s.penalties is None
+
+
+def test_decode_tokens_still_on_the_device_read_the_previous_steps_rows():
+    sched, config = make()
+    add(sched, "a", [11, 12, 13], temperature=0.0, max_tokens=8)
+    add(sched, "b", [21, 22, 23, 24], temperature=0.0, max_tokens=8)
+    first = sched.schedule()
+    sched.dispatched(first)  # async: the next plan is made before first's tokens are known
+    second = sched.schedule()
+    assert second.decode_only
+    assert second.token_ids.tolist() == [PLACEHOLDER, PLACEHOLDER]
+    assert second.positions.tolist() == [3, 4]
+    assert second.slot_mapping.tolist() == [4 + 3, 3 * 4]  # a: page 1 slot 3; b: new page 3
+    key = step_key(second, config)
+    assert key == StepKey(num_tokens=4, num_seqs=4, num_page_cols=4, decode_only=True)
+    inputs = pack(second, key, scratch_row=SCRATCH, page_size=4, prev_plan=first)
+    assert inputs.src_rows.tolist() == [0, 1, -1, -1]  # rows of first that sampled them
+    assert inputs.token_ids.tolist() == [0, 0, 0, 0]
+    assert inputs.sampling.num_generated.tolist() == [1, 1, 0, 0]  # placeholders count
+    sched.dispatched(second)
+    feed(sched, first, [31, 41])
+    feed(sched, second, [32, 42])
+    seqs = [sched.sequence(i) for i in (0, 1)]
+    assert [s.token_ids[-2:] for s in seqs] == [[31, 32], [41, 42]]
+
+
+def test_penalty_rows_carry_their_token_histories():
+    sched, config = make()
+    add(sched, "p", [5, 6, 5], temperature=0.0, presence_penalty=0.5, max_tokens=4)
+    add(sched, "q", [9], temperature=0.0, max_tokens=4)
+    plan = sched.schedule()
+    feed(sched, plan, [7, 8])
+    plan = sched.schedule()
+    p = plan.sampling.penalties
+    assert plan.sampling.uses_penalties.tolist() == [True, False]
+    assert p.prompt_tokens.shape == (2, 16) and p.output_tokens.shape == (2, 16)
+    assert p.prompt_tokens[0, :4].tolist() == [5, 6, 5, -1]
+    assert p.output_tokens[0, :2].tolist() == [7, -1]
+    assert p.prompt_tokens[1].tolist() == [-1] * 16  # rows without penalties stay empty
+    assert p.presence.tolist() == [0.5, 0.0] and p.repetition.tolist() == [1.0, 1.0]
+    key = step_key(plan, config)
+    assert key.penalty_shape == (16, 16)
+    inputs = pack(plan, key, scratch_row=SCRATCH, page_size=4)
+    assert inputs.sampling.penalties.prompt_tokens.shape == (4, 16)
+    assert inputs.sampling.penalties.presence.tolist() == [0.5, 0.0, 0.0, 0.0]
