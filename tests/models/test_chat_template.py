@@ -14,6 +14,7 @@ import json
 import shutil
 
 import pytest
+import transformers
 
 from models.chat_template import prompt_token_ids, render_chat, validate_messages
 from models.gguf import GGUFFile
@@ -126,8 +127,6 @@ def smollm2_template(smollm2_gguf) -> str:
 @pytest.fixture(scope="module")
 def hf_tokenizer(tiny_checkpoints):
     """A transformers tokenizer to call apply_chat_template on (the template is passed in)."""
-    import transformers
-
     return transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(tiny_checkpoints["llama"] / "tokenizer.json"),
         bos_token="<|begin_of_text|>",

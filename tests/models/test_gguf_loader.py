@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 from checkpoints import assert_same_params, make_tiny_checkpoint, write_gguf, write_hf_like
 
-from models.gguf import GGUFFile, llama3_rope_scaling, read_gguf_config
-from models.gguf_tokenizer import build_tokenizer
+from models.gguf import llama3_rope_scaling, read_gguf_config
 from models.loader import load_hf_model, load_model, read_config
 
 GGUF_ARCHS = ("llama", "llama3", "qwen2", "qwen3")
@@ -203,59 +202,3 @@ def test_rope_freqs_that_are_not_llama3_scaling():
     with pytest.raises(ValueError, match=r"f\.gguf: tensor 'rope_freqs\.weight' does not hold"):
         llama3_rope_scaling(factors, 500000.0, 16, None, source="f.gguf")
     assert llama3_rope_scaling(np.ones(8, np.float32), 10000.0, 16, None, source="f") is None
-
-
-# --- SentencePiece ("llama") tokenizers -------------------------------------------------------
-
-_SPM_TEXT = (
-    "Hello world!  The model reads pages.\nNew line\twith tab; 中文 🚀 café "
-    "<|im_start|>user<tool> x  end  "
-)
-
-
-def _write_spm_gguf(path) -> None:
-    """A Llama-2-style vocabulary: <unk> <s> </s>, 256 byte tokens, scored pieces, no merges."""
-    from tokenizers import SentencePieceBPETokenizer
-
-    from models import demo
-
-    trainer = SentencePieceBPETokenizer()
-    lines = demo.__doc__.splitlines() + demo.build_tokenizer.__doc__.splitlines()
-    trainer.train_from_iterator(lines, vocab_size=400, min_frequency=2, show_progress=False)
-    vocab = trainer.get_vocab()
-    pieces = sorted(vocab, key=vocab.get)
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
-    tokens += ["<|im_start|>", "<tool>"]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0])
-    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces) + [3, 4])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
-    import transformers
-
-    path = tmp_path / "spm.gguf"
-    _write_spm_gguf(path)
-    ours, info = build_tokenizer(GGUFFile(path).metadata, source=str(path))
-    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
-    for text in (_SPM_TEXT, "", " leading space", "  two", "x"):
-        ids = ours.encode(text).ids
-        assert ids == theirs.encode(text), text
-        assert ids[0] == 1  # BOS: on by default for SentencePiece vocabularies
-        for skip in (True, False):
-            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
-                ids, skip_special_tokens=skip
-            )
-    ids = ours.encode(_SPM_TEXT).ids
-    assert ours.decode(ids, skip_special_tokens=False) == "<s> " + _SPM_TEXT
-    assert any(ours.id_to_token(i) == "<0xF0>" for i in ids)  # 🚀 by byte fallback
-    assert (info.bos_token, info.eos_token, info.add_bos_token) == ("<s>", "</s>", True)

@@ -9,6 +9,7 @@ dequantized weight, the Q/K un-permutation, the config and the tokenizer are rig
 from __future__ import annotations
 
 import pytest
+import torch  # the reference runs transformers (tests/needs_torch.py reads this import)
 
 from models.config import ModelConfig
 from models.gguf import read_gguf_config
@@ -58,8 +59,6 @@ MIXED_TEXT = (
 
 def _greedy_reference(model, input_ids: list[int], num_tokens: int) -> list[int]:
     """transformers' greedy continuation, never stopping at EOS (jpaged's ignore_eos)."""
-    import torch
-
     with torch.no_grad():
         out = model(torch.tensor([input_ids]), use_cache=True)
         tokens = []
