@@ -48,6 +48,19 @@ from models.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 
+class EngineStepError(RuntimeError):
+    """A step failed; the engine dropped the requests it held (request_ids) and rebuilt its
+    state, so it serves new requests. The original error is __cause__."""
+
+    def __init__(self, request_ids: list[str], error: Exception) -> None:
+        super().__init__(
+            f"engine step failed ({type(error).__name__}: {error}); {len(request_ids)} "
+            "request(s) dropped, engine state rebuilt"
+        )
+        self.request_ids = request_ids
+        self.outputs: list[RequestOutput] = []  # other replicas' outputs of the same step
+
+
 def _kv_bytes_per_page(cfg: ModelConfig, page_size: int, itemsize: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * itemsize
 
@@ -107,16 +120,8 @@ class LLMEngine:
         dtype = jax.tree_util.tree_leaves(loaded.params)[0].dtype
         itemsize = np.dtype(dtype).itemsize
         self.num_pages = resolve_num_pages(config.cache, config, self.model_config, itemsize)
-        self.allocator = PageAllocator(
-            self.num_pages, enable_prefix_caching=config.cache.enable_prefix_caching
-        )
         self.num_swap_pages = resolve_num_swap_pages(config, self.model_config, itemsize)
-        swap_allocator = None
-        if self.num_swap_pages:  # host pages; the allocator's page 0 stays unused
-            swap_allocator = PageAllocator(self.num_swap_pages + 1, enable_prefix_caching=False)
-        self.scheduler = Scheduler(
-            config, self.allocator, self.eos_token_ids, swap_allocator=swap_allocator
-        )
+        self._new_host_state()
         broadcast = None
         if loaded.mesh is not None and jax.process_count() > 1:
             from jpaged.multihost import StepBroadcast
@@ -132,12 +137,8 @@ class LLMEngine:
             num_swap_pages=self.num_swap_pages,
             broadcast=broadcast,
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self._groups: dict[str, RequestGroup] = {}
-        # The step on the device whose results the next step() call collects (async only).
-        self._in_flight: InFlightStep | None = None
-        self._early_outputs: list[RequestOutput] = []  # collected outside step()
         self._arrivals = 0
+        self.num_recoveries = 0  # failed steps the engine rebuilt its state after
         self._rng = np.random.default_rng(config.seed)
         self.peak_pages_used = 0
         self.load_seconds = time.perf_counter() - t0
@@ -153,6 +154,51 @@ class LLMEngine:
             self.load_seconds,
             self.warmup_seconds,
         )
+
+    def _new_host_state(self) -> None:
+        """Fresh page allocators, scheduler, output processor and request table."""
+        config = self.config
+        self.allocator = PageAllocator(
+            self.num_pages, enable_prefix_caching=config.cache.enable_prefix_caching
+        )
+        swap_allocator = None
+        if self.num_swap_pages:  # host pages; the allocator's page 0 stays unused
+            swap_allocator = PageAllocator(self.num_swap_pages + 1, enable_prefix_caching=False)
+        self.scheduler = Scheduler(
+            config, self.allocator, self.eos_token_ids, swap_allocator=swap_allocator
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._groups: dict[str, RequestGroup] = {}
+        # The step on the device whose results the next step() call collects (async only).
+        self._in_flight: InFlightStep | None = None
+        self._early_outputs: list[RequestOutput] = []  # collected outside step()
+
+    def _recover(self, error: Exception) -> EngineStepError:
+        """After a failed step: every request in the engine is dropped, the host state is made
+        anew and the device state (pool, page table) re-allocated, the prefix cache with it;
+        compiled programs are kept. Returns the error to raise."""
+        request_ids = list(self._groups)
+        logger.error(
+            "engine step failed (%s: %s); %d requests failed, engine state rebuilt",
+            type(error).__name__,
+            error,
+            len(request_ids),
+        )
+        self._new_host_state()
+        self.runner.reset_state()
+        self.num_recoveries += 1
+        return EngineStepError(request_ids, error)
+
+    def warm_up(self, context_len: int = 64) -> float:
+        """Compiles (or reads from the persistent compilation cache) the step programs that
+        requests of up to context_len tokens use first (ModelRunner.warm_up_keys); returns
+        the seconds it took. A server calls it before it reports SERVING."""
+        seconds = self.runner.precompile(self.runner.warm_up_keys(context_len))
+        self.warmup_seconds += seconds
+        logger.info(
+            "warm-up: %d step programs in %.1fs", self.runner.programs.num_step_programs, seconds
+        )
+        return seconds
 
     # -- requests --------------------------------------------------------------------------
     def add_request(
@@ -239,7 +285,18 @@ class LLMEngine:
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Collects one device step's results. Asynchronous: the step after it is dispatched
-        first (and, when none is on the device, the step itself)."""
+        first (and, when none is on the device, the step itself).
+
+        Raises:
+          EngineStepError: the step failed; every request the engine held is dropped (their
+            ids are on the error) and the engine is ready for new requests.
+        """
+        try:
+            return self._step()
+        except Exception as e:
+            raise self._recover(e) from e
+
+    def _step(self) -> list[RequestOutput]:
         current = self._in_flight or self._dispatch(None)
         self._in_flight = None
         if current is None:
@@ -323,13 +380,16 @@ class LLMEngine:
         all computed (out.top_ids[row], out.top_logprobs[row] are its next-token candidates),
         or None when nothing could run.
         """
-        if self._in_flight is not None:  # its outputs go out with the next step()
-            self._early_outputs = self._collect(self._in_flight)
-            self._in_flight = None
-        plan = self._schedule()
-        if not len(plan):
-            return None
-        out = self.runner.execute(plan)
+        try:
+            if self._in_flight is not None:  # its outputs go out with the next step()
+                self._early_outputs = self._collect(self._in_flight)
+                self._in_flight = None
+            plan = self._schedule()
+            if not len(plan):
+                return None
+            out = self.runner.execute(plan)
+        except Exception as e:
+            raise self._recover(e) from e
         sampled = self.scheduler.mark_computed(plan)
         return [
             (seq.group.request_id, seq.seq_id, out, row)
@@ -387,6 +447,7 @@ class LLMEngine:
             num_compiles=programs.num_compiles,
             compile_seconds=programs.compile_seconds,
             num_recompiles=programs.num_recompiles,
+            num_recoveries=self.num_recoveries,
         )
 
     def reset_stats(self) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import jax
 
 from jpaged.config import EngineConfig
-from jpaged.engine import LLMEngine
+from jpaged.engine import EngineStepError, LLMEngine
 from jpaged.model_loading import load_for_config
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import SamplingParams
@@ -73,12 +73,14 @@ class DataParallelEngine:
         self.load_seconds = sum(r.load_seconds for r in self.replicas)
         self.warmup_seconds = sum(r.warmup_seconds for r in self.replicas)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams, **kwargs) -> None:
+    def add_request(
+        self, request_id: str, prompt, params: SamplingParams, *, cache_salt: str | None = None
+    ) -> None:
         """LLMEngine.add_request on the replica with the fewest unfinished requests."""
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
         replica = min(self.replicas, key=lambda r: r.num_unfinished_requests())
-        replica.add_request(request_id, prompt, params, **kwargs)
+        replica.add_request(request_id, prompt, params, cache_salt=cache_salt)
         self._owner[request_id] = replica
 
     def tokenize_prompt(self, prompt):
@@ -93,14 +95,27 @@ class DataParallelEngine:
                 replica.abort_request(rid)
 
     def step(self) -> list[RequestOutput]:
-        outputs = []
+        """One step of every replica with work. A replica's EngineStepError is raised after
+        the others stepped, carrying their outputs (error.outputs)."""
+        outputs, error = [], None
         for replica in self.replicas:
             if replica.has_unfinished_requests():
-                outputs += replica.step()
+                try:
+                    outputs += replica.step()
+                except EngineStepError as e:
+                    error = e
         for out in outputs:
             if out.finished:
                 self._owner.pop(out.request_id, None)
+        if error is not None:
+            for rid in error.request_ids:
+                self._owner.pop(rid, None)
+            error.outputs = outputs
+            raise error
         return outputs
+
+    def warm_up(self, context_len: int = 64) -> float:
+        return sum(r.warm_up(context_len) for r in self.replicas)
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)

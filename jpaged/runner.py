@@ -33,6 +33,7 @@ from jpaged.sampler import SamplerOutput
 from jpaged.step_inputs import (
     StepInputs,
     StepKey,
+    bucket,
     bucket_keys,
     pack,
     pad_rows,
@@ -79,10 +80,8 @@ class ModelRunner:
         self.mesh = mesh
         self.broadcast = broadcast
         self.programs = Programs(model_config, config.attention_backend, mesh)
-        table_shape = (config.scheduler.max_num_seqs + 1, config.max_pages_per_seq)
-        self.state = self.programs.init_state(num_pages, self.page_size, table_shape, dtype)
-        # The latest step's sampled tokens, padded to max_num_seqs: the next step's prev_tokens.
-        self.last_tokens = self.programs.zeros(config.scheduler.max_num_seqs)
+        self.dtype = dtype
+        self.reset_state()
         self.swap_space = None
         if num_swap_pages:  # zeros: the OS maps host pages on first write
             h, d = model_config.num_kv_heads, model_config.head_dim
@@ -90,6 +89,17 @@ class ModelRunner:
                 (model_config.num_layers, 2, h, num_swap_pages + 1, self.page_size, d),
                 np.dtype(dtype),
             )
+
+    def reset_state(self) -> None:
+        """A zero pool and page table, and zero previous tokens (at start, and after a failed
+        step, whose donated buffers may be gone)."""
+        sched = self.config.scheduler
+        table_shape = (sched.max_num_seqs + 1, self.config.max_pages_per_seq)
+        self.state = self.programs.init_state(
+            self.num_pages, self.page_size, table_shape, self.dtype
+        )
+        # The latest step's sampled tokens, padded to max_num_seqs: the next step's prev_tokens.
+        self.last_tokens = self.programs.zeros(sched.max_num_seqs)
 
     # -- compilation -----------------------------------------------------------------------
     def num_buckets(self) -> int:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jpaged.engine import EngineStepError
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -302,9 +303,19 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            logger.exception("engine step failed; failing %d requests", len(self._active))
-            errors += self._abort_active(e)
-            return []
+            # An engine that recovers (EngineStepError) dropped e.request_ids and serves new
+            # requests; outputs other replicas made in the same step still go out. After any
+            # other error every request in the engine fails.
+            recovered = isinstance(e, EngineStepError)
+            failed = [
+                i for i in (e.request_ids if recovered else self._active) if i in self._active
+            ]
+            logger.exception("engine step failed; failing %d requests", len(failed))
+            if not recovered:
+                self.engine.abort_request(failed)
+            self._active.difference_update(failed)
+            errors += [(i, e) for i in failed]
+            outputs = e.outputs if recovered else []
         ours = []
         for out in outputs:
             if out.request_id not in self._active:  # not ours, or aborted meanwhile

@@ -52,10 +52,7 @@ class GenerationService:
         self._vocab_size = int(engine.model_config.vocab_size)
         self._max_model_len = int(engine.max_model_len)
         self._architecture = str(getattr(engine.model_config, "architecture", ""))
-        eos = getattr(engine, "eos_token_ids", None)
-        if eos is None:
-            eos = getattr(engine.model_config, "eos_token_ids", ())
-        self._eos_token_ids = [int(t) for t in eos]
+        self._eos_token_ids = [int(t) for t in engine.eos_token_ids]
 
     # ---- Generate -----------------------------------------------------------------------
 

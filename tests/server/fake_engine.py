@@ -107,6 +107,7 @@ class FakeEngine:
         step_delay_s: float = 0.0,
     ) -> None:
         self.model_config = FakeModelConfig(vocab_size=vocab_size)
+        self.eos_token_ids = self.model_config.eos_token_ids
         self.tokenizer = FakeTokenizer(vocab_size)
         self.max_model_len = max_model_len
         self.page_size = page_size
