@@ -19,6 +19,7 @@ import math
 KV_ALLOCATIONS = ("paged", "reserve")
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = (None, "reference", "pallas", "pallas_interpret")
+GENERATION_CONFIGS = ("auto", "vllm")
 DEFAULT_SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap space
 DEFAULT_MAX_MODEL_LEN = 2048  # the cap on the model's own context length by default
 
@@ -166,6 +167,12 @@ class EngineConfig:
         choices=ATTENTION_BACKENDS[1:],
     )
     precompile: bool = setting(False, "compiling every shape bucket at start-up")
+    generation_config: str = setting(
+        "auto",
+        "auto: the model's generation config supplies sampling defaults (temperature, top_p, "
+        "top_k, min_p, repetition_penalty) for requests that leave them unset; vllm: ignore it",
+        choices=GENERATION_CONFIGS,
+    )
     # Schedule and pack step N+1 while the device runs step N (its sampled tokens stay on the
     # device and feed N+1); steps with penalties, and multi-host runs, stay synchronous.
     async_scheduling: bool = setting(
@@ -181,6 +188,11 @@ class EngineConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(
+                f"generation_config must be one of {GENERATION_CONFIGS}, "
+                f"got {self.generation_config!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

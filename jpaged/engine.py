@@ -117,6 +117,13 @@ class LLMEngine:
             else None
         )
         self.max_model_len = config.scheduler.max_model_len
+        self.chat_template = loaded.chat_template
+        self.bos_token, self.eos_token = loaded.bos_token, loaded.eos_token
+        # The model's own sampling defaults (generation_config.json, GGUF), for requests
+        # that leave a field unset; none with generation_config="vllm".
+        self.sampling_defaults = (
+            dict(loaded.generation_defaults) if config.generation_config == "auto" else {}
+        )
         dtype = jax.tree_util.tree_leaves(loaded.params)[0].dtype
         itemsize = np.dtype(dtype).itemsize
         self.num_pages = resolve_num_pages(config.cache, config, self.model_config, itemsize)
@@ -272,6 +279,38 @@ class LLMEngine:
                 f"({self.max_model_len}) to leave room for one generated token"
             )
         return text, ids
+
+    def chat_prompt(
+        self,
+        messages,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **extra,
+    ) -> tuple[str, list[int]]:
+        """A conversation rendered with the model's chat template (or chat_template) ->
+        (prompt text, token ids with BOS once). Raises ValueError for a bad conversation, a
+        template error, or a model without a template."""
+        from models.chat_template import prompt_token_ids, render_chat
+
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError(
+                "the model has no chat template; pass one (chat_template=..., --chat-template FILE)"
+            )
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; the model has none")
+        text = render_chat(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **extra,
+        )
+        return text, prompt_token_ids(self.tokenizer.backend, text, self.bos_token)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):

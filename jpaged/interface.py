@@ -21,6 +21,8 @@ class EngineClient(Protocol):
     tokenizer: Any  # encode / decode, or None for a model without one
     eos_token_ids: tuple[int, ...]
     max_model_len: int
+    chat_template: str | None  # the model's, or None
+    sampling_defaults: dict  # the model's sampling defaults (SamplingParams fields)
 
     def add_request(
         self,
@@ -46,3 +48,13 @@ class EngineClient(Protocol):
     def stats(self) -> dict: ...
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]: ...
+
+    def chat_prompt(
+        self,
+        messages,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **extra,
+    ) -> tuple[str, list[int]]: ...

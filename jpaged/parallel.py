@@ -68,6 +68,8 @@ class DataParallelEngine:
         self.config = first.config  # resolved (max_model_len ...)
         self.model_config = first.model_config
         self.tokenizer = first.tokenizer
+        self.chat_template = first.chat_template
+        self.sampling_defaults = first.sampling_defaults
         self.eos_token_ids = first.eos_token_ids
         self.max_model_len = first.max_model_len
         self.load_seconds = sum(r.load_seconds for r in self.replicas)
@@ -85,6 +87,23 @@ class DataParallelEngine:
 
     def tokenize_prompt(self, prompt):
         return self.replicas[0].tokenize_prompt(prompt)
+
+    def chat_prompt(
+        self,
+        messages,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **extra,
+    ) -> tuple[str, list[int]]:
+        return self.replicas[0].chat_prompt(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **extra,
+        )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         if isinstance(request_ids, str):

@@ -108,6 +108,8 @@ class FakeEngine:
     ) -> None:
         self.model_config = FakeModelConfig(vocab_size=vocab_size)
         self.eos_token_ids = self.model_config.eos_token_ids
+        self.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}"
+        self.sampling_defaults: dict = {}
         self.tokenizer = FakeTokenizer(vocab_size)
         self.max_model_len = max_model_len
         self.page_size = page_size
@@ -196,6 +198,22 @@ class FakeEngine:
 
     def num_unfinished_requests(self) -> int:
         return len(self._waiting) + len(self._running)
+
+    def chat_prompt(
+        self,
+        messages,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **extra,
+    ) -> tuple[str, list[int]]:
+        """Renders "role: content" pairs (the fake model's chat template); the options are
+        accepted as the real engine's and ignored."""
+        from models.chat_template import validate_messages
+
+        text = " ".join(f"{m['role']}: {m['content']}" for m in validate_messages(messages))
+        return text, self.tokenizer.encode(text)
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -310,9 +328,7 @@ def _output(r: _Request, finished: bool) -> RequestOutput | None:
         if c.finish_reason is None and holdback:
             text = text[: max(len(text) - holdback, 0)]
         if kind is RequestOutputKind.DELTA:
-            if c.finish_sent or (
-                len(token_ids) == c.num_sent_tokens and c.finish_reason is None
-            ):
+            if c.finish_sent or (len(token_ids) == c.num_sent_tokens and c.finish_reason is None):
                 continue
             token_ids = token_ids[c.num_sent_tokens :]
             logprobs = None if logprobs is None else logprobs[c.num_sent_tokens :]

@@ -20,6 +20,7 @@ def test_the_interface_lists_the_engine_calls():
     assert sorted(METHODS) == [
         "abort_request",
         "add_request",
+        "chat_prompt",
         "has_unfinished_requests",
         "num_running",
         "num_unfinished_requests",
