@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One prepared device session for issue 8 (one H200, ~15 minutes of device time in all, at most
-# 10 minutes per command). Runs the steps named on the command line, in the order given, each
-# under a timeout, and stops starting new ones when the deadline is near. Needs no network.
+# One prepared device session (one H200, ~15 minutes of device time in all, at most 10 minutes
+# per command). Runs the steps named on the command line, in the order given, each under a
+# timeout computed from the time actually left, and stops starting new ones when the deadline
+# is near. Needs no network, and no install of the project: the repo root goes on PYTHONPATH.
 #
 #   bash scripts/gpu_session.sh tests attention W1 W3 W2     # one device run, timeout_s 600
 #   DEADLINE_S=300 bash scripts/gpu_session.sh W2            # a later call: what was skipped
@@ -10,31 +11,51 @@
 # default deadline of 560 s the steps that do not fit are skipped and say so in session.log.
 #
 # Steps, in order of value:
-#   tests      JAX_PLATFORMS=cuda python -m pytest -q -m gpu (tests/pallas_kernels/test_on_gpu.py)
-#   attention  scripts/bench_attention.py (issue 5's decode-attention table)
+#   tests      JAX_PLATFORMS=cuda python -m pytest -m gpu tests/pallas_kernels/test_on_gpu.py
+#              (in order of value inside: the engine's greedy tokens through the kernels
+#              first, bf16 kernels, the Mosaic GPU decode kernel, then f32)
+#   attention  scripts/bench_attention.py (copy bandwidth; our decode kernels, Triton and
+#              Mosaic, against jax's bundled kernel; the 64 x 2048 shape first)
 #   W1         bench_throughput W1 on the llama-3.2-1b preset, with start-up cold/warm
 #   W3         bench_throughput W3 on llama-3.2-1b (prefix caching on/off), no start-up runs
 #   W2         bench_throughput W2 on llama-3.2-1b scaled by W2_SCALE (default 4), no start-up
 #   W1-8b      bench_throughput W1 on the llama-3.1-8b preset (only if asked for)
+# Each benchmark measures jpaged first and transformers last (second priority), each phase
+# in its own process with the time left (--time-budget).
 #
-# Output goes to $OUT (default ./gpu-out): session.log (environment, tests, the summary),
-# one <step>.log per benchmark, and results.jsonl (one RESULT_JSON object per benchmark).
+# Output goes to $OUT (default ./gpu-out): session.log (environment, tests, the summary), one
+# <step>.log per step, <step>.json rewritten by the benchmark after every phase (what a kill
+# leaves is still there), and results.jsonl (each step's RESULT_JSON, or its partial JSON
+# marked "partial": true). A step gets SIGINT at its timeout (benchmarks then print what they
+# measured) and SIGKILL KILL_GRACE_S (default 60) seconds later; the grace is budgeted.
 # The checkpoints and jpaged's compilation cache live under $BENCH_ROOT (default
 # /tmp/jpaged-bench), so a second call on a still-warm machine reuses them.
 #
-# Environment: DEADLINE_S (default 560: seconds this call may take in all), W2_SCALE, PRESET
-# (default llama-3.2-1b) and EXTRA_ARGS (added to every benchmark), e.g. for a CPU dry run:
-#   OUT=/tmp/o PRESET=cpu-small EXTRA_ARGS='--scale 16' bash scripts/gpu_session.sh W1 W3
+# Environment: DEADLINE_S (default 560: seconds this call may take in all), PY (the Python
+# to use; default: the first of python3.12, python3, python that imports jax and jaxlib),
+# W2_SCALE, PRESET (default llama-3.2-1b), EXTRA_ARGS (added to every throughput benchmark),
+# ATTENTION_ARGS (added to bench_attention), KILL_GRACE_S.
+#
+# Dry run on a CPU host under the GPU machine's versions (Python 3.12, jax 0.11.2, triton
+# 3.6.0; the project not installed; no grpcio-health-checking/-reflection/-tools): a venv made
+# that way (docs/attention.md lists its packages), then
+#   JAX_PLATFORMS=cpu PY=/path/to/venv/bin/python OUT=/tmp/dry PRESET=cpu-small \
+#     EXTRA_ARGS='--scale 32' ATTENTION_ARGS=--quick DEADLINE_S=560 \
+#     bash scripts/gpu_session.sh tests attention W1 W3 W2
+# (tests/test_gpu_session.py runs a shorter one, marked slow).
 set -u
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-out}
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu-out}
 BENCH_ROOT=${BENCH_ROOT:-/tmp/jpaged-bench}
 DEADLINE_S=${DEADLINE_S:-560}
 W2_SCALE=${W2_SCALE:-4}
-PY=${PY:-python3}
 PRESET=${PRESET:-llama-3.2-1b}
 EXTRA_ARGS=${EXTRA_ARGS:-}
+ATTENTION_ARGS=${ATTENTION_ARGS:-}
+KILL_GRACE_S=${KILL_GRACE_S:-60}
 mkdir -p "$OUT" "$BENCH_ROOT"
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export JPAGED_CACHE_DIR=$BENCH_ROOT/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 START=$(date +%s)
@@ -43,51 +64,92 @@ LOG=$OUT/session.log
 say() { echo "[$(($(date +%s) - START))s] $*" | tee -a "$LOG"; }
 left() { echo $((DEADLINE_S - ($(date +%s) - START))); }
 
-# run_step NAME MIN_SECONDS MAX_SECONDS CMD...: runs CMD under a timeout of
-# min(MAX_SECONDS, time left - 10); skipped when less than MIN_SECONDS is left.
+# The Python: $PY, else the first candidate that imports jax and jaxlib.
+if [[ -z ${PY:-} ]]; then
+  for candidate in python3.12 python3 python; do
+    if command -v "$candidate" >/dev/null && "$candidate" -c 'import jax, jaxlib' 2>/dev/null; then
+      PY=$(command -v "$candidate")
+      break
+    fi
+  done
+fi
+if [[ -z ${PY:-} ]] || ! "$PY" -c 'import jax, jaxlib' 2>>"$LOG"; then
+  say "no Python with jax and jaxlib found (set PY=/path/to/python); stopping"
+  exit 2
+fi
+
+# run_step NAME MIN MAX CMD...: runs CMD under a timeout of min(MAX, time left - grace - 10);
+# skipped when that is less than MIN. {BUDGET} in CMD becomes the timeout less 5 seconds.
 run_step() {
   local name=$1 min=$2 max=$3
   shift 3
-  local budget=$(($(left) - 10))
+  local budget=$(($(left) - KILL_GRACE_S - 10))
   ((budget > max)) && budget=$max
   if ((budget < min)); then
     say "SKIP $name: ${budget}s left, needs ${min}s"
     return
   fi
-  say "START $name (timeout ${budget}s): $*"
-  timeout --signal=INT --kill-after=15 "$budget" "$@" >"$OUT/$name.log" 2>&1
+  local args=("${@//\{BUDGET\}/$((budget - 5))}")
+  say "START $name (timeout ${budget}s): ${args[*]}"
+  timeout --signal=INT --kill-after="$KILL_GRACE_S" "$budget" "${args[@]}" >"$OUT/$name.log" 2>&1
   local rc=$?
   say "END $name rc=$rc$( ((rc == 124)) && echo ' (timed out)')"
-  grep -h '^RESULT_JSON ' "$OUT/$name.log" | sed 's/^RESULT_JSON //' >>"$OUT/results.jsonl"
-  # The human-readable summary of a benchmark: everything it printed before the JSON line.
-  grep -v -e '^RESULT_JSON ' -e 'it/s\]' "$OUT/$name.log" | tail -n 25 >>"$LOG"
+  if grep -q '^RESULT_JSON ' "$OUT/$name.log"; then
+    grep -h '^RESULT_JSON ' "$OUT/$name.log" | tail -n 1 | sed 's/^RESULT_JSON //' >>"$OUT/results.jsonl"
+  elif [[ -s $OUT/$name.json ]]; then  # killed before it could print: what it had saved
+    "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1])); r["partial"] = True; print(json.dumps(r))' \
+      "$OUT/$name.json" >>"$OUT/results.jsonl"
+  fi
+  # The human-readable summary: everything printed but the JSON line and progress bars.
+  grep -v -e '^RESULT_JSON ' -e 'it/s\]' "$OUT/$name.log" | tail -n 30 >>"$LOG"
 }
 
 bench() {  # bench NAME MIN MAX ARGS...: scripts/bench_throughput.py with the session's settings
   local name=$1 min=$2 max=$3
   shift 3
+  # shellcheck disable=SC2086  # EXTRA_ARGS is a list of flags
   run_step "$name" "$min" "$max" "$PY" scripts/bench_throughput.py \
-    --checkpoint-dir "$BENCH_ROOT/checkpoints" --hf-timeout $((max * 3 / 5)) "$@" $EXTRA_ARGS
+    --checkpoint-dir "$BENCH_ROOT/checkpoints" --time-budget '{BUDGET}' \
+    --json-out "$OUT/$name.json" "$@" $EXTRA_ARGS
 }
 
 {
   echo "gpu_session: steps: ${*:-none}; deadline ${DEADLINE_S}s; $(date -u)"
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  "$PY" -c 'import sys, jax, torch, transformers; print(sys.version.split()[0], "jax", jax.__version__, jax.devices(), "torch", torch.__version__, "transformers", transformers.__version__)'
-  git log --oneline -1
+  echo "python: $PY"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  else
+    echo "nvidia-smi: not found"
+  fi
+  "$PY" - <<'EOF'
+import importlib, sys
+import jax
+print(sys.executable, sys.version.split()[0], "jax", jax.__version__, jax.devices())
+for name in ("jaxlib", "triton", "torch", "transformers", "pytest"):
+    try:
+        print(f"  {name} {importlib.import_module(name).__version__}")
+    except ImportError as e:
+        print(f"  {name}: not installed ({e})")
+EOF
+  git log --oneline -1 2>/dev/null || true
 } >>"$LOG" 2>&1
 
 for step in "$@"; do
   case $step in
     tests)
-      # tests/conftest.py defaults JAX_PLATFORMS to cpu; the GPU-marked tests skip there.
+      # tests/conftest.py defaults JAX_PLATFORMS to cpu, where the GPU-marked tests skip.
       # addopts is cleared: it asks for pytest-xdist workers, which the device may not have.
-      run_step tests 30 150 env JAX_PLATFORMS=cuda "$PY" -m pytest -q -o addopts= -m gpu \
-        -p no:cacheprovider -rfEs tests/pallas_kernels/test_on_gpu.py
+      run_step tests 60 240 env JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" "$PY" -m pytest -q \
+        -o addopts= -m gpu -p no:cacheprovider -rfEs --durations=10 \
+        tests/pallas_kernels/test_on_gpu.py
       ;;
-    attention) run_step attention 60 100 "$PY" scripts/bench_attention.py ;;
-    W1) bench W1 180 300 --workload W1 --preset "$PRESET" ;;
-    W3) bench W3 150 200 --workload W3 --preset "$PRESET" --skip-startup ;;
+    attention)
+      # shellcheck disable=SC2086
+      run_step attention 60 150 "$PY" scripts/bench_attention.py --time-budget '{BUDGET}' \
+        --json-out "$OUT/attention.json" $ATTENTION_ARGS
+      ;;
+    W1) bench W1 120 300 --workload W1 --preset "$PRESET" ;;
+    W3) bench W3 120 200 --workload W3 --preset "$PRESET" --skip-startup ;;
     W2) bench W2 100 200 --workload W2 --preset "$PRESET" --scale "$W2_SCALE" --skip-startup ;;
     W1-8b) bench W1-8b 240 400 --workload W1 --preset llama-3.1-8b --skip-startup ;;
     *) say "unknown step $step (tests, attention, W1, W3, W2, W1-8b)" ;;
