@@ -295,33 +295,33 @@ def run_startup(args) -> None:
 
 
 class EngineProbe:
-    """The one place this script reaches inside jpaged's engine (the runner is being
-    refactored; these are the names it relies on):
-      engine.replicas[i].runner (data parallel) or engine.runner;
-      runner.warmed_up (set: a program compiled afterwards counts as a recompilation);
-      runner.step_log (set to a list: per-step (StepKey, rows, context tokens, device s));
-      runner.compile_seconds; runner.params (weight bytes for the roofline);
+    """The one place this script reaches inside jpaged's engine; the names it relies on:
+      engine.replicas[i] (data parallel) or the engine itself;
+      runner.programs.warmed_up (set: a program compiled afterwards is a recompilation);
+      jpaged.profiling.StepTimer (per-step (StepKey, rows, context tokens, device s));
+      engine.stats()["compile_seconds"]; runner.params (weight bytes for the roofline);
       engine.model_config, engine.warmup_seconds.
     """
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        replicas = getattr(engine, "replicas", None)
-        self.runners = [r.runner for r in replicas] if replicas else [engine.runner]
+        self.replicas = getattr(engine, "replicas", None) or [engine]
+        self.runners = [r.runner for r in self.replicas]
 
     def mark_warmed_up(self) -> None:
         for r in self.runners:
-            r.warmed_up = True
+            r.programs.warmed_up = True
 
     def start_step_log(self) -> list | None:
         """A fresh per-step log, or None under data parallelism (several runners)."""
-        if len(self.runners) != 1:
+        from jpaged.profiling import StepTimer
+
+        if len(self.replicas) != 1:
             return None
-        self.runners[0].step_log = []
-        return self.runners[0].step_log
+        return StepTimer.attach(self.replicas[0]).log
 
     def compile_seconds(self) -> float:
-        return sum(r.compile_seconds for r in self.runners)
+        return self.engine.stats()["compile_seconds"]
 
     def params(self):
         return self.runners[0].params
