@@ -5,7 +5,13 @@ Invariants:
 - a page is on the free list exactly when its reference count is 0;
 - a free page may still hold a cached hash: it stays reusable by a prefix hit until the
   allocator hands it out again, least recently freed first (the free list is the LRU order);
-- every operation costs O(1) per page.
+- every operation costs O(1) per page;
+- a prefix hit is exact whatever the hash function: a cached page records its tokens, the
+  cache salt and its parent, the physical page before it in the sequence that cached it
+  with that page's generation (bumped whenever the page is handed out anew). A lookup hits
+  only when all of them match the requester's: its page tokens, its salt, and the page it
+  matched one position earlier, still in the same generation. The hash only finds the
+  candidate; a collision (even a crafted one) costs a miss, never a wrong hit.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ NULL_PAGE = 0
 class CachedPage:
     hash: int
     token_ids: tuple[int, ...]
+    salt: str | None = None
+    parent: tuple[int, int] | None = None  # (page, its generation); None: the first page
 
 
 def page_hash(parent_hash: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
@@ -42,6 +50,8 @@ class PageAllocator:
         )
         self._cached: dict[int, CachedPage] = {}  # page -> its cache entry
         self._by_hash: dict[int, int] = {}  # hash -> page
+        # Bumped each time a page is handed out anew (its contents will be rewritten).
+        self.generation = np.zeros(num_pages, dtype=np.int64)
         self.num_evictions = 0
 
     # -- queries ---------------------------------------------------------------------------
@@ -75,6 +85,7 @@ class PageAllocator:
         for _ in range(n):
             page, _ = self._free.popitem(last=False)
             self._uncache(page)
+            self.generation[page] += 1
             self.ref_counts[page] = 1
             pages.append(page)
         return pages
@@ -97,19 +108,46 @@ class PageAllocator:
                 self._free[page] = None
 
     # -- prefix cache ----------------------------------------------------------------------
-    def cache_page(self, page: int, h: int, token_ids: tuple[int, ...]) -> None:
-        """Records that a full, allocated page holds token_ids under hash h."""
+    def _parent_ref(self, parent: int | None) -> tuple[int, int] | None:
+        return None if parent is None else (parent, int(self.generation[parent]))
+
+    def cache_page(
+        self,
+        page: int,
+        h: int,
+        token_ids: tuple[int, ...],
+        *,
+        parent: int | None = None,
+        salt: str | None = None,
+    ) -> None:
+        """Records that a full, allocated page holds token_ids under hash h, computed after
+        the page `parent` (the sequence's previous page; None for its first) and salt."""
         if not self.enable_prefix_caching or page in self._cached or h in self._by_hash:
             return
-        self._cached[page] = CachedPage(h, token_ids)
+        self._cached[page] = CachedPage(h, token_ids, salt, self._parent_ref(parent))
         self._by_hash[h] = page
 
-    def lookup(self, h: int, token_ids: tuple[int, ...]) -> int | None:
-        """The page cached under h if its stored tokens are token_ids (verified), else None."""
+    def lookup(
+        self,
+        h: int,
+        token_ids: tuple[int, ...],
+        *,
+        parent: int | None = None,
+        salt: str | None = None,
+    ) -> int | None:
+        """The page cached under h if it holds token_ids after exactly the page `parent` (the
+        requester's previous hit; None for a first page) under salt, else None."""
         if not self.enable_prefix_caching:
             return None
         page = self._by_hash.get(h)
-        if page is None or self._cached[page].token_ids != token_ids:
+        if page is None:
+            return None
+        entry = self._cached[page]
+        if (
+            entry.token_ids != token_ids
+            or entry.salt != salt
+            or entry.parent != self._parent_ref(parent)
+        ):
             return None
         return page
 

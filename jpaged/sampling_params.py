@@ -13,6 +13,7 @@ import numbers
 from collections.abc import Sequence
 
 _GREEDY_EPS = 1e-5
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 class RequestOutputKind(enum.Enum):
@@ -31,8 +32,13 @@ def _check_int(name: str, value, *, allow_none: bool = False) -> None:
 
 
 def _check_float(name: str, value) -> None:
+    """A real, finite number (a NaN would pass every range check: NaN < 0 is False)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if abs(value) > _FLOAT32_MAX:  # the device computes in float32
+        raise ValueError(f"{name} must be within +-{_FLOAT32_MAX:.3g}, got {value!r}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -169,8 +175,6 @@ class BeamSearchParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         _check_float("length_penalty", self.length_penalty)
-        if not math.isfinite(self.length_penalty):
-            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):

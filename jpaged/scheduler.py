@@ -217,11 +217,11 @@ class Scheduler:
         to compute, so the step has a hidden state to sample from)."""
         hits: list[int] = []
         seq.page_hashes = []
-        parent = None
+        parent, salt = None, seq.group.cache_salt
         for i in range((seq.num_tokens - 1) // self.page_size):
             tokens = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
-            h = page_hash(parent, tokens, seq.group.cache_salt)
-            page = self.allocator.lookup(h, tokens)
+            h = page_hash(parent, tokens, salt)
+            page = self.allocator.lookup(h, tokens, parent=hits[-1] if hits else None, salt=salt)
             if page is None:
                 break
             hits.append(page)
@@ -437,12 +437,13 @@ class Scheduler:
         """Registers the full pages among seq's first num_tokens (computed) tokens."""
         if not self.allocator.enable_prefix_caching:
             return
-        ps = self.page_size
+        ps, salt = self.page_size, seq.group.cache_salt
         parent = seq.page_hashes[-1] if seq.page_hashes else None
         for i in range(len(seq.page_hashes), num_tokens // ps):
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
-            h = page_hash(parent, tokens, seq.group.cache_salt)
-            self.allocator.cache_page(seq.pages[i], h, tokens)
+            h = page_hash(parent, tokens, salt)
+            prev = seq.pages[i - 1] if i else None
+            self.allocator.cache_page(seq.pages[i], h, tokens, parent=prev, salt=salt)
             seq.page_hashes.append(h)
             parent = h
 

@@ -16,7 +16,10 @@ After every operation:
   positions through the device table;
 - every position a sequence has computed reads back its own token through the device table;
 - every cached page holds the tokens of its entry, and its hash is the page_hash chain of
-  a prefix some sequence really had;
+  a prefix some sequence really had; it is found again only while its parent page is in the
+  generation it was cached after;
+- prefix hits stay exact when the hash function collides on purpose (all pages one hash, or
+  a hash of the page's tokens alone, blind to the prefix and the cache salt).
 - paged policy: a running sequence holds ceil(computed / page_size) pages, so at most
   page_size - 1 allocated slots are unfilled (also checked right after each schedule).
 - swap preemption: host swap pages are held exactly by the waiting swapped sequences, which
@@ -28,11 +31,13 @@ At the end every request is drained or aborted and nothing may be left allocated
 import collections
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
-from jpaged.page_allocator import NULL_PAGE, PageAllocator, page_hash
+from jpaged import scheduler as scheduler_module
+from jpaged.page_allocator import NULL_PAGE, PageAllocator
 from jpaged.sampler import SamplerOutput
 from jpaged.sampling_params import SamplingParams
 from jpaged.scheduler import Scheduler
@@ -188,30 +193,33 @@ class Harness:
             assert len(s.page_hashes) <= s.num_computed_tokens // ps
             parent = None
             for i, h in enumerate(s.page_hashes):
-                parent = page_hash(
+                parent = scheduler_module.page_hash(
                     parent, tuple(s.token_ids[i * ps : (i + 1) * ps]), s.group.cache_salt
                 )
                 assert h == parent
                 entry = alloc.cached_entry(s.pages[i])
                 assert entry is None or entry.hash == h
         # Cached pages: the page holds the entry's tokens; the hash is a real prefix's chain.
-        known = {}
+        known = collections.defaultdict(set)  # hash -> page tokens (several if hashes collide)
         for g in self.groups:
             for s in g.seqs:
                 parent = None
                 for i in range(len(s.token_ids) // ps):
-                    parent = page_hash(
+                    parent = scheduler_module.page_hash(
                         parent, tuple(s.token_ids[i * ps : (i + 1) * ps]), g.cache_salt
                     )
-                    known[parent] = tuple(s.token_ids[i * ps : (i + 1) * ps])
+                    known[parent].add(tuple(s.token_ids[i * ps : (i + 1) * ps]))
         for page in range(alloc.num_pages):
             entry = alloc.cached_entry(page)
             if entry is None:
                 continue
             assert page != NULL_PAGE
             assert self.device.kv[page].tolist() == list(entry.token_ids)
-            assert known[entry.hash] == entry.token_ids
-            assert alloc.lookup(entry.hash, entry.token_ids) == page
+            assert entry.token_ids in known[entry.hash]
+            parent = entry.parent[0] if entry.parent else None
+            current = entry.parent is None or alloc.generation[parent] == entry.parent[1]
+            found = alloc.lookup(entry.hash, entry.token_ids, parent=parent, salt=entry.salt)
+            assert found == (page if current else None)
         assert alloc.num_cached() == len(alloc._by_hash)
         if self.swap is not None:
             self.check_swap()
@@ -355,3 +363,40 @@ def test_waste_is_below_one_page_per_sequence_under_paged_and_not_under_reserve(
 def test_swap_preemption_invariants_hold_for_random_operations(data):
     h = run_ops(data, data.draw(st.sampled_from(["paged", "paged", "reserve"])), swap=True)
     assert h.sched.num_swaps_in <= h.sched.num_swaps_out <= h.sched.num_preemptions
+
+
+def _same_hash(parent, tokens, salt):
+    return 0
+
+
+def _tokens_only_hash(parent, tokens, salt):
+    return hash(tokens)
+
+
+@pytest.mark.parametrize("collide", [_same_hash, _tokens_only_hash])
+def test_prefix_hits_stay_exact_when_every_hash_collides(monkeypatch, collide):
+    monkeypatch.setattr(scheduler_module, "page_hash", collide)
+
+    @settings(_SETTINGS, max_examples=300)
+    @given(st.data())
+    def run(data):
+        run_ops(data, "paged")  # every computed position reads back its own token
+
+    run()
+
+
+def test_a_crafted_collision_never_hits_another_tenants_page(monkeypatch):
+    monkeypatch.setattr(scheduler_module, "page_hash", _tokens_only_hash)
+    h = Harness(4, 16, 2, 16, "paged", True)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    h.admit(prompt, 1, 1, "tenant-a", seed=0)
+    h.step([5])
+    assert h.alloc.num_cached() == 2
+    h.admit(prompt, 1, 1, "tenant-b", seed=1)  # same tokens, same (crafted) hashes
+    h.step([5])
+    b = h.groups[1].seqs[0]
+    assert b.group.num_cached_tokens == 0 and h.sched.prefix_cache_hit_tokens == 0
+    h.admit(prompt, 1, 1, "tenant-a", seed=2)  # the same tenant does hit
+    h.step([5])
+    assert h.groups[2].num_cached_tokens == 8
+    h.check()
