@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from models import loader
+from models import hf_checkpoint
 from models.config import ModelConfig, RopeScaling
 
 GGUF_MAGIC = b"GGUF"
@@ -105,7 +105,7 @@ def find_gguf(path: str | os.PathLike) -> Path | None:
     p = Path(path)
     if p.suffix == ".gguf" and not p.is_dir():
         return p
-    if p.is_dir() and not (p / loader.CONFIG_FILE).exists():
+    if p.is_dir() and not (p / hf_checkpoint.CONFIG_FILE).exists():
         files = sorted(f for f in p.glob("*.gguf") if f.is_file())
         if len(files) > 1:
             names = ", ".join(f.name for f in files)
@@ -147,17 +147,21 @@ class GGUFFile:
         """A tensor's shape in numpy order (GGML lists dimensions innermost first)."""
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
 
-    def read(self, name: str) -> np.ndarray:
-        """A tensor dequantized to float32 in numpy order ([out, in] for a projection)."""
-        from gguf import quants
-
-        tensor = self.tensors[name]
-        kind = tensor.tensor_type.name
+    def check_type(self, name: str) -> None:
+        """Raises a ValueError when a tensor's GGML type is not one jpaged dequantizes."""
+        kind = self.tensors[name].tensor_type.name
         if kind not in SUPPORTED_TENSOR_TYPES:
             raise ValueError(
                 f"{self.path}: tensor {name!r} has type {kind}, which jpaged cannot load; "
                 f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
             )
+
+    def read(self, name: str) -> np.ndarray:
+        """A tensor dequantized to float32 in numpy order ([out, in] for a projection)."""
+        from gguf import quants
+
+        self.check_type(name)
+        tensor = self.tensors[name]
         return quants.dequantize(tensor.data, tensor.tensor_type).reshape(self.shape(name))
 
 
@@ -338,12 +342,12 @@ def generation_defaults(metadata: dict[str, Any]) -> dict[str, Any]:
 
 def load_gguf_model(
     path: str | os.PathLike, *, dtype: Any = None, mesh: Any = None, on_host: bool = False
-) -> loader.LoadedModel:
+) -> hf_checkpoint.LoadedModel:
     """Loads a GGUF file, dequantized into dtype.
 
     Args:
       path: a .gguf file.
-      dtype: dtype of every param (default as models.loader.resolve_dtype).
+      dtype: dtype of every param (default as models.hf_checkpoint.resolve_dtype).
       mesh: a Mesh of models.sharding (None: every param on the default device).
       on_host: keep params as numpy arrays, ignoring mesh.
 
@@ -360,10 +364,10 @@ def load_gguf_model(
 
     file = GGUFFile(path)
     config = _config(file)
-    target_dtype = loader.resolve_dtype(dtype)
+    target_dtype = hf_checkpoint.resolve_dtype(dtype)
     permuted = file.metadata["general.architecture"] == "llama"
     heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
-    specs = loader.tensor_specs(config)
+    specs = hf_checkpoint.tensor_specs(config)
     wanted = {gguf_tensor_name(spec.hf_name) for spec in specs.values()} | {ROPE_FREQS}
     unexpected = sorted(set(file.tensors) - wanted)
     if unexpected:
@@ -373,7 +377,12 @@ def load_gguf_model(
             f"{file.path}: unexpected tensor(s) {shown}{more} for {config.architecture}"
         )
 
-    def read(spec: loader.TensorSpec) -> np.ndarray:
+    for name in file.tensors:  # every type, before any tensor is dequantized
+        file.check_type(name)
+    built = gguf_tokenizer.build_tokenizer(file.metadata, source=str(file.path))
+    tokenizer, info = built if built is not None else (None, None)
+
+    def read(spec: hf_checkpoint.TensorSpec) -> np.ndarray:
         name = gguf_tensor_name(spec.hf_name)
         if name not in file.tensors:
             raise ValueError(f"{file.path}: missing tensor {name!r}")
@@ -389,12 +398,10 @@ def load_gguf_model(
             w = unpermute_rows(w, heads[kind])
         return w
 
-    params = loader.build_params(
+    params = hf_checkpoint.build_params(
         config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host
     )
-    built = gguf_tokenizer.build_tokenizer(file.metadata, source=str(file.path))
-    tokenizer, info = built if built is not None else (None, None)
-    return loader.LoadedModel(
+    return hf_checkpoint.LoadedModel(
         config=config,
         params=params,
         tokenizer=tokenizer,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,6 +44,11 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _BYTE_LEVEL_SPLITS = {
     "llama3": _LLAMA3_SPLIT,
     "llama-v3": _LLAMA3_SPLIT,
@@ -51,6 +57,7 @@ _BYTE_LEVEL_SPLITS = {
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
     "megrez": _QWEN2_SPLIT,
+    "tekken": _TEKKEN_SPLIT,  # Mistral NeMo
 }
 # Llama 3's tokenizer takes a pre-token that is itself in the vocabulary whole, before any
 # merge (tokenizer.json's "ignore_merges": true; llama.cpp does the same for these names).
@@ -58,6 +65,10 @@ _IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe"})
 # GPT-2's split after each digit is isolated (SmolLM's and StarCoder's tokenizer.json:
 # Digits(individual_digits) before ByteLevel; llama.cpp's "\p{N}" split for these names).
 _DIGIT_SPLIT = frozenset({"smollm", "starcoder", "refact", "codeshell"})
+# Names whose split is GPT-2's own regex.
+_GPT2_SPLIT = frozenset({"default", "gpt-2", "gpt2"})
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +131,7 @@ def build_tokenizer(metadata: Mapping[str, Any], *, source: str):
             raise ValueError(f"{source}: tokenizer.ggml.{key} {value} is not a token id")
         return int(value)
 
-    bos_id, eos_id, unk_id = token_id("bos_token_id"), token_id("eos_token_id"), None
+    bos_id, eos_id = token_id("bos_token_id"), token_id("eos_token_id")
     unk_id = token_id("unknown_token_id")
     if kind == "gpt2":
         tokenizer = _byte_level_bpe(metadata, tokens, types, source)
@@ -211,6 +222,13 @@ def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], types: list[
             ]
         )
     else:
+        if pre not in _GPT2_SPLIT:
+            logger.warning(
+                "%s: tokenizer.ggml.pre %r is not known to jpaged; splitting text with GPT-2's "
+                "regex, which may tokenize differently from the model's own tokenizer",
+                source,
+                pre,
+            )
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer

@@ -21,19 +21,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from models import loader
+from models import hf_checkpoint
 from models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 PARAMS_DIR = "params"
 _COPIED_FILES = (
-    loader.CONFIG_FILE,
-    loader.GENERATION_CONFIG_FILE,
-    loader.TOKENIZER_FILE,
-    loader.TOKENIZER_CONFIG_FILE,
-    loader.SPECIAL_TOKENS_MAP_FILE,
-    loader.CHAT_TEMPLATE_FILE,
+    hf_checkpoint.CONFIG_FILE,
+    hf_checkpoint.GENERATION_CONFIG_FILE,
+    hf_checkpoint.TOKENIZER_FILE,
+    hf_checkpoint.TOKENIZER_CONFIG_FILE,
+    hf_checkpoint.SPECIAL_TOKENS_MAP_FILE,
+    hf_checkpoint.CHAT_TEMPLATE_FILE,
 )
 
 
@@ -59,7 +59,7 @@ def convert_hf_to_orbax(
     src, out = Path(hf_dir), Path(out_dir).absolute()
     if is_orbax_dir(out):
         raise ValueError(f"{out}: already holds an Orbax checkpoint ({PARAMS_DIR}/)")
-    loaded = loader.load_hf_model(src, dtype=dtype, on_host=True)
+    loaded = hf_checkpoint.load_hf_model(src, dtype=dtype, on_host=True)
     out.mkdir(parents=True, exist_ok=True)
     for name in _COPIED_FILES:
         if (src / name).is_file():
@@ -76,7 +76,7 @@ def abstract_params(cfg: ModelConfig, dtype: Any, mesh: Any = None) -> dict:
 
     from models.sharding import param_shardings
 
-    shapes = {key: _layout_shape(cfg, key) for key in loader.tensor_specs(cfg)}
+    shapes = {key: _layout_shape(cfg, key) for key in hf_checkpoint.tensor_specs(cfg)}
     shardings = param_shardings(cfg, mesh) if mesh is not None else None
     params: dict[str, Any] = {"layers": [{} for _ in range(cfg.num_layers)]}
     for key, shape in shapes.items():
@@ -116,14 +116,14 @@ def _layout_shape(cfg: ModelConfig, key: tuple) -> tuple[int, ...]:
 
 def load_orbax_model(
     path: str | os.PathLike, *, dtype: Any = None, mesh: Any = None
-) -> loader.LoadedModel:
+) -> hf_checkpoint.LoadedModel:
     """Restores a converted directory straight into the mesh's shardings (or one device)."""
     import orbax.checkpoint as ocp
 
     model_dir = Path(path).absolute()
     t0 = time.perf_counter()
-    config = loader.read_config(model_dir)
-    target = abstract_params(config, loader.resolve_dtype(dtype), mesh)
+    config = hf_checkpoint.read_hf_config(model_dir)
+    target = abstract_params(config, hf_checkpoint.resolve_dtype(dtype), mesh)
     params = ocp.StandardCheckpointer().restore(model_dir / PARAMS_DIR, target)
     logger.info(
         "restored %s from Orbax in %.2fs (%s)",
@@ -131,13 +131,4 @@ def load_orbax_model(
         time.perf_counter() - t0,
         "one device" if mesh is None else f"mesh {dict(mesh.shape)}",
     )
-    tokenizer = loader.load_tokenizer(model_dir)
-    return loader.LoadedModel(
-        config=config,
-        params=params,
-        tokenizer=tokenizer,
-        eos_token_ids=config.eos_token_ids,
-        path=model_dir,
-        mesh=mesh,
-        **loader.read_chat_settings(model_dir, config, tokenizer),
-    )
+    return hf_checkpoint.directory_model(model_dir, config, params, mesh)

@@ -349,3 +349,20 @@ def test_hf_dir_named_templates(llama_dir):
     (llama_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": 5}))
     with pytest.raises(ValueError, match=r"tokenizer_config\.json: field 'chat_template' must be"):
         load_hf_model(llama_dir)
+
+
+def test_orbax_conversion_keeps_chat_settings(llama_dir, tmp_path):
+    from models.loader import load_model
+    from models.orbax_checkpoint import convert_hf_to_orbax
+
+    (llama_dir / "chat_template.jinja").write_text(QWEN_TEMPLATE)
+    (llama_dir / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+    (llama_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [1], "temperature": 0.3})
+    )
+    out = convert_hf_to_orbax(llama_dir, tmp_path / "orbax", dtype="float32")
+    loaded = load_model(out)
+    assert (out / "params").is_dir()
+    assert loaded.chat_template == QWEN_TEMPLATE
+    assert (loaded.bos_token, loaded.eos_token) == ("<s>", "<|end|>")
+    assert loaded.generation_defaults == {"temperature": 0.3}

@@ -1,0 +1,475 @@
+"""Hugging Face checkpoint directories, and the pieces every loader shares.
+
+Reads config.json, model.safetensors (or shards listed by model.safetensors.index.json),
+tokenizer.json, generation_config.json (EOS ids and sampling defaults), tokenizer_config.json
+or chat_template.jinja (chat template, BOS/EOS texts). torch Linear weights are stored
+[out, in]; they are transposed and split into heads to give the layout documented in
+models/config.py. Shared with models/gguf.py and models/orbax_checkpoint.py: LoadedModel,
+the tensor map (tensor_specs) and build_params, which casts and places each tensor.
+models/loader.py picks the loader for a path.
+
+Invariants: every tensor the config implies is present with exactly its expected shape, and
+no tensor of the checkpoint is left unused (an unused bias would silently change the model).
+Every failure is a ValueError or FileNotFoundError whose message names the file and the field
+or tensor at fault.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from models.config import ModelConfig
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+# generation_config.json fields that are sampling defaults (SamplingParams' names).
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+# Tensors that some checkpoints carry and that the model recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig  # eos_token_ids already resolved as below
+    params: dict[str, Any]  # layout of models/config.py, jax arrays
+    tokenizer: Any  # tokenizers.Tokenizer, or None when the directory has no tokenizer.json
+    eos_token_ids: tuple[int, ...]  # generation_config.json's if present, else config.json's
+    path: Path  # the model directory, or the .gguf file
+    mesh: Any = None  # jax.sharding.Mesh the params are sharded over (None: one device)
+    chat_template: str | None = None  # Jinja source, rendered by models/chat_template.py
+    bos_token: str | None = None  # BOS/EOS texts, the template variables bos_token/eos_token
+    eos_token: str | None = None
+    # Sampling defaults the model ships (temperature, top_p, top_k, min_p, repetition_penalty;
+    # only those it sets), for requests that leave them unset.
+    generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One HF tensor and how it maps into the params layout."""
+
+    hf_name: str
+    hf_shape: tuple[int, ...]
+    to_layout: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _linear(out_dim: int, in_dim: int, layout_shape: tuple[int, ...]):
+    """torch Linear weight [out, in] <-> layout array: [in, out] transposed, then split.
+
+    wq [D, Hq, Dh] and w_gate [D, F] split the out dim; wo [Hq, Dh, D] splits the in dim.
+    """
+
+    def to_layout(w: np.ndarray) -> np.ndarray:
+        return w.T.reshape(layout_shape)
+
+    def to_hf(x: np.ndarray) -> np.ndarray:
+        return x.reshape(in_dim, out_dim).T
+
+    return to_layout, to_hf
+
+
+def _split(hf_dim: int, layout_shape: tuple[int, ...]):
+    """A bias [H * Dh] <-> [H, Dh]."""
+    return (lambda w: w.reshape(layout_shape)), (lambda x: x.reshape(hf_dim))
+
+
+def tensor_specs(cfg: ModelConfig) -> dict[tuple, TensorSpec]:
+    """Maps each params path (("embed",), ("layers", i, "wq"), ...) to its HF tensor."""
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def plain(name: str, shape: tuple[int, ...]) -> TensorSpec:
+        return TensorSpec(name, shape, _identity, _identity)
+
+    def linear(name: str, out_dim: int, in_dim: int, layout_shape: tuple[int, ...]):
+        return TensorSpec(name, (out_dim, in_dim), *_linear(out_dim, in_dim, layout_shape))
+
+    def bias(name: str, heads: int) -> TensorSpec:
+        return TensorSpec(name, (heads * dh,), *_split(heads * dh, (heads, dh)))
+
+    specs: dict[tuple, TensorSpec] = {("embed",): plain("model.embed_tokens.weight", (v, d))}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_norm": plain(p + "input_layernorm.weight", (d,)),
+            "post_attn_norm": plain(p + "post_attention_layernorm.weight", (d,)),
+            "wq": linear(p + "self_attn.q_proj.weight", hq * dh, d, (d, hq, dh)),
+            "wk": linear(p + "self_attn.k_proj.weight", hkv * dh, d, (d, hkv, dh)),
+            "wv": linear(p + "self_attn.v_proj.weight", hkv * dh, d, (d, hkv, dh)),
+            "wo": linear(p + "self_attn.o_proj.weight", d, hq * dh, (hq, dh, d)),
+            "w_gate": linear(p + "mlp.gate_proj.weight", f, d, (d, f)),
+            "w_up": linear(p + "mlp.up_proj.weight", f, d, (d, f)),
+            "w_down": linear(p + "mlp.down_proj.weight", d, f, (f, d)),
+        }
+        if cfg.attention_bias:
+            layer["bq"] = bias(p + "self_attn.q_proj.bias", hq)
+            layer["bk"] = bias(p + "self_attn.k_proj.bias", hkv)
+            layer["bv"] = bias(p + "self_attn.v_proj.bias", hkv)
+        if cfg.qk_norm:
+            layer["q_norm"] = plain(p + "self_attn.q_norm.weight", (dh,))
+            layer["k_norm"] = plain(p + "self_attn.k_norm.weight", (dh,))
+        for key, spec in layer.items():
+            specs[("layers", i, key)] = spec
+    specs[("final_norm",)] = plain("model.norm.weight", (d,))
+    if not cfg.tie_word_embeddings:
+        specs[("lm_head",)] = linear("lm_head.weight", v, d, (d, v))
+    return specs
+
+
+def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise FileNotFoundError(f"{path}: file not found")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not readable JSON: {e}") from None
+    if not isinstance(data, dict):
+        # A ValueError like every other malformed-file error, so callers catch one type.
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")  # noqa: TRY004
+    return data
+
+
+def _eos_ids(value: Any, source: Path) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+        raise ValueError(f"{source}: field 'eos_token_id' must be an int or a list of ints")
+    return tuple(values)
+
+
+def _weight_files(model_dir: Path) -> tuple[dict[str, Path], Path]:
+    """Maps each tensor name to the safetensors file holding it (from the index if sharded).
+
+    Returns the map and the file that lists the tensors (the index, or model.safetensors).
+    """
+    index_path = model_dir / WEIGHTS_INDEX_FILE
+    single = model_dir / WEIGHTS_FILE
+    if index_path.is_file():
+        index = _read_json(index_path)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(f, str) for k, f in weight_map.items()
+        ):
+            raise ValueError(f"{index_path}: field 'weight_map' must map tensor names to files")
+        files = {name: model_dir / fname for name, fname in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if not path.is_file():
+                raise FileNotFoundError(f"{index_path}: shard {path.name!r} not found")
+        return files, index_path
+    if single.is_file():
+        return {name: single for name in _tensor_names(single)}, single
+    raise FileNotFoundError(f"{model_dir}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} found")
+
+
+def _open(path: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="np")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file: {e}") from None
+
+
+def _tensor_names(path: Path) -> list[str]:
+    with _open(path) as f:
+        return list(f.keys())
+
+
+def _read_tensor(handle, path: Path, name: str) -> np.ndarray:
+    """One tensor as a numpy array; bfloat16 comes back as ml_dtypes.bfloat16."""
+    from safetensors import SafetensorError
+
+    try:
+        return handle.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: cannot read tensor {name!r}: {e}") from None
+
+
+def resolve_dtype(dtype: Any):
+    import jax
+    import jax.numpy as jnp
+
+    if dtype is None:
+        return jnp.dtype(jnp.bfloat16 if jax.default_backend() != "cpu" else jnp.float32)
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype {dtype!r} is not a dtype") from None
+    if not jnp.issubdtype(resolved, jnp.floating):
+        raise ValueError(f"dtype must be a floating point type, got {resolved}")
+    return resolved
+
+
+def _set(params: dict[str, Any], key: tuple, value: Any) -> None:
+    if key[0] == "layers":
+        params["layers"][key[1]][key[2]] = value
+    else:
+        params[key[0]] = value
+
+
+def _place(value: np.ndarray, sharding: Any):
+    """A host array onto its sharding: each device receives only its own slice."""
+    import jax
+
+    if sharding is None:
+        return jax.device_put(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def build_params(
+    config: ModelConfig,
+    specs: dict[tuple, TensorSpec],
+    read: Callable[[TensorSpec], np.ndarray],
+    *,
+    dtype: Any,
+    mesh: Any = None,
+    on_host: bool = False,
+) -> dict[str, Any]:
+    """The params pytree: read(spec) gives each tensor in its Hugging Face shape (the reader
+    checks it), here turned into the layout, cast to dtype and placed on its devices."""
+    shardings = _shardings(config, mesh)
+    params: dict[str, Any] = {"layers": [{} for _ in range(config.num_layers)]}
+    for key, spec in specs.items():
+        # Cast on the host (ml_dtypes for bfloat16): jnp.asarray(x, dtype=...) would compile
+        # one XLA convert per distinct tensor shape.
+        value = np.ascontiguousarray(spec.to_layout(read(spec)), dtype=dtype)
+        _set(params, key, value if on_host else _place(value, shardings.get(key)))
+    return params
+
+
+def load_hf_model(
+    path: str | os.PathLike, *, dtype: Any = None, mesh: Any = None, on_host: bool = False
+) -> LoadedModel:
+    """Loads a Hugging Face model directory.
+
+    Args:
+      path: directory with config.json, model.safetensors (or shards with
+        model.safetensors.index.json), and optionally tokenizer.json,
+        generation_config.json, tokenizer_config.json, special_tokens_map.json and
+        chat_template.jinja.
+      dtype: dtype of every param (str or jnp dtype); default bfloat16 on an accelerator,
+        float32 on CPU.
+      mesh: a Mesh of models.sharding; each tensor is read once on the host and each device
+        receives only its shard (None: every param on the default device).
+      on_host: keep params as numpy arrays (for conversion), ignoring mesh.
+
+    Returns:
+      LoadedModel. tokenizer is None when there is no tokenizer.json (the engine can still
+      run on token ids). eos_token_ids come from generation_config.json when it has
+      eos_token_id, else from config.json; config.eos_token_ids is set to the same. The chat
+      template, BOS/EOS texts and sampling defaults are read by `read_chat_settings`.
+
+    Raises:
+      FileNotFoundError: the directory, config.json, the weights or a shard is missing.
+      ValueError: unreadable JSON or safetensors, an unsupported architecture or field, a
+        missing, unexpected or wrongly shaped tensor. The message names the file and field.
+    """
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"{model_dir}: model directory not found")
+    target_dtype = resolve_dtype(dtype)
+    config_path = model_dir / CONFIG_FILE
+    config = read_hf_config(model_dir)
+
+    files, weights_source = _weight_files(model_dir)
+    specs = tensor_specs(config)
+    wanted = {spec.hf_name for spec in specs.values()}
+    unexpected = sorted(
+        name
+        for name in files
+        if name not in wanted
+        and not name.endswith(_IGNORED_SUFFIXES)
+        and not (config.tie_word_embeddings and name == "lm_head.weight")
+    )
+    if unexpected:
+        shown = ", ".join(repr(n) for n in unexpected[:5])
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        raise ValueError(
+            f"{files[unexpected[0]]}: unexpected tensor(s) {shown}{more} for "
+            f"{config.architecture} as described by {config_path}"
+        )
+
+    handles: dict[Path, Any] = {}
+    with contextlib.ExitStack() as stack:
+
+        def read(spec: TensorSpec) -> np.ndarray:
+            file = files.get(spec.hf_name)
+            if file is None:
+                raise ValueError(f"{weights_source}: missing tensor {spec.hf_name!r}")
+            if file not in handles:
+                handles[file] = stack.enter_context(_open(file))
+            array = _read_tensor(handles[file], file, spec.hf_name)
+            if tuple(array.shape) != spec.hf_shape:
+                raise ValueError(
+                    f"{file}: tensor {spec.hf_name!r} has shape {list(array.shape)}, "
+                    f"expected {list(spec.hf_shape)} from {config_path}"
+                )
+            return array
+
+        params = build_params(config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host)
+    return directory_model(model_dir, config, params, mesh)
+
+
+def directory_model(model_dir: Path, config: ModelConfig, params: Any, mesh: Any) -> LoadedModel:
+    """A LoadedModel of params with the tokenizer, EOS ids and chat settings that model_dir's
+    files give (a Hugging Face directory, or one converted to Orbax)."""
+    tokenizer = load_tokenizer(model_dir)
+    return LoadedModel(
+        config=config,
+        params=params,
+        tokenizer=tokenizer,
+        eos_token_ids=config.eos_token_ids,
+        path=model_dir,
+        mesh=mesh,
+        **read_chat_settings(model_dir, config, tokenizer),
+    )
+
+
+def read_hf_config(model_dir: Path) -> ModelConfig:
+    """config.json, with eos_token_ids from generation_config.json when it has them."""
+    config_path = model_dir / CONFIG_FILE
+    config = ModelConfig.from_hf_config(_read_json(config_path), source=str(config_path))
+    gen_path = model_dir / GENERATION_CONFIG_FILE
+    gen = _read_json(gen_path, required=False)
+    if gen is not None and gen.get("eos_token_id") is not None:
+        config = dataclasses.replace(config, eos_token_ids=_eos_ids(gen["eos_token_id"], gen_path))
+    return config
+
+
+def read_chat_settings(model_dir: Path, config: ModelConfig, tokenizer: Any) -> dict[str, Any]:
+    """LoadedModel's chat_template, bos_token, eos_token and generation_defaults for a
+    Hugging Face (or Orbax) directory.
+
+    chat_template: chat_template.jinja if present, else tokenizer_config.json's
+    "chat_template" (a string, or a list of {"name", "template"} of which "default" is used).
+    bos_token/eos_token: tokenizer_config.json's, else special_tokens_map.json's, else the
+    tokenizer's text for config's BOS id and first EOS id. generation_defaults: the fields of
+    GENERATION_DEFAULT_FIELDS that generation_config.json sets.
+    """
+    tok_config_path = model_dir / TOKENIZER_CONFIG_FILE
+    tok_config = _read_json(tok_config_path, required=False) or {}
+    special_map = _read_json(model_dir / SPECIAL_TOKENS_MAP_FILE, required=False) or {}
+
+    def token_text(name: str, token_id: int | None) -> str | None:
+        for source in (tok_config, special_map):
+            value = source.get(name)
+            if isinstance(value, dict):  # a serialized AddedToken
+                value = value.get("content")
+            if isinstance(value, str):
+                return value
+        if tokenizer is not None and token_id is not None:
+            return tokenizer.id_to_token(token_id)
+        return None
+
+    eos_id = config.eos_token_ids[0] if config.eos_token_ids else None
+    gen = _read_json(model_dir / GENERATION_CONFIG_FILE, required=False) or {}
+    return {
+        "chat_template": _chat_template(model_dir, tok_config, tok_config_path),
+        "bos_token": token_text("bos_token", config.bos_token_id),
+        "eos_token": token_text("eos_token", eos_id),
+        "generation_defaults": {
+            k: gen[k] for k in GENERATION_DEFAULT_FIELDS if gen.get(k) is not None
+        },
+    }
+
+
+def _chat_template(model_dir: Path, tok_config: dict[str, Any], source: Path) -> str | None:
+    jinja_path = model_dir / CHAT_TEMPLATE_FILE
+    if jinja_path.is_file():
+        try:
+            return jinja_path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{jinja_path}: not readable text: {e}") from None
+    template = tok_config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) for t in template
+    ):
+        named = {t["name"]: t.get("template") for t in template}
+        chosen = named.get("default")
+        if chosen is None or isinstance(chosen, str):
+            return chosen
+    raise ValueError(
+        f"{source}: field 'chat_template' must be a string or a list of "
+        '{"name": ..., "template": ...} objects'
+    )
+
+
+def _shardings(config: ModelConfig, mesh: Any) -> dict[tuple, Any]:
+    """params path -> NamedSharding ({} without a mesh)."""
+    if mesh is None:
+        return {}
+    import jax
+
+    from models.sharding import param_shardings
+
+    flat = jax.tree_util.tree_flatten_with_path(param_shardings(config, mesh))[0]
+    return {tuple(getattr(k, "key", getattr(k, "idx", None)) for k in p): s for p, s in flat}
+
+
+def load_tokenizer(model_dir: Path):
+    """tokenizer.json as a tokenizers.Tokenizer, or None when there is none."""
+    tokenizer = None
+    tokenizer_path = model_dir / TOKENIZER_FILE
+    if tokenizer_path.is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
+            raise ValueError(f"{tokenizer_path}: not a readable tokenizer: {e}") from None
+    return tokenizer
+
+
+def save_hf_model(path: str | os.PathLike, config: dict[str, Any], params: dict[str, Any]) -> Path:
+    """Writes params (layout of models/config.py) as a Hugging Face checkpoint.
+
+    The inverse of load_hf_model's weight mapping: config.json and one model.safetensors
+    that transformers can load too. Arrays are written in their own dtype (numpy, so not
+    bfloat16 unless ml_dtypes provides it).
+
+    Args:
+      path: directory, created if missing.
+      config: the config.json dict; must describe params.
+      params: numpy (or jax) arrays in the params layout.
+
+    Returns:
+      The directory.
+    """
+    from safetensors.numpy import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = ModelConfig.from_hf_config(config, source="config")
+    tensors = {}
+    for key, spec in tensor_specs(cfg).items():
+        value = params[key[0]][key[1]][key[2]] if key[0] == "layers" else params[key[0]]
+        hf = np.ascontiguousarray(spec.to_hf(np.asarray(value)))
+        if hf.shape != spec.hf_shape:
+            raise ValueError(f"params{list(key)}: shape {list(value.shape)} does not match config")
+        tensors[spec.hf_name] = hf
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    return out
