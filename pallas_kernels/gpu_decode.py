@@ -37,16 +37,21 @@ from pallas_kernels.common import (
 )
 from pallas_kernels.reference import MASK_VALUE
 
+# Pallas's Triton lowering computes element offsets in int32 (`tt.addptr` with i32 offsets),
+# so a pool of 2**31 elements or more would wrap around.
+MAX_POOL_ELEMENTS = 2**31 - 1
+
 
 def supports(q_shape, k_shape) -> bool:
-    """Shapes the Triton kernel takes (loaded tiles must be powers of two)."""
+    """Shapes the Triton kernel takes (loaded tiles must be powers of two; int32 offsets)."""
     _, num_q_heads, head_dim = q_shape
-    num_kv_heads, _, page_size, _ = k_shape
+    num_kv_heads, num_pages, page_size, _ = k_shape
     return (
         num_q_heads % num_kv_heads == 0
         and tuning.is_pow2(head_dim)
         and head_dim >= 16
         and tuning.is_pow2(page_size)
+        and num_kv_heads * num_pages * page_size * head_dim <= MAX_POOL_ELEMENTS
     )
 
 

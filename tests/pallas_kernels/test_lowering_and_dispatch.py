@@ -113,6 +113,9 @@ def test_dispatch_backends():
     assert sel((4, 8, 80), (2, 10, 16, 80), interpret=False, backend="gpu") == "cpu"
     assert sel((4, 8, 128), (2, 10, 12, 128), interpret=False, backend="gpu") == "cpu"
     assert sel((4, 8, 128), (2, 10, 12, 128), interpret=False, backend="tpu") == "cpu"
+    # Triton offsets are int32: a pool of 2**31 elements per layer (K or V) is refused.
+    assert sel((4, 8, 128), (8, 2**17 - 1, 16, 128), interpret=False, backend="gpu") == "gpu"
+    assert sel((4, 8, 128), (8, 2**17, 16, 128), interpret=False, backend="gpu") == "cpu"
     with pytest.raises(ValueError, match="unknown backend"):
         sel(q, k, interpret=False, backend="metal")
 
