@@ -125,8 +125,16 @@ def test_greedy_tokens_equal_transformers(smollm2_gguf, hf_smollm2_tokenizer, hf
     lengths = [len(hf_smollm2_tokenizer.encode(p)) for p in PROMPTS]
     assert min(lengths) == 1 and max(lengths) > 150 and len(PROMPTS) >= 8
 
-    # Eight prompts through four sequence slots: batches form, finish and refill mid-run.
-    llm = LLM(model=str(smollm2_gguf), max_num_seqs=4, max_model_len=256)
+    # Eight prompts through four sequence slots: batches form, finish and refill mid-run. One
+    # token bucket and one page bucket: two compiled programs for the 30-layer model.
+    llm = LLM(
+        model=str(smollm2_gguf),
+        max_num_seqs=4,
+        max_model_len=256,
+        max_num_batched_tokens=256,
+        min_token_bucket=256,
+        min_page_bucket=16,
+    )
     outputs = llm.generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     )
