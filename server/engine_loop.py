@@ -12,6 +12,9 @@ Invariants:
     buffer longer (bounded by its max_tokens); it never slows the step loop.
   - Engine request ids are made here and are unique for the server's lifetime, so a late
     result of an aborted request can never reach a newer request that reused its client id.
+  - A request's fate is known before the step that follows its add: the step thread posts
+    each batch of adds' acceptances and rejections before it steps, so a handler can answer
+    "bad request" (or start a stream) without waiting for a device step.
 """
 
 from __future__ import annotations
@@ -71,18 +74,27 @@ class ChoiceState:
 class RequestHandle:
     """One in-flight request on the event-loop side. Only the event loop touches it."""
 
-    def __init__(self, client_id: str, engine_id: str, n: int, num_prompt_tokens: int) -> None:
+    def __init__(
+        self,
+        client_id: str,
+        engine_id: str,
+        n: int,
+        num_prompt_tokens: int,
+        event: asyncio.Event | None = None,
+    ) -> None:
         self.client_id = client_id
         self.engine_id = engine_id
         self.choices = [ChoiceState(index=j) for j in range(n)]
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.prompt_token_ids: list[int] | None = None
+        self.accepted = False  # the engine took the request
         self.finished = False
         self.aborted = False  # by Abort or by the server's drain; the stream ends as "abort"
         self.error: ValueError | Exception | None = None
         self.arrival_time = time.monotonic()
-        self._event = asyncio.Event()
+        # Set on every change; several handles of one call may share it (one wake-up).
+        self.event = event if event is not None else asyncio.Event()
 
     def apply(self, out: RequestOutput) -> None:
         """Adds one DELTA RequestOutput of the engine."""
@@ -99,20 +111,26 @@ class RequestHandle:
             c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
             c.cumulative_logprob = d.cumulative_logprob
         self.finished = out.finished
-        self._event.set()
+        self.event.set()
+
+    def accept(self, num_prompt_tokens: int | None) -> None:
+        self.accepted = True
+        if num_prompt_tokens is not None:
+            self.num_prompt_tokens = num_prompt_tokens
+        self.event.set()
 
     def fail(self, error: Exception) -> None:
         self.error = error
-        self._event.set()
+        self.event.set()
 
     def mark_aborted(self) -> None:
         self.aborted = True
-        self._event.set()
+        self.event.set()
 
     async def wait(self) -> None:
         """Returns once something changed since the last wait."""
-        await self._event.wait()
-        self._event.clear()
+        await self.event.wait()
+        self.event.clear()
 
 
 class EngineLoop:
@@ -158,14 +176,22 @@ class EngineLoop:
     def submit(
         self,
         client_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | None,
         params: SamplingParams,
         cache_salt: str | None,
+        *,
+        prepare: Callable[[Any], tuple[str | list[int], SamplingParams]] | None = None,
+        event: asyncio.Event | None = None,
     ) -> RequestHandle:
         """Queues a request for the engine. Raises Draining, Overloaded or DuplicateRequestId.
 
         Validation by the engine happens on its thread; a rejection arrives on the handle as
-        a ValueError.
+        a ValueError, an acceptance as handle.accepted.
+
+        prepare: runs on the step thread first, prepare(engine) -> (prompt, params) replacing
+          both (a chat rendered and tokenized, max_tokens fitted to the prompt); params.n
+          must stay the same. Its ValueError rejects the request as the engine's would.
+        event: the handle's change event, to share one among the handles of one call.
         """
         if self._draining:
             raise Draining("the server is shutting down")
@@ -174,15 +200,15 @@ class EngineLoop:
         if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
             raise Overloaded(f"{self.num_waiting()} requests are waiting (max {self.max_waiting})")
         engine_id = f"{client_id}#{next(self._ids)}"
-        num_prompt = 0 if isinstance(prompt, str) else len(prompt)
-        handle = RequestHandle(client_id, engine_id, params.n, num_prompt)
+        num_prompt = len(prompt) if isinstance(prompt, list) else 0
+        handle = RequestHandle(client_id, engine_id, params.n, num_prompt, event)
         self._handles[engine_id] = handle
         self._by_client_id[client_id] = handle
         self._idle.clear()
         with self._lock:
             self._num_queued_adds += 1
         params = params.clone(output_kind=RequestOutputKind.DELTA)
-        self._commands.put(("add", engine_id, prompt, params, cache_salt))
+        self._commands.put(("add", engine_id, prompt, params, cache_salt, prepare))
         return handle
 
     def release(self, handle: RequestHandle) -> None:
@@ -222,7 +248,16 @@ class EngineLoop:
         self._commands.put(("call", fn, future))
         return await future
 
-    def _deliver(self, outputs: list[RequestOutput], errors: list[tuple[str, Exception]]) -> None:
+    def _deliver(
+        self,
+        outputs: list[RequestOutput],
+        errors: list[tuple[str, Exception]],
+        accepted: list[tuple[str, int | None]] = (),
+    ) -> None:
+        for engine_id, num_prompt_tokens in accepted:
+            handle = self._handles.get(engine_id)
+            if handle is not None:
+                handle.accept(num_prompt_tokens)
         for out in outputs:
             handle = self._handles.get(out.request_id)
             if handle is not None and not handle.aborted:
@@ -247,9 +282,13 @@ class EngineLoop:
         stopping = False
         while not stopping:
             errors: list[tuple[str, Exception]] = []
+            accepted: list[tuple[str, int | None]] = []
             commands = self._take_commands(block=not self.engine.has_unfinished_requests())
             for cmd in commands:
-                stopping |= self._apply(cmd, errors)
+                stopping |= self._apply(cmd, errors, accepted)
+            if accepted or errors:  # before the step: handlers learn at once
+                self._post(self._deliver, [], errors, accepted)
+                errors = []
             updates = [] if stopping else self._step(errors)
             if stopping and self._active:
                 errors += self._abort_active(Draining("the server shut down"))
@@ -271,14 +310,18 @@ class EngineLoop:
             except queue.Empty:
                 return commands
 
-    def _apply(self, cmd: tuple, errors: list) -> bool:
+    def _apply(self, cmd: tuple, errors: list, accepted: list) -> bool:
         """Carries out one command; returns True for "stop"."""
         kind = cmd[0]
         if kind == "add":
-            _, engine_id, prompt, params, salt = cmd
+            _, engine_id, prompt, params, salt, prepare = cmd
             try:
+                if prepare is not None:
+                    prompt, params = prepare(self.engine)
+                    params = params.clone(output_kind=RequestOutputKind.DELTA)
                 self.engine.add_request(engine_id, prompt, params, cache_salt=salt)
                 self._active.add(engine_id)
+                accepted.append((engine_id, None if isinstance(prompt, str) else len(prompt)))
             # ValueError is bad input; anything else is an engine bug that must fail this
             # request, not the step thread.
             except Exception as e:  # noqa: BLE001
