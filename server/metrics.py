@@ -1,19 +1,34 @@
-"""Prometheus metrics for the server, on their own registry and HTTP port.
+"""Prometheus metrics for the server, on their own registry; and the one "request done" record.
 
-Request metrics are recorded by the gRPC handlers when a call ends; engine metrics (queues,
-KV pages, prefix cache, preemptions) are copied from the engine's stats() by the step thread
-after every step. prometheus-client metrics are thread-safe, so both sides write directly.
+Request metrics are recorded by the gRPC and HTTP handlers when a call ends (record_request,
+which also writes the request's log line); engine metrics (queues, KV pages, prefix cache,
+preemptions, compilations) are copied from the engine's stats() by the step thread after
+every step. prometheus-client metrics are thread-safe, so both sides write directly. The
+registry is served on --metrics-port and on the HTTP API's /metrics; prometheus-client's
+`*_created` series are off (they doubled the page and say nothing here).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    make_wsgi_app,
+)
 
-# Outcomes of a Generate call, the label of jpaged_requests_total.
+logger = logging.getLogger("jpaged.server")
+
+# Outcomes of a request (gRPC Generate, HTTP completion), the label of jpaged_requests_total.
 OUTCOMES = (
     "stop",  # finished: EOS, stop token or stop string
     "length",  # finished: max_tokens or context
@@ -23,7 +38,20 @@ OUTCOMES = (
     "resource_exhausted",
     "unavailable",  # refused while draining
     "internal",
+    "unauthenticated",  # no or a wrong API key
 )
+
+# Engine stats copied into counters: stats key -> attribute of Metrics.
+_COUNTED = {
+    "prefix_cache_query_tokens": "prefix_query_tokens",
+    "prefix_cache_hit_tokens": "prefix_hit_tokens",
+    "num_preemptions": "preemptions",
+    "num_swaps_out": "swaps_out",
+    "num_swaps_in": "swaps_in",
+    "num_compiles": "compiles",
+    "compile_seconds": "compile_seconds",
+    "num_recompiles": "recompiles",
+}
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -31,10 +59,14 @@ _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        disable_created_metrics()  # process-wide in prometheus-client: no *_created series
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "jpaged_requests", "Generate calls by outcome", ["outcome"], registry=r
+            "jpaged_requests",
+            "Requests (gRPC Generate, HTTP completions) by outcome",
+            ["outcome"],
+            registry=r,
         )
         for outcome in OUTCOMES:
             self.requests.labels(outcome)  # export zeros, so rates exist from the start
@@ -88,17 +120,20 @@ class Metrics:
         self.swaps_in = Counter(
             "jpaged_swaps_in", "Swapped sequences whose KV pages came back", registry=r
         )
-        self.recompiles = Counter(
-            "jpaged_recompiles", "Step programs compiled after warm-up (should stay 0)", registry=r
+        self.compiles = Counter(
+            "jpaged_compiles",
+            "Programs compiled (step buckets, prelude, swap copies), warm-up included",
+            registry=r,
         )
-        self._last = {
-            "prefix_cache_query_tokens": 0,
-            "prefix_cache_hit_tokens": 0,
-            "num_preemptions": 0,
-            "num_swaps_out": 0,
-            "num_swaps_in": 0,
-            "num_recompiles": 0,
-        }
+        self.compile_seconds = Counter(
+            "jpaged_compile_seconds", "Seconds spent compiling programs", registry=r
+        )
+        self.recompiles = Counter(
+            "jpaged_recompiles",
+            "Step programs compiled after --precompile compiled every bucket (should stay 0)",
+            registry=r,
+        )
+        self._last = dict.fromkeys(_COUNTED, 0)
         self._http: WSGIServer | None = None
 
     def observe_engine(self, stats: dict) -> None:
@@ -111,18 +146,11 @@ class Metrics:
         self.pages_cached.set(stats["pages_cached"])
         query, hit = stats["prefix_cache_query_tokens"], stats["prefix_cache_hit_tokens"]
         self.prefix_hit_rate.set(hit / query if query else 0.0)
-        for key, counter in (
-            ("prefix_cache_query_tokens", self.prefix_query_tokens),
-            ("prefix_cache_hit_tokens", self.prefix_hit_tokens),
-            ("num_preemptions", self.preemptions),
-            ("num_swaps_out", self.swaps_out),
-            ("num_swaps_in", self.swaps_in),
-            ("num_recompiles", self.recompiles),
-        ):
-            value = stats.get(key, 0)  # an engine without swap or a recompile count reports 0
+        for key, name in _COUNTED.items():
+            value = stats.get(key, 0)  # an engine without swap or compile counts reports 0
             delta = value - self._last[key]
             if delta > 0:
-                counter.inc(delta)
+                getattr(self, name).inc(delta)
             self._last[key] = value
 
     def observe_request(
@@ -145,12 +173,18 @@ class Metrics:
         if latency_s is not None:
             self.e2e.observe(latency_s)
 
+    def render(self) -> bytes:
+        """The registry in Prometheus' text format (what /metrics serves)."""
+        return generate_latest(self.registry)
+
     def start_http(self, port: int, host: str = "127.0.0.1") -> int:
         """Serves /metrics on host:port (0 picks a free port); returns the port."""
         self._http = make_server(
             host, port, make_wsgi_app(self.registry), _ThreadingWSGIServer, _QuietHandler
         )
-        threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True).start()
+        threading.Thread(
+            target=self._http.serve_forever, args=(0.05,), name="metrics-http", daemon=True
+        ).start()
         return self._http.server_port
 
     def stop_http(self) -> None:
@@ -167,3 +201,67 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format, *args):  # scrapes every few seconds would flood the log
         pass
+
+
+def record_request(
+    metrics: Metrics | None,
+    handles: list,
+    outcome: str,
+    start: float,
+    first_token_time: float | None,
+    *,
+    request_id: str,
+    protocol: str,
+) -> None:
+    """Logs one "request done" line and records the request's metrics.
+
+    handles: the RequestHandles of the request (one per prompt; gRPC has one).
+    """
+    end = time.monotonic()
+    prompt = sum(h.num_prompt_tokens for h in handles)
+    completion = sum(c.num_tokens for h in handles for c in h.choices)
+    max_tokens = max((c.num_tokens for h in handles for c in h.choices), default=0)
+    ttft = None if first_token_time is None else first_token_time - start
+    tpot = (
+        (end - first_token_time) / (max_tokens - 1)
+        if first_token_time is not None and max_tokens > 1
+        else None
+    )
+    fields = {
+        "request_id": request_id,
+        "outcome": outcome,
+        "protocol": protocol,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "cached_prompt_tokens": sum(h.num_cached_tokens for h in handles),
+        "ttft_ms": None if ttft is None else round(ttft * 1e3, 2),
+        "latency_ms": round((end - start) * 1e3, 2),
+    }
+    errors = [str(h.error) for h in handles if h.error is not None]
+    if errors:
+        fields["error"] = errors[0]
+    logger.info("request done", extra={"fields": fields})
+    if metrics is not None:
+        metrics.observe_request(
+            outcome,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            ttft_s=ttft,
+            tpot_s=tpot,
+            latency_s=end - start,
+        )
+
+
+def record_rejection(metrics: Metrics | None, outcome: str, error: Exception, **fields) -> None:
+    """Logs and counts a request refused before it reached the engine (fields: request_id,
+    protocol ... for the log line)."""
+    fields.update(outcome=outcome, error=str(error))
+    logger.info("request rejected", extra={"fields": fields})
+    if metrics is not None:
+        metrics.observe_request(outcome)
+
+
+def outcome_of(handles: list) -> str:
+    """A finished request's outcome: "length" if any choice hit its limit, else "stop"."""
+    reasons = {c.finish_reason for h in handles for c in h.choices}
+    return "length" if "length" in reasons else "stop"

@@ -19,6 +19,7 @@ import grpc
 from jpaged.sampling_params import SamplingParams
 from server import wire
 from server.engine_loop import Draining, DuplicateRequestId, EngineLoop, Overloaded, RequestHandle
+from server.metrics import outcome_of, record_rejection, record_request
 from server.proto.jpaged.v1 import generation_pb2 as pb
 
 logger = logging.getLogger("jpaged.server")
@@ -58,16 +59,15 @@ class GenerationService:
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         start = time.monotonic()
+        # An id before anything else, so a rejection's log line names the request too.
+        given = getattr(request, "request_id", "")
+        client_id = given if 0 < len(given) <= _MAX_REQUEST_ID_LEN else uuid.uuid4().hex
         try:
             wire.raise_if_invalid(request)
-            client_id, prompt, params, salt = self._parse(request)
+            prompt, params, salt = self._parse(request)
         except ValueError as e:
             await self._reject(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "invalid_argument",
-                e,
-                getattr(request, "request_id", ""),
+                context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", e, client_id
             )
         try:
             handle = self._loop.submit(client_id, prompt, params, salt)
@@ -95,25 +95,30 @@ class GenerationService:
                 if first_token_time is None and any(c.num_tokens for c in handle.choices):
                     first_token_time = time.monotonic()
                 if done:
-                    outcome = "abort" if handle.aborted else _outcome(handle)
+                    outcome = "abort" if handle.aborted else outcome_of([handle])
                     yield message
                     return
                 if message.choices:
                     yield message
         finally:
             self._loop.release(handle)
-            self._record(handle, outcome, start, first_token_time)
+            record_request(
+                self._metrics,
+                [handle],
+                outcome,
+                start,
+                first_token_time,
+                request_id=handle.client_id,
+                protocol="grpc",
+            )
 
-    def _parse(self, request) -> tuple[str, str | list[int], SamplingParams, str | None]:
+    def _parse(self, request) -> tuple[str | list[int], SamplingParams, str | None]:
         if request.HasField("request_id"):
-            client_id = request.request_id
-            if not client_id or len(client_id) > _MAX_REQUEST_ID_LEN:
+            n = len(request.request_id)
+            if not 0 < n <= _MAX_REQUEST_ID_LEN:
                 raise ValueError(
-                    f"request_id must have 1 to {_MAX_REQUEST_ID_LEN} characters, "
-                    f"got {len(client_id)}"
+                    f"request_id must have 1 to {_MAX_REQUEST_ID_LEN} characters, got {n}"
                 )
-        else:
-            client_id = uuid.uuid4().hex
         which = request.WhichOneof("prompt")
         if which is None:
             raise ValueError("prompt is required: set text or token_ids")
@@ -143,44 +148,13 @@ class GenerationService:
             if not request.cache_salt:
                 raise ValueError("cache_salt must not be empty when set")
             salt = request.cache_salt
-        return client_id, prompt, params, salt
+        return prompt, params, salt
 
     async def _reject(self, context, code, outcome: str, error: Exception, request_id: str):
-        logger.info(
-            "request rejected",
-            extra={"fields": {"request_id": request_id, "code": code.name, "error": str(error)}},
+        record_rejection(
+            self._metrics, outcome, error, request_id=request_id, protocol="grpc", code=code.name
         )
-        if self._metrics is not None:
-            self._metrics.observe_request(outcome)
         await context.abort(code, str(error))
-
-    def _record(self, handle: RequestHandle, outcome: str, start: float, first: float | None):
-        end = time.monotonic()
-        completion = sum(c.num_tokens for c in handle.choices)
-        max_tokens = max((c.num_tokens for c in handle.choices), default=0)
-        ttft = None if first is None else first - start
-        tpot = (end - first) / (max_tokens - 1) if first is not None and max_tokens > 1 else None
-        fields = {
-            "request_id": handle.client_id,
-            "outcome": outcome,
-            "prompt_tokens": handle.num_prompt_tokens,
-            "completion_tokens": completion,
-            "cached_prompt_tokens": handle.num_cached_tokens,
-            "ttft_ms": None if ttft is None else round(ttft * 1e3, 2),
-            "latency_ms": round((end - start) * 1e3, 2),
-        }
-        if handle.error is not None:
-            fields["error"] = str(handle.error)
-        logger.info("request done", extra={"fields": fields})
-        if self._metrics is not None:
-            self._metrics.observe_request(
-                outcome,
-                prompt_tokens=handle.num_prompt_tokens,
-                completion_tokens=completion,
-                ttft_s=ttft,
-                tpot_s=tpot,
-                latency_s=end - start,
-            )
 
     # ---- the small RPCs -----------------------------------------------------------------
 
@@ -281,11 +255,6 @@ def _response(handle: RequestHandle, *, final: bool) -> pb.GenerateResponse:
         msg.usage.completion_tokens = sum(c.num_tokens for c in handle.choices)
         msg.usage.cached_prompt_tokens = handle.num_cached_tokens
     return msg
-
-
-def _outcome(handle: RequestHandle) -> str:
-    reasons = {c.finish_reason for c in handle.choices}
-    return "stop" if reasons == {"stop"} else "length" if "length" in reasons else "stop"
 
 
 def _error_status(error: Exception) -> tuple[str, grpc.StatusCode]:

@@ -18,6 +18,8 @@ def stats(**over):
         "num_preemptions": 3,
         "num_swaps_out": 2,
         "num_swaps_in": 1,
+        "num_compiles": 0,
+        "compile_seconds": 0.0,
         "num_recompiles": 0,
     }
     base.update(over)
@@ -58,3 +60,24 @@ def test_engine_without_swap_counts_reports_zero():
     m.observe_engine(s)
     assert value(registry, "jpaged_swaps_out_total") == 0
     assert value(registry, "jpaged_recompiles_total") == 0
+
+
+def test_compiles_and_their_seconds_are_counted():
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    m.observe_engine(stats())
+    assert value(registry, "jpaged_compiles_total") == 0
+    # Warm-up compiled 3 programs in 4.5 s, then a new shape mid-run one more in 1.25 s.
+    m.observe_engine(stats(num_compiles=3, compile_seconds=4.5))
+    m.observe_engine(stats(num_compiles=4, compile_seconds=5.75))
+    assert value(registry, "jpaged_compiles_total") == 4
+    assert value(registry, "jpaged_compile_seconds_total") == 5.75
+    assert value(registry, "jpaged_recompiles_total") == 0  # no --precompile: none "after" it
+
+
+def test_no_created_series():
+    m = Metrics(CollectorRegistry())
+    m.observe_request("stop", prompt_tokens=3, completion_tokens=2, ttft_s=0.1, latency_s=0.2)
+    text = m.render().decode()
+    assert "jpaged_requests_total" in text and "jpaged_time_to_first_token_seconds_bucket" in text
+    assert "_created" not in text
