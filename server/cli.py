@@ -23,15 +23,19 @@ from jpaged.cli import (
     sampling_overrides,
 )
 from jpaged.engine_args import add_engine_flags
-from server.app import ServerOptions, add_server_args, configure_logging
+from models.demo import SMOLLM2_NAME
+from server.app import ServerOptions, add_server_args
 from server.app import run as run_server
+from server.logs import configure_logging
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve",
-        help="serve the gRPC generation API",
-        description="Serve jpaged.v1.Generation (plus Health and reflection) over gRPC.",
+        help="serve the gRPC and the OpenAI-compatible HTTP API",
+        description="Serve jpaged.v1.Generation (plus Health and reflection) over gRPC and "
+        "the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models) over "
+        "HTTP, from one engine.",
     )
     add_common_flags(p)
     add_engine_flags(p)
@@ -55,7 +59,7 @@ def serve_main(args: argparse.Namespace) -> int:
     import jax
 
     engine = make_engine_from_args(args)
-    model_name = args.model or "demo"
+    model_name = args.served_model_name or args.model or SMOLLM2_NAME
     if jax.process_count() == 1:
         return run_server(engine, options, model_name=model_name)
     if jax.process_index() != 0:  # one model over all processes; only process 0 serves

@@ -15,7 +15,8 @@ logprobs=N each position holds {t: -0.5, t+1: -1.5, ..., t+N-1: -0.5-(N-1)} (ids
 Each choice holds ceil(num_tokens / page_size) pages; the prefix cache remembers the full
 pages of every admitted prompt (per cache_salt).
 
-Run as a script it serves the fake engine over gRPC (used by the SIGTERM drain test).
+Run as a script it serves the fake engine over gRPC and HTTP (the SIGTERM drain test, the
+HTTP benchmark of the server's own overhead).
 """
 
 from __future__ import annotations
@@ -375,6 +376,7 @@ def main(argv: list[str]) -> int:
     import argparse
 
     from server import app
+    from server.logs import configure_logging
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--step-delay", type=float, default=0.01)
@@ -383,14 +385,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--num-pages", type=int, default=1024)
     app.add_server_args(parser)
     args = parser.parse_args(argv)
-    app.configure_logging(args.log_level, args.log_format)
+    configure_logging(args.log_level, args.log_format)
     engine = FakeEngine(
         step_delay_s=args.step_delay,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         num_pages=args.num_pages,
     )
-    return app.run(engine, app.ServerOptions.from_args(args), model_name="fake")
+    name = args.served_model_name or "fake"
+    return app.run(engine, app.ServerOptions.from_args(args), model_name=name)
 
 
 if __name__ == "__main__":

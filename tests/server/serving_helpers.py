@@ -24,13 +24,16 @@ class RunningServer:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        opts = ServerOptions(host="127.0.0.1", port=0, metrics_port=0, **options)
+        options = {"host": "127.0.0.1", "port": 0, "http_port": 0, "metrics_port": 0, **options}
+        opts = ServerOptions(**options)
         self.server = Server(engine, opts, model_name=model_name)
         self._run(self.server.start())
         self.address = f"127.0.0.1:{self.server.port}"
+        self.http_url = f"http://127.0.0.1:{self.server.http_port}"
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self._closed = False
+        self._drain = None
 
     def _run(self, coro, timeout: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -49,12 +52,20 @@ class RunningServer:
                 raise AssertionError(f"condition not reached in {timeout}s; stats: {s}")
             time.sleep(0.01)
 
+    def drain_soon(self, grace_s: float):
+        """Starts the drain SIGTERM starts, without waiting; returns its future."""
+        self._drain = asyncio.run_coroutine_threadsafe(self.server.drain(grace_s), self.loop)
+        return self._drain
+
     def close(self, grace_s: float = 0.0) -> None:
         if self._closed:
             return
         self._closed = True
         self.channel.close()
-        self._run(self.server.drain(grace_s))
+        if self._drain is None:
+            self._run(self.server.drain(grace_s))
+        else:
+            self._drain.result(60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
@@ -94,3 +105,40 @@ def request(prompt, **sampling) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParameters(**sampling), **top
     )
+
+
+def openai_client(server: RunningServer, **kwargs):
+    """The official openai client on server's HTTP API (no retries: tests see each answer)."""
+    import openai
+
+    kwargs.setdefault("api_key", "unused")
+    kwargs.setdefault("timeout", 60)
+    return openai.OpenAI(base_url=server.http_url + "/v1", max_retries=0, **kwargs)
+
+
+def sse_events(lines) -> list:
+    """The events of a server-sent event stream: parsed JSON, or "[DONE]"."""
+    import json
+
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+        elif line:
+            raise AssertionError(f"not an SSE data line: {line!r}")
+    return events
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus /metrics page as {series: value}."""
+    import re
+    import urllib.request
+
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    values = {}
+    for line in body.splitlines():
+        m = re.fullmatch(r"([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)", line)
+        if m:
+            values[m.group(1)] = float(m.group(2))
+    return values

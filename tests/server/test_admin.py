@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import re
-import urllib.request
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from serving_helpers import collect, request
+from serving_helpers import collect, request, scrape
 
 from server.proto.jpaged.v1 import generation_pb2 as pb
 
@@ -62,16 +59,6 @@ def test_tokenize_detokenize(server):
     assert text == " t5 t17 t999"
 
 
-def scrape(port: int) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    values = {}
-    for line in body.splitlines():
-        m = re.fullmatch(r"([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)", line)
-        if m:
-            values[m.group(1)] = float(m.group(2))
-    return values
-
-
 def test_metrics(make_server):
     s = make_server()
     collect(s.stub, request([1, 2], temperature=0, max_tokens=4))  # length
@@ -80,7 +67,7 @@ def test_metrics(make_server):
     with pytest.raises(grpc.RpcError):
         collect(s.stub, request([1], top_p=7.0))
     s.wait_until(lambda st: st.num_running == 0)
-    m = scrape(s.server.metrics_port)
+    m = scrape(f"http://127.0.0.1:{s.server.metrics_port}/metrics")
     assert m['jpaged_requests_total{outcome="length"}'] == 2
     assert m['jpaged_requests_total{outcome="stop"}'] == 1
     assert m['jpaged_requests_total{outcome="invalid_argument"}'] == 1
@@ -96,3 +83,8 @@ def test_metrics(make_server):
     assert m["jpaged_prefix_cache_query_tokens_total"] == 4
     assert m["jpaged_prefix_cache_hit_rate"] == 0
     assert m["jpaged_preemptions_total"] == 0
+    assert not [k for k in m if "_created" in k]
+    # The HTTP port serves the same registry.
+    http = scrape(s.http_url + "/metrics")
+    assert http['jpaged_requests_total{outcome="length"}'] == 2
+    assert http["jpaged_generation_tokens_total"] == 4 + 3 + 10

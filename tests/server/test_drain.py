@@ -35,6 +35,8 @@ class ServerProcess:
                 "127.0.0.1",
                 "--port",
                 "0",
+                "--http-port",
+                "0",
                 "--metrics-port",
                 "-1",
                 "--drain-grace",
@@ -61,7 +63,7 @@ class ServerProcess:
     def _read(self) -> None:
         for line in self.proc.stderr:
             self.lines.append(line.rstrip())
-            m = re.search(r"msg=serving .*port=(\d+)", line)
+            m = re.search(r"msg=serving .* port=(\d+)", line)
             if m:
                 self.port = int(m.group(1))
                 self._port.set()

@@ -1,0 +1,464 @@
+"""OpenAI-compatible requests: pydantic models, their checks, and the SamplingParams they make.
+
+This module owns the request side of the HTTP API (openai_api.py owns the routes and the
+flow of a call, openai_responses.py the response and chunk shapes). A request is checked in
+three places, and every refusal is an APIError in OpenAI's shape, `param` naming the field:
+
+  1. pydantic: the JSON's shape and types. Unknown fields are refused (a client asking for an
+     option this server lacks hears so rather than getting different output), and so are
+     NaN and infinities.
+  2. to_sampling_params: the values, by SamplingParams itself (the checks and messages of
+     gRPC and the offline API), plus what only HTTP has: logit_bias, response_format, the
+     server's n limit, echo with logprobs, stream_options without stream.
+  3. On the engine thread (PromptPlan.prepare): the prompt's tokens, and max_tokens fitted to
+     max_model_len; prompt + max_tokens past it is a 400 context_length_exceeded stating both
+     numbers. Unset max_tokens means "up to max_model_len - prompt" (as vLLM), capped by
+     the server's or the model's default max_tokens where one is set.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jpaged.sampling_params import SamplingParams
+
+MAX_LOGIT_BIAS = 100.0
+
+
+class APIError(Exception):
+    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        if self.status >= 500:
+            return "server_error"
+        return "requests" if self.status == 429 else "invalid_request_error"
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+# ---- request models ---------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class _SamplingRequest(_Strict):
+    """The fields completions and chat completions share (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted, not used
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    # vLLM's: the token ids of each choice (and the prompt's) in the response
+    return_token_ids: bool = False
+    cache_salt: str | None = None  # vLLM's: prefix-cache isolation between tenants
+
+    def num_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(max_tokens asked for or None, the field it came from)."""
+        return self.max_tokens, "max_tokens"
+
+    def param_names(self) -> dict[str, str]:
+        """SamplingParams field -> this request's field, where they differ."""
+        return {}
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ChatMessage(BaseModel):
+    """One message; fields beyond these (name, tool_call_id ...) go to the chat template."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.model_dump(exclude_none=True)
+        if out["role"] == "developer":  # OpenAI's newer name for the system role
+            out["role"] = "system"
+        out.setdefault("content", None)
+        return out
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # vLLM's chat extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return 0 if self.top_logprobs is None else self.top_logprobs
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def param_names(self) -> dict[str, str]:
+        return {"logprobs": "top_logprobs", "max_tokens": self.requested_max_tokens()[1]}
+
+
+# ---- values -----------------------------------------------------------------------------
+
+_SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
+# Template variables render_chat sets itself; chat_template_kwargs may not replace them.
+_RESERVED_TEMPLATE_VARS = frozenset(
+    {"messages", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token"}
+)
+
+
+def to_sampling_params(
+    req: _SamplingRequest, *, defaults: dict, max_n: int, vocab_size: int
+) -> SamplingParams:
+    """The request's SamplingParams, max_tokens as asked (None when unset: fitted later).
+
+    defaults: SamplingParams fields for those the request leaves unset (the serve command's
+    flags over the model's own defaults). Raises APIError(400) naming the field.
+    """
+    _check_http_only_fields(req, vocab_size)
+    given = {f: getattr(req, f) for f in _SAMPLING_FIELDS if getattr(req, f) is not None}
+    num_logprobs = req.num_logprobs()
+    if num_logprobs is not None:
+        given["logprobs"] = num_logprobs
+    max_tokens, _ = req.requested_max_tokens()
+    kwargs = {**defaults, **given, "max_tokens": max_tokens}
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError as e:
+        raise invalid(str(e), req.param_names()) from None
+    if params.n > max_n:
+        raise APIError(400, f"n must be <= {max_n} on this server, got {params.n}", param="n")
+    for i, t in enumerate(params.stop_token_ids):
+        if t >= vocab_size:
+            raise APIError(
+                400,
+                f"stop_token_ids[{i}] = {t} is out of range [0, {vocab_size})",
+                param="stop_token_ids",
+            )
+    return params
+
+
+def _check_http_only_fields(req: _SamplingRequest, vocab_size: int) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise APIError(
+            400, "stream_options is only allowed with stream=true", param="stream_options"
+        )
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        raise APIError(
+            400,
+            f"response_format {fmt.type} is not supported yet (only text)",
+            param="response_format",
+        )
+    for key, bias in (req.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(
+                400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        if not 0 <= token < vocab_size:
+            raise APIError(
+                400,
+                f"logit_bias token id {token} is out of range [0, {vocab_size})",
+                param="logit_bias",
+            )
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise APIError(
+                400,
+                f"logit_bias values must be in [-100, 100], got {bias} for token {token}",
+                param="logit_bias",
+            )
+    if req.logit_bias and any(req.logit_bias.values()):
+        raise APIError(400, "logit_bias is not supported yet", param="logit_bias")
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        raise APIError(
+            400,
+            "echo with logprobs is not supported yet (prompt logprobs are not available)",
+            param="echo",
+        )
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        for key in req.chat_template_kwargs or {}:
+            if key in _RESERVED_TEMPLATE_VARS or not key.isidentifier():
+                raise APIError(
+                    400,
+                    f"chat_template_kwargs may not set {key!r}",
+                    param="chat_template_kwargs",
+                )
+
+
+def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
+    """The completion request's prompts (one engine request each)."""
+    p = req.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        prompts = [p]
+    else:
+        prompts = list(p)
+    if not prompts:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    for i, one in enumerate(prompts):
+        if not one:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise APIError(400, f"{where} must not be empty", param="prompt")
+    return prompts
+
+
+class PromptPlan:
+    """How one prompt becomes token ids and its max_tokens, on the engine thread.
+
+    render(engine) -> token ids (tokenizing text, rendering a chat); `prompt_text` is the
+    prompt's text afterwards (for echo). prepare(engine) is EngineLoop.submit's `prepare`.
+    """
+
+    def __init__(
+        self,
+        render,
+        params: SamplingParams,
+        *,
+        default_max_tokens: int | None,
+        where: str,
+        max_tokens_field: str,
+    ) -> None:
+        self._render = render
+        self.params = params
+        self.default_max_tokens = default_max_tokens
+        self.where = where  # "prompt" or "messages", as OpenAI names them in errors
+        self.max_tokens_field = max_tokens_field
+        self.prompt_text: str | None = None
+
+    def prepare(self, engine) -> tuple[list[int], SamplingParams]:
+        self.prompt_text, ids = self._render(engine)
+        max_tokens = fit_max_tokens(
+            len(ids),
+            self.params.max_tokens,
+            self.default_max_tokens,
+            int(engine.max_model_len),
+            where=self.where,
+        )
+        try:
+            params = self.params.clone(max_tokens=max_tokens)
+        except ValueError as e:  # min_tokens above what fits
+            raise invalid(str(e), {"max_tokens": self.max_tokens_field}) from None
+        return ids, params
+
+
+def completion_renderer(prompt: str | list[int], *, echo: bool):
+    """Text prompts are tokenized; token-id prompts checked (and decoded when echoed)."""
+
+    def render(engine) -> tuple[str | None, list[int]]:
+        vocab = int(engine.model_config.vocab_size)
+        if isinstance(prompt, str):
+            if engine.tokenizer is None:
+                raise APIError(
+                    400, "the model has no tokenizer: send the prompt as token ids", param="prompt"
+                )
+            return prompt, list(engine.tokenizer.encode(prompt))
+        for i, t in enumerate(prompt):
+            if not 0 <= t < vocab:
+                raise APIError(
+                    400,
+                    f"prompt token id {t} (at {i}) is out of range [0, {vocab})",
+                    param="prompt",
+                )
+        text = None
+        if echo and engine.tokenizer is not None:
+            text = engine.tokenizer.decode(prompt)
+        return text, list(prompt)
+
+    return render
+
+
+def chat_renderer(req: ChatCompletionRequest, server_template: str | None):
+    messages = [m.to_dict() for m in req.messages]
+    template = req.chat_template or server_template
+    extra = dict(req.chat_template_kwargs or {})
+
+    def render(engine) -> tuple[str, list[int]]:
+        text, ids = engine.chat_prompt(
+            messages,
+            chat_template=template,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            **extra,
+        )
+        return text, list(ids)
+
+    return render
+
+
+def fit_max_tokens(
+    num_prompt: int, max_tokens: int | None, default: int | None, max_model_len: int, *, where: str
+) -> int:
+    """max_tokens for a prompt of num_prompt tokens, or APIError context_length_exceeded."""
+    room = max_model_len - num_prompt
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the {where}, "
+            f"{max_tokens} in the completion). Please reduce the length of the {where} or "
+            "completion.",
+            param=where,
+            code="context_length_exceeded",
+        )
+    if room < 1:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"{where} has {num_prompt} tokens, which leaves no room for a completion. Please "
+            f"reduce the length of the {where}.",
+            param=where,
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None:
+        return max_tokens
+    return room if default is None else min(default, room)
+
+
+# ---- errors -----------------------------------------------------------------------------
+
+# A ValueError's message starts with the field it is about: "temperature must be >= 0",
+# "messages[0].role: must be one of ...", "prompt has 130 tokens ...".
+_LEADING_FIELD = re.compile(r"([A-Za-z_]\w*)((?:\[\d+\]|\.[A-Za-z_]\w*)*)(?=[: ])")
+_REQUEST_FIELDS = (
+    set(CompletionRequest.model_fields)
+    | set(ChatCompletionRequest.model_fields)
+    | {"logprobs", "max_tokens"}
+)
+
+
+def invalid(message: str, names: dict[str, str] | None = None) -> APIError:
+    """A 400 for a ValueError's message, param from the field it starts with."""
+    m = _LEADING_FIELD.match(message)
+    if not (m and m.group(1) in _REQUEST_FIELDS):
+        return APIError(400, message)
+    name = (names or {}).get(m.group(1), m.group(1))  # SamplingParams' name -> the request's
+    return APIError(400, name + message[len(m.group(1)) :], param=name + m.group(2))
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
+def from_validation_errors(errors: list[dict]) -> APIError:
+    """The first of pydantic's (or FastAPI's) errors as a 400 naming the field."""
+    if not errors:
+        return APIError(400, "invalid request body")
+    e = errors[0]
+    kind = e.get("type", "")
+    if kind == "json_invalid":
+        detail = (e.get("ctx") or {}).get("error", e.get("msg", ""))
+        return APIError(400, f"malformed JSON body: {detail}")
+    param = _loc_param(e.get("loc", ()))
+    if kind == "extra_forbidden":
+        return APIError(
+            400, f"unknown field {param!r}: this server does not support it", param=param
+        )
+    if not param:
+        return APIError(400, f"request body: {e.get('msg', 'invalid')}")
+    if kind == "missing":
+        return APIError(400, f"{param}: field required", param=param)
+    return APIError(400, f"{param}: {e.get('msg', 'invalid value')}", param=param)
+
+
+def _loc_param(loc) -> str:
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+    return out

@@ -1,0 +1,240 @@
+"""OpenAI response shapes: one request's choices, from its RequestHandles to JSON.
+
+An Assembler owns the client's view of one request: choice i * n + j is choice j of prompt i
+(OpenAI's numbering), each choice's text arrives through ChoiceState.take() exactly once, and
+each choice's finish_reason is reported exactly once, on its last delta (a choice cut off by
+an abort reports "abort"). Streaming sends the role first (chat), then one chunk per choice
+that progressed, then, when asked, a usage chunk with no choices, then `data: [DONE]`; a
+non-streamed response is the same deltas taken once at the end. Token texts for logprobs
+are decoded by the caller (on the engine thread) and passed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+from server.engine_loop import ChoiceState, RequestHandle
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event carrying obj as JSON."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclasses.dataclass
+class Delta:
+    """What one choice gained since its previous delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    finish_reason: str | None  # set on the choice's last delta only
+    stop_reason: int | str | None
+
+
+@dataclasses.dataclass
+class _Cursor:
+    handle: RequestHandle
+    state: ChoiceState
+    index: int
+    echo: str | None  # prompt text still to send before the choice's own text
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+    done: bool = False
+
+
+class Assembler:
+    """One request's choices across its handles (one handle per prompt)."""
+
+    def __init__(
+        self,
+        kind: str,  # "chat" or "completion"
+        request_id: str,
+        model: str,
+        handles: list[RequestHandle],
+        *,
+        echo_texts: list[str | None] | None = None,
+        num_logprobs: int | None = None,
+        return_token_ids: bool = False,
+        include_usage: bool = False,
+        continuous_usage: bool = False,
+    ) -> None:
+        self.kind = kind
+        self.request_id = request_id
+        self.model = model
+        self.handles = handles
+        self.created = int(time.time())
+        self.num_logprobs = num_logprobs
+        self.return_token_ids = return_token_ids
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+        n = len(handles[0].choices)
+        echo_texts = echo_texts or [None] * len(handles)
+        self._cursors = [
+            _Cursor(h, c, i * n + c.index, echo_texts[i])
+            for i, h in enumerate(handles)
+            for c in h.choices
+        ]
+        self._object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    @property
+    def done(self) -> bool:
+        return all(c.done for c in self._cursors)
+
+    def take(self) -> list[Delta]:
+        """Every choice's news since the last take (finish reasons included, once)."""
+        deltas = []
+        for cur in self._cursors:
+            if cur.done:
+                continue
+            text, ids, logprobs = cur.state.take()
+            reason = cur.state.finish_reason
+            if reason is None and cur.handle.aborted:
+                reason = "abort"
+            if cur.echo is not None:
+                text, cur.echo = cur.echo + text, None
+            if not (text or ids or reason):
+                continue
+            cur.done = reason is not None
+            deltas.append(Delta(cur.index, text, ids, logprobs, reason, cur.state.stop_reason))
+        return deltas
+
+    def ids_to_decode(self, deltas: list[Delta]) -> set[int]:
+        """Token ids whose text the logprobs of deltas name (none without logprobs)."""
+        if self.num_logprobs is None:
+            return set()
+        return {t for d in deltas for position in d.logprobs for t in position} | {
+            t for d in deltas for t in d.token_ids
+        }
+
+    # ---- streaming ----------------------------------------------------------------------
+
+    def role_chunks(self) -> bytes:
+        """Chat's first chunk per choice: the assistant role and empty content."""
+        return b"".join(
+            sse(
+                self._chunk(
+                    [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
+            for c in self._cursors
+        )
+
+    def chunks(self, deltas: list[Delta], texts: dict[int, str]) -> bytes:
+        """One chunk per delta, as server-sent events."""
+        out = []
+        for d in deltas:
+            if self.kind == "chat":
+                choice = {"index": d.index, "delta": {"content": d.text} if d.text else {}}
+            else:
+                choice = {"index": d.index, "text": d.text}
+            choice["logprobs"] = self._logprobs(d, texts)
+            choice["finish_reason"] = d.finish_reason
+            if d.finish_reason is not None:
+                choice["stop_reason"] = d.stop_reason
+            if self.return_token_ids:
+                choice["token_ids"] = d.token_ids
+            out.append(sse(self._chunk([choice])))
+        return b"".join(out)
+
+    def usage_chunk(self) -> bytes:
+        chunk = self._chunk([])
+        chunk["usage"] = self.usage()
+        return sse(chunk)
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = {
+            "id": self.request_id,
+            "object": self._object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = self.usage() if self.continuous_usage else None
+        return chunk
+
+    # ---- whole responses ----------------------------------------------------------------
+
+    def response(self, deltas: list[Delta], texts: dict[int, str]) -> dict:
+        """The non-streamed response: deltas holds each choice's whole output."""
+        choices = []
+        for d in sorted(deltas, key=lambda d: d.index):
+            if self.kind == "chat":
+                choice = {"index": d.index, "message": {"role": "assistant", "content": d.text}}
+            else:
+                choice = {"index": d.index, "text": d.text}
+            choice.update(
+                logprobs=self._logprobs(d, texts),
+                finish_reason=d.finish_reason,
+                stop_reason=d.stop_reason,
+            )
+            if self.return_token_ids:
+                choice["token_ids"] = d.token_ids
+            choices.append(choice)
+        return {
+            "id": self.request_id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
+
+    def usage(self) -> dict:
+        prompt = sum(h.num_prompt_tokens for h in self.handles)
+        completion = sum(c.num_tokens for h in self.handles for c in h.choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {
+                "cached_tokens": sum(h.num_cached_tokens for h in self.handles)
+            },
+        }
+
+    # ---- logprobs -----------------------------------------------------------------------
+
+    def _logprobs(self, d: Delta, texts: dict[int, str]) -> dict | None:
+        if self.num_logprobs is None:
+            return None
+        if self.kind == "chat":
+            return {
+                "content": [self._chat_entry(t, p, texts) for t, p in zip(d.token_ids, d.logprobs)]
+            }
+        cur = next(c for c in self._cursors if c.index == d.index)
+        tokens, offsets = [], []
+        for t in d.token_ids:
+            tokens.append(texts[t])
+            offsets.append(cur.text_offset)
+            cur.text_offset += len(texts[t])
+        return {
+            "tokens": tokens,
+            "token_logprobs": [p.get(t) for t, p in zip(d.token_ids, d.logprobs)],
+            # the chosen token and the num_logprobs most likely, as OpenAI's completions do
+            "top_logprobs": [{texts[k]: v for k, v in _best(p, len(p))} for p in d.logprobs],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, token: int, position: dict[int, float], texts: dict[int, str]) -> dict:
+        def entry(t: int, lp: float) -> dict:
+            return {"token": texts[t], "logprob": lp, "bytes": list(texts[t].encode())}
+
+        top = [entry(t, lp) for t, lp in _best(position, self.num_logprobs)]
+        return {**entry(token, position.get(token)), "top_logprobs": top}
+
+
+def _best(position: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k most likely (token, logprob) of one position, most likely first."""
+    return sorted(position.items(), key=lambda kv: -kv[1])[:k]
