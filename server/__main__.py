@@ -1,10 +1,12 @@
-"""`python -m server serve|client ...`: the same subcommands as `jpaged serve|client`."""
+"""`python -m server serve|client ...`: the same subcommands as `jpaged serve|client`, with the
+same one-line errors (`--debug` for a traceback)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from jpaged.cli import run
 from server.cli import add_client_parser, add_serve_parser
 
 
@@ -13,8 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
     add_client_parser(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return run(parser, argv)
 
 
 if __name__ == "__main__":

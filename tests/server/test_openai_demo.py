@@ -1,0 +1,337 @@
+"""`jpaged serve` on the demo model (random weights), driven by the official openai client,
+gives what the offline LLM gives: text, token ids, logprobs, usage, seeded samples, stops.
+
+One offline LLM is built first and runs every reference request; its programs land in the
+session's persistent compilation cache, which the server process (started next, with an API
+key, a chat template and a served model name) reads instead of compiling again. The same
+LLM's engine then serves in-process for the failed-step test, which needs to reach into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from serving_helpers import RunningServer, collect, request, scrape
+
+from jpaged import LLM, SamplingParams
+from server.proto.jpaged.v1 import generation_pb2_grpc as pb_grpc
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ENGINE = {"max_num_seqs": 4, "max_model_len": 128, "page_size": 16}
+KEY = "demo-key"
+NAME = "demo"
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+HELLO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+
+
+class ServeProcess:
+    """`python -m server serve` on the demo model, ports picked by the OS."""
+
+    def __init__(self, model_dir: pathlib.Path, template: pathlib.Path) -> None:
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+        cmd = [sys.executable, "-m", "server", "serve", "--model", str(model_dir), *flags]
+        cmd += ["--port", "0", "--http-port", "0", "--metrics-port", "off", "--api-key", KEY]
+        cmd += ["--served-model-name", NAME, "--chat-template", str(template)]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="")  # jax probes platforms
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(600):
+            self.proc.kill()
+            raise AssertionError("server did not start:\n" + "\n".join(self.lines))
+        self.url = f"http://127.0.0.1:{self.http_port}"
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+            m = re.search(r"msg=serving .* port=(\d+) http_port=(\d+)", line)
+            if m:
+                self.port, self.http_port = int(m.group(1)), int(m.group(2))
+                self._ready.set()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def llm(demo_model_dir):
+    return LLM(str(demo_model_dir), **ENGINE)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+@pytest.fixture(scope="module")
+def refs(llm) -> dict:
+    """The offline LLM's outputs the tests compare with, made before the server starts."""
+    ids = llm.llm_engine.chat_prompt(HELLO, chat_template=TEMPLATE)[1]
+    chat = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10, logprobs=2)
+    numbers = llm.generate(["Numbers are"], greedy(16))[0].outputs[0].text
+    stop = numbers[len(numbers) // 2 : len(numbers) // 2 + 2]  # two characters of its middle
+    return {
+        "weather": llm.generate(["The weather was"], greedy(12, logprobs=2))[0],
+        "chat_ids": ids,
+        "chat": llm.generate([ids], chat)[0],
+        "numbers": numbers,
+        "stop": stop,
+        "stopped": llm.generate(["Numbers are"], greedy(16, stop=[stop]))[0],
+    }
+
+
+@pytest.fixture(scope="module")
+def served(refs, demo_model_dir, tmp_path_factory):
+    template = tmp_path_factory.mktemp("chat") / "template.jinja"
+    template.write_text(TEMPLATE)
+    proc = ServeProcess(demo_model_dir, template)
+    yield proc
+    assert proc.stop() == 0
+    assert "msg=stopped" in "\n".join(proc.lines)
+
+
+def client(served, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=key, max_retries=0, timeout=600)
+
+
+def token_text(llm, t: int) -> str:
+    return llm.llm_engine.tokenizer.decode([t], skip_special_tokens=False)
+
+
+def test_models_and_the_api_key(served):
+    (card,) = client(served).models.list().data
+    assert card.id == NAME and card.model_extra["max_model_len"] == 128
+    with pytest.raises(openai.AuthenticationError):
+        client(served, key="wrong").models.list()
+    assert httpx.get(served.url + "/health").json() == {"status": "serving"}  # probes: no key
+    with grpc.insecure_channel(f"127.0.0.1:{served.port}") as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            collect(stub, request([5, 6], max_tokens=1))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        got = collect(
+            stub, request([5, 6], max_tokens=1), metadata=(("authorization", f"Bearer {KEY}"),)
+        )
+        assert got.final.usage.completion_tokens == 1
+
+
+def test_completion_and_logprobs_equal_the_offline_llm(served, llm, refs):
+    want = refs["weather"]
+    r = client(served).completions.create(
+        model=NAME,
+        prompt="The weather was",
+        max_tokens=12,
+        temperature=0,
+        logprobs=2,
+        extra_body={"return_token_ids": True},
+    )
+    (choice,) = r.choices
+    w = want.outputs[0]
+    assert choice.model_extra["token_ids"] == w.token_ids
+    assert choice.text == w.text and choice.finish_reason == w.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want.prompt_token_ids), 12)
+    lp = choice.logprobs
+    for i, (t, position) in enumerate(zip(w.token_ids, w.logprobs, strict=True)):
+        assert lp.tokens[i] == token_text(llm, t)
+        assert math.isclose(lp.token_logprobs[i], position[t], abs_tol=1e-5)
+        by_text = {token_text(llm, k): v for k, v in position.items()}
+        assert lp.top_logprobs[i] == pytest.approx(by_text, abs=1e-5)
+
+
+def test_chat_completion_equals_the_offline_llm(served, llm, refs):
+    ids, want = refs["chat_ids"], refs["chat"]
+    r = client(served).chat.completions.create(
+        model=NAME,
+        messages=HELLO,
+        temperature=0.8,
+        seed=3,
+        n=2,
+        max_tokens=10,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 20)
+    for choice, w in zip(r.choices, want.outputs, strict=True):
+        assert choice.message.content == w.text and choice.finish_reason == w.finish_reason
+        for entry, t, position in zip(
+            choice.logprobs.content, w.token_ids, w.logprobs, strict=True
+        ):
+            assert entry.token == token_text(llm, t)
+            assert math.isclose(entry.logprob, position[t], abs_tol=1e-5)
+            best = sorted(position.items(), key=lambda kv: -kv[1])[:2]
+            assert [x.logprob for x in entry.top_logprobs] == pytest.approx(
+                [v for _, v in best], abs=1e-5
+            )
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_streamed_deltas_equal_the_non_streamed_text(served, kind):
+    c = client(served)
+    common = {"model": NAME, "temperature": 0.9, "seed": 5, "n": 2, "max_tokens": 16}
+    if kind == "chat":
+        create, common["messages"] = c.chat.completions.create, HELLO
+    else:
+        create, common["prompt"] = c.completions.create, "Once upon a time"
+    whole = create(**common)
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in create(**common, stream=True, stream_options={"include_usage": True}):
+        for ch in chunk.choices:
+            piece = (ch.delta.content or "") if kind == "chat" else ch.text
+            texts[ch.index] = texts.get(ch.index, "") + piece
+        usage = chunk.usage or usage
+    for ch in whole.choices:
+        assert texts[ch.index] == (ch.message.content if kind == "chat" else ch.text)
+    assert usage == whole.usage and usage.completion_tokens == 32
+    # Seeded: the same call gives the same text again, another seed another text.
+    assert create(**common).choices[0] == whole.choices[0]
+    other = create(**{**common, "seed": 6})
+    assert [ch.model_dump() for ch in other.choices] != [ch.model_dump() for ch in whole.choices]
+
+
+def test_stop_strings_equal_the_offline_llm(served, refs):
+    text, stop, want = refs["numbers"], refs["stop"], refs["stopped"].outputs[0]
+    assert stop.strip()
+    r = client(served).completions.create(
+        model=NAME, prompt="Numbers are", temperature=0, max_tokens=16, stop=[stop]
+    )
+    (choice,) = r.choices
+    assert choice.text == want.text == text[: text.index(stop)]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+    assert r.usage.completion_tokens == len(want.token_ids)
+
+
+def test_compiles_are_counted_and_the_log_is_clean(served):
+    m = scrape(served.url + "/metrics")
+    assert m["jpaged_compiles_total"] >= 1  # read from the cache or compiled: both count
+    assert m["jpaged_compile_seconds_total"] > 0
+    assert not [k for k in m if k.endswith("_created")]
+    log = "\n".join(served.lines)
+    assert "Unable to initialize backend" not in log and "Resetting cache" not in log
+    assert len(re.findall(r"compilation_cache=", log)) == 1  # stated once, in "serving"
+    listening = next(i for i, line in enumerate(served.lines) if "msg=listening" in line)
+    serving = next(i for i, line in enumerate(served.lines) if "msg=serving" in line)
+    assert listening < serving
+
+
+def test_64_concurrent_streamed_chats(served, llm):
+    async def one(c, i: int):
+        messages = [{"role": "user", "content": f"Question number {i}?"}]
+        stream = await c.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            max_tokens=3 + i % 4,
+            temperature=0.7,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = [chunk async for chunk in stream]
+        return messages, chunks[-1].usage, [ch for ch in chunks if ch.choices]
+
+    async def run_all():
+        async with openai.AsyncOpenAI(
+            base_url=served.url + "/v1", api_key=KEY, max_retries=0, timeout=600
+        ) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(64)))
+
+    results = asyncio.run(run_all())
+    for i, (messages, usage, chunks) in enumerate(results):
+        prompt = len(llm.llm_engine.chat_prompt(messages, chat_template=TEMPLATE)[1])
+        assert (usage.prompt_tokens, usage.completion_tokens) == (prompt, 3 + i % 4)
+        assert usage.total_tokens == prompt + 3 + i % 4
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.fixture
+def in_process(llm):
+    """The offline LLM's engine served in this process, where a test can reach into it."""
+    s = RunningServer(llm.llm_engine, model_name=NAME)
+    yield s
+    s.close()
+
+
+def test_a_dropped_stream_frees_its_pages(llm, in_process, monkeypatch):
+    fetch = llm.llm_engine.runner.fetch
+
+    def slow_fetch(step):  # the demo model is fast: 20 ms steps let the client drop mid-way
+        time.sleep(0.02)
+        return fetch(step)
+
+    monkeypatch.setattr(llm.llm_engine.runner, "fetch", slow_fetch)
+    s = in_process
+    idle = scrape(s.http_url + "/metrics")["jpaged_kv_pages_used"]
+    body = {"prompt": "A long story:", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
+    url = s.http_url + "/v1/completions"
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=600) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 3:
+                break
+        assert scrape(s.http_url + "/metrics")["jpaged_kv_pages_used"] > idle
+    deadline = time.monotonic() + 30
+    while True:
+        m = scrape(s.http_url + "/metrics")
+        if m["jpaged_kv_pages_used"] == idle and m["jpaged_num_requests_running"] == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.02)
+    assert m['jpaged_requests_total{outcome="cancelled"}'] == 1
+    assert m["jpaged_generation_tokens_total"] < 100  # it stopped part-way
+    r = httpx.post(url, json={**body, "max_tokens": 2}, timeout=600)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_failed_step_fails_its_requests_and_the_server_serves_on(llm, in_process, monkeypatch):
+    engine = llm.llm_engine
+    want = llm.generate(["The weather was"], greedy(6))[0]
+    s = in_process
+    fetch = engine.runner.fetch
+    calls = {"n": 0}
+
+    def fail_once(step):
+        calls["n"] += 1
+        if calls["n"] == 2:  # after the prefill: a decode step fails
+            raise RuntimeError("injected device fault")
+        return fetch(step)
+
+    monkeypatch.setattr(engine.runner, "fetch", fail_once)
+    c = openai.OpenAI(base_url=s.http_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    with pytest.raises(openai.InternalServerError, match="injected device fault"):
+        c.completions.create(model=NAME, prompt="The weather was", max_tokens=6, temperature=0)
+    health = health_pb2_grpc.HealthStub(s.channel).Check(health_pb2.HealthCheckRequest())
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert httpx.get(s.http_url + "/health").status_code == 200
+    r = c.completions.create(model=NAME, prompt="The weather was", max_tokens=6, temperature=0)
+    assert r.choices[0].text == want.outputs[0].text
+    got = collect(s.stub, request("The weather was", temperature=0, max_tokens=6), timeout=600)
+    assert got.token_ids[0] == want.outputs[0].token_ids
+    st = s.wait_until(lambda st: st.num_running == 0)
+    assert st.pages_used == 0 and engine.stats()["num_recoveries"] == 1
+    m = scrape(s.http_url + "/metrics")
+    assert m['jpaged_requests_total{outcome="internal"}'] == 1
