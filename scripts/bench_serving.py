@@ -1,16 +1,20 @@
-"""Load test for the gRPC server over loopback.
+"""Load test for the server over loopback, by gRPC or by the OpenAI-compatible HTTP API.
 
-Sends --num-requests Generate calls with Poisson arrivals (--rate per second; inf sends as
-fast as --concurrency allows), at most --concurrency in flight, with prompt and output
-lengths drawn uniformly from the given ranges (ignore_eos, so outputs have exactly the
-drawn length). Reports requests/s, output tokens/s, TTFT and TPOT percentiles, errors by
-status code, the server's KV pages in use once idle, and the server's RSS after each run.
+Sends --num-requests requests (gRPC Generate, or streamed POST /v1/completions with
+--protocol http) with Poisson arrivals (--rate per second; inf sends as fast as --concurrency
+allows), at most --concurrency in flight, with token-id prompts and output lengths drawn
+uniformly from the given ranges (ignore_eos, so outputs have exactly the drawn length); both
+protocols get the same requests for the same --seed. Reports, as vLLM's benchmark_serving
+does, requests/s, output tokens/s, time to first token and inter-token latency (the gaps
+between messages that carry tokens) at p50/p90/p99, TPOT, errors by status, the server's KV
+pages in use once idle (GetModelInfo over gRPC, which the HTTP runs use too), and the
+server's RSS after each run.
 
     # against a server it starts itself (its RSS is read from /proc):
     python scripts/bench_serving.py --launch "--max-num-seqs 64" --num-requests 2000 \
-        --concurrency 256 --rate 100 --repeats 3
-    # against a running server:
-    python scripts/bench_serving.py --port 50051 --server-pid 1234
+        --concurrency 256 --rate 100 --repeats 3 [--protocol http]
+    # against a running server (gRPC port for its stats, HTTP port for --protocol http):
+    python scripts/bench_serving.py --port 50051 --http-port 8000 --server-pid 1234
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import sys
 import time
 
 import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -60,31 +66,135 @@ def rss_mib(pid: int | None) -> float | None:
     return None
 
 
-async def one_request(stub, req, timeout: float) -> dict:
-    start = time.perf_counter()
-    first = None
-    num_tokens = 0
+class Timeline:
+    """One request's token arrivals: when each message that carried tokens came."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+        self.tokens = 0
+
+    def got(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.times.append(time.perf_counter())
+            self.tokens += num_tokens
+
+    def result(self, code: str) -> dict:
+        first = self.times[0] if self.times else None
+        gaps = [b - a for a, b in zip(self.times, self.times[1:])]
+        return {
+            "code": code,
+            "start": self.start,
+            "first": first,
+            "end": time.perf_counter(),
+            "tokens": self.tokens,
+            "itl": gaps,
+        }
+
+
+async def grpc_request(stub, req: dict, timeout: float, metadata=None) -> dict:
+    msg = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=req["prompt"]),
+        sampling=pb.SamplingParameters(
+            max_tokens=req["max_tokens"],
+            ignore_eos=True,
+            temperature=req["temperature"],
+            seed=req["seed"],
+        ),
+    )
+    timeline = Timeline()
     try:
-        async for msg in stub.Generate(req, timeout=timeout):
-            n = sum(len(c.token_ids) for c in msg.choices)
-            if n and first is None:
-                first = time.perf_counter()
-            num_tokens += n
+        async for out in stub.Generate(msg, timeout=timeout, metadata=metadata):
+            timeline.got(sum(len(c.token_ids) for c in out.choices))
         code = "OK"
     except grpc.aio.AioRpcError as e:
         code = e.code().name
-    end = time.perf_counter()
-    return {"code": code, "start": start, "first": first, "end": end, "tokens": num_tokens}
+    return timeline.result(code)
 
 
-async def run_once(args, stub, vocab: int, seed: int) -> dict:
+class SSEClient:
+    """A minimal keep-alive HTTP/1.1 client for streamed POSTs, so that the load generator
+    costs about as little CPU per token as grpc's C core does on the gRPC side (httpx spent
+    3x the server's CPU time here, and the two share the machine). Yields each event's data."""
+
+    def __init__(self, host: str, port: int, headers: dict[str, str]) -> None:
+        self.host, self.port = host, port
+        self._head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def post_events(self, path: str, body: dict):
+        """(status, async iterator of event data strings); raises OSError on a broken link."""
+        reader, writer = self._idle.pop() if self._idle else await self._connect()
+        data = json.dumps(body).encode()
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n{self._head}"
+            f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            key, _, value = line.decode().partition(":")
+            headers[key.strip().lower()] = value.strip()
+        return status, self._events(reader, writer, headers)
+
+    async def _connect(self):
+        return await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+
+    async def _events(self, reader, writer, headers):
+        buffer = b""
+        if headers.get("transfer-encoding") == "chunked":
+            while size := int((await reader.readline()).strip(), 16):
+                buffer += (await reader.readexactly(size + 2))[:-2]  # a chunk, then CRLF
+                *events, buffer = buffer.split(b"\n\n")
+                for event in events:
+                    if event.startswith(b"data: "):
+                        yield event[6:].decode()
+            await reader.readline()
+        else:
+            await reader.readexactly(int(headers.get("content-length", 0)))
+        if headers.get("connection") == "close":
+            writer.close()
+        else:
+            self._idle.append((reader, writer))
+
+    async def aclose(self) -> None:
+        for _, writer in self._idle:
+            writer.close()
+
+
+async def http_request(client: SSEClient, req: dict, timeout: float) -> dict:
+    body = {**req, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    timeline = Timeline()
+
+    async def stream() -> str:
+        status, events = await client.post_events("/v1/completions", body)
+        code = "OK" if status == 200 else f"HTTP {status}"
+        async for data in events:
+            if data == "[DONE]":
+                continue
+            chunk = json.loads(data)
+            if "error" in chunk:
+                code = "stream error"
+            else:
+                timeline.got(sum(len(c.get("token_ids") or ()) for c in chunk["choices"]))
+        return code
+
+    try:
+        code = await asyncio.wait_for(stream(), timeout)
+    except (OSError, ValueError, asyncio.IncompleteReadError, TimeoutError) as e:
+        code = type(e).__name__
+    return timeline.result(code)
+
+
+async def run_once(args, send, vocab: int, seed: int) -> dict:
     rng = random.Random(seed)
     sem = asyncio.Semaphore(args.concurrency)
     results = []
 
     async def worker(req):
         try:
-            results.append(await one_request(stub, req, args.timeout))
+            results.append(await send(req))
         finally:
             sem.release()
 
@@ -94,15 +204,12 @@ async def run_once(args, stub, vocab: int, seed: int) -> dict:
         if args.rate != float("inf"):
             await asyncio.sleep(rng.expovariate(args.rate))
         plen, olen = rng.randint(*args.prompt_len), rng.randint(*args.output_len)
-        req = pb.GenerateRequest(
-            token_ids=pb.TokenIds(ids=[rng.randrange(3, vocab) for _ in range(plen)]),
-            sampling=pb.SamplingParameters(
-                max_tokens=olen,
-                ignore_eos=True,
-                temperature=args.temperature,
-                seed=rng.randrange(2**31),
-            ),
-        )
+        req = {
+            "prompt": [rng.randrange(3, vocab) for _ in range(plen)],
+            "max_tokens": olen,
+            "temperature": args.temperature,
+            "seed": rng.randrange(2**31),
+        }
         await sem.acquire()
         tasks.append(asyncio.create_task(worker(req)))
     await asyncio.gather(*tasks)
@@ -122,35 +229,55 @@ async def run_once(args, stub, vocab: int, seed: int) -> dict:
         "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / duration,
         "ttft_s": percentiles(ttft),
+        "itl_s": percentiles([g for r in ok for g in r["itl"]]),
         "tpot_s": percentiles(tpot),
         "errors": dict(collections.Counter(r["code"] for r in results if r["code"] != "OK")),
     }
 
 
-async def wait_idle(stub, timeout: float = 30) -> pb.EngineStats:
+async def wait_idle(stub, metadata=None, timeout: float = 30) -> pb.EngineStats:
     deadline = time.monotonic() + timeout
     while True:
-        stats = (await stub.GetModelInfo(pb.GetModelInfoRequest())).stats
+        stats = (await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata)).stats
         if (stats.num_running == 0 and stats.num_waiting == 0) or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.05)
 
 
 async def bench(args, server_pid: int | None) -> list[dict]:
+    http = None
+    if args.protocol == "http":
+        http = SSEClient(args.host, args.http_port, auth_headers(args))
+    metadata = tuple(auth_headers(args).items()) or None
     async with grpc.aio.insecure_channel(f"{args.host}:{args.port}") as ch:
         stub = pb_grpc.GenerationStub(ch)
-        info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=600, wait_for_ready=True)
+        if http is None:
+
+            async def send(req):
+                return await grpc_request(stub, req, args.timeout, metadata)
+
+        else:
+
+            async def send(req):
+                return await http_request(http, req, args.timeout)
+
+        info = await stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=600, wait_for_ready=True, metadata=metadata
+        )
         vocab = min(info.vocab_size, args.max_token_id or info.vocab_size)
+        await wait_serving(ch, metadata)  # it warms up first
+        if http is not None:
+            await wait_http_ready(f"http://{args.host}:{args.http_port}/health")
         print(
-            f"model {info.model} ({info.architecture}), vocab {info.vocab_size}, "
+            f"{args.protocol}: model {info.model} ({info.architecture}), vocab {info.vocab_size}, "
             f"max_model_len {info.max_model_len}, pages {info.stats.pages_total}; "
             f"server RSS {rss_mib(server_pid)} MiB",
             file=sys.stderr,
         )
         runs = []
         for i in range(args.warmup + args.repeats):
-            result = await run_once(args, stub, vocab, args.seed + i)
-            stats = await wait_idle(stub)
+            result = await run_once(args, send, vocab, args.seed + i)
+            stats = await wait_idle(stub, metadata)
             result.update(
                 warmup=i < args.warmup,
                 pages_used_after=stats.pages_used,
@@ -160,7 +287,40 @@ async def bench(args, server_pid: int | None) -> list[dict]:
             )
             runs.append(result)
             print(json.dumps(result), flush=True)
-        return runs
+    if http is not None:
+        await http.aclose()
+    return runs
+
+
+def auth_headers(args) -> dict[str, str]:
+    key = args.api_key or os.environ.get("JPAGED_API_KEY")
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
+async def wait_serving(channel, metadata, timeout: float = 600) -> None:
+    """Waits until gRPC health says SERVING."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    serving = health_pb2.HealthCheckResponse.SERVING
+    while (await stub.Check(health_pb2.HealthCheckRequest(), metadata=metadata)).status != serving:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server is not SERVING after {timeout} s")
+        await asyncio.sleep(0.2)
+
+
+async def wait_http_ready(url: str, timeout: float = 600) -> None:
+    """Waits until the HTTP API answers /health with 200 (it warms up first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            async with httpx.AsyncClient() as client:
+                if (await client.get(url)).status_code == 200:
+                    return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready after {timeout} s")
+        await asyncio.sleep(0.2)
 
 
 def free_port() -> int:
@@ -170,7 +330,7 @@ def free_port() -> int:
 
 
 def launch(args) -> subprocess.Popen:
-    args.port = free_port()
+    args.port, args.http_port = free_port(), free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -180,8 +340,10 @@ def launch(args) -> subprocess.Popen:
         "127.0.0.1",
         "--port",
         str(args.port),
+        "--http-port",
+        str(args.http_port),
         "--metrics-port",
-        "-1",
+        "off",
         "--max-waiting",
         "-1",
         "--log-level",
@@ -195,7 +357,12 @@ def launch(args) -> subprocess.Popen:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    p.add_argument("--port", type=int, default=50051, help="the server's gRPC port")
+    p.add_argument(
+        "--http-port", type=int, default=8000, help="the server's HTTP port (--protocol http)"
+    )
+    p.add_argument("--api-key", default=None, help="the server's API key (or JPAGED_API_KEY)")
     p.add_argument("--server-pid", type=int, default=None, help="read this process's RSS")
     p.add_argument(
         "--launch",

@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,13 @@ logger = logging.getLogger("jpaged.server")
 
 # Seconds the idle step thread waits for a command before refreshing its stats.
 _IDLE_POLL_S = 0.2
+
+
+def new_request_id() -> str:
+    """A random id of 32 hex digits for a request that came without one: Python's PRNG (an
+    id needs no secrecy), not uuid4's os.urandom call per request, which a profile of the
+    HTTP server under load once showed at 0.5 ms a call."""
+    return f"{random.getrandbits(128):032x}"
 
 
 class Overloaded(Exception):

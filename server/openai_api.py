@@ -21,7 +21,6 @@ import contextlib
 import logging
 import socket
 import time
-import uuid
 from collections.abc import Callable
 
 import uvicorn
@@ -32,7 +31,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server import openai_protocol as proto
 from server.auth import bearer_matches
-from server.engine_loop import Draining, DuplicateRequestId, EngineLoop, Overloaded
+from server.engine_loop import (
+    Draining,
+    DuplicateRequestId,
+    EngineLoop,
+    Overloaded,
+    new_request_id,
+)
 from server.metrics import Metrics, outcome_of, record_rejection, record_request
 from server.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from server.openai_responses import DONE, Assembler, sse
@@ -88,7 +93,7 @@ class OpenAIServer:
 
     # ---- small routes -------------------------------------------------------------------
 
-    def _check_key(self, request: Request) -> None:
+    async def _check_key(self, request: Request) -> None:
         if self._api_key is None:
             return
         if not bearer_matches(request.headers.get("authorization"), self._api_key):
@@ -140,7 +145,7 @@ class OpenAIServer:
         record_rejection(
             self._metrics, "invalid_argument", error, request_id=_request_id(request, "req")
         )
-        return _api_error(request, error)
+        return await _api_error(request, error)
 
     # ---- completions --------------------------------------------------------------------
 
@@ -394,7 +399,7 @@ def _request_id(request: Request, prefix: str) -> str:
     given = request.headers.get("x-request-id")
     if given and len(given) <= 256:
         return given
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{new_request_id()}"
 
 
 def _as_api_error(error: BaseException) -> APIError:
@@ -417,18 +422,18 @@ def _engine_error_message(error: BaseException) -> str:
     return f"engine error: {type(error).__name__}: {error}"
 
 
-def _api_error(request: Request, exc: APIError) -> JSONResponse:
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     code = "not_found" if exc.status_code == 404 else None
-    return _api_error(request, APIError(exc.status_code, str(exc.detail), code=code))
+    return await _api_error(request, APIError(exc.status_code, str(exc.detail), code=code))
 
 
-def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     logger.error("unhandled error in the HTTP API", exc_info=exc)
-    return _api_error(request, APIError(500, f"internal error: {type(exc).__name__}"))
+    return await _api_error(request, APIError(500, f"internal error: {type(exc).__name__}"))
 
 
 # ---- uvicorn ----------------------------------------------------------------------------

@@ -12,13 +12,19 @@ from __future__ import annotations
 import logging
 import math
 import time
-import uuid
 
 import grpc
 
 from jpaged.sampling_params import SamplingParams
 from server import wire
-from server.engine_loop import Draining, DuplicateRequestId, EngineLoop, Overloaded, RequestHandle
+from server.engine_loop import (
+    Draining,
+    DuplicateRequestId,
+    EngineLoop,
+    Overloaded,
+    RequestHandle,
+    new_request_id,
+)
 from server.metrics import outcome_of, record_rejection, record_request
 from server.proto.jpaged.v1 import generation_pb2 as pb
 
@@ -61,7 +67,7 @@ class GenerationService:
         start = time.monotonic()
         # An id before anything else, so a rejection's log line names the request too.
         given = getattr(request, "request_id", "")
-        client_id = given if 0 < len(given) <= _MAX_REQUEST_ID_LEN else uuid.uuid4().hex
+        client_id = given if 0 < len(given) <= _MAX_REQUEST_ID_LEN else new_request_id()
         try:
             wire.raise_if_invalid(request)
             prompt, params, salt = self._parse(request)
