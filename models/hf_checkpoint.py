@@ -47,8 +47,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class LoadedModel:
     config: ModelConfig  # eos_token_ids already resolved as below
     params: dict[str, Any]  # layout of models/config.py, jax arrays
-    tokenizer: Any  # tokenizers.Tokenizer, or None when the directory has no tokenizer.json
-    eos_token_ids: tuple[int, ...]  # generation_config.json's if present, else config.json's
+    tokenizer: Any  # tokenizers.Tokenizer, or None (no tokenizer.json / tokenizer metadata)
+    # generation_config.json's if present, else config.json's; a GGUF's eos, eot and eom ids.
+    eos_token_ids: tuple[int, ...]
     path: Path  # the model directory, or the .gguf file
     mesh: Any = None  # jax.sharding.Mesh the params are sharded over (None: one device)
     chat_template: str | None = None  # Jinja source, rendered by models/chat_template.py
