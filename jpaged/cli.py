@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -102,9 +103,17 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
     return {n: getattr(args, n) for n in SAMPLING_FIELDS if getattr(args, n, None) is not None}
 
 
-def sampling_params_from_args(args: argparse.Namespace, **extra) -> SamplingParams:
-    """SamplingParams from the flags, the CLI defaults where a flag is unset."""
-    values = {"max_tokens": CLI_MAX_TOKENS, **sampling_overrides(args), **extra}
+def sampling_params_from_args(
+    args: argparse.Namespace, model_defaults: dict | None = None, **extra
+) -> SamplingParams:
+    """SamplingParams from the flags; where a flag is unset, the model's own sampling
+    defaults (its generation config), then the CLI's."""
+    values = {
+        "max_tokens": CLI_MAX_TOKENS,
+        **(model_defaults or {}),
+        **sampling_overrides(args),
+        **extra,
+    }
     return SamplingParams(**values)
 
 
@@ -145,14 +154,37 @@ def make_engine_from_args(args: argparse.Namespace):
     return make_engine(engine_config_from_args(args.model, **engine_kwargs(args)))
 
 
+def add_chat_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", default=None, help="a system message to start the conversation")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file (default: the model's own)",
+    )
+
+
+def chat_template_from_args(args: argparse.Namespace) -> str | None:
+    if args.chat_template is None:
+        return None
+    with open(args.chat_template, encoding="utf-8") as f:
+        return f.read()
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from jpaged.sampling_params import RequestOutputKind
 
     prompt = prompt_from_args(args)
+    template = chat_template_from_args(args)
     stream = args.stream and args.output == "text"
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-    params = sampling_params_from_args(args, output_kind=kind)
     engine = make_engine_from_args(args)
+    params = sampling_params_from_args(args, engine.sampling_defaults, output_kind=kind)
+    if args.chat:
+        if not isinstance(prompt, str):
+            raise ValueError("--chat takes the question as text, not --prompt-token-ids")
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        messages = [*system, {"role": "user", "content": prompt}]
+        _, prompt = engine.chat_prompt(messages, chat_template=template)
     engine.add_request("cli-0", prompt, params)
     texts: dict[int, list[str]] = {}
     final = None
@@ -187,6 +219,58 @@ def cmd_generate(args: argparse.Namespace) -> int:
             f"# choice {c.index}: {len(c.token_ids)} tokens, finish_reason={c.finish_reason}",
             file=sys.stderr,
         )
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """An interactive chat: each line read is a user turn; the answer streams as it comes.
+    /reset starts a new conversation; /exit (or end of input) ends."""
+    from jpaged.sampling_params import RequestOutputKind
+
+    template = chat_template_from_args(args)
+    engine = make_engine_from_args(args)
+    params = sampling_params_from_args(
+        args, engine.sampling_defaults, output_kind=RequestOutputKind.DELTA
+    )
+    engine.chat_prompt([{"role": "user", "content": "hi"}], chat_template=template)  # checks
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(system)
+    interactive = sys.stdin.isatty()
+    print("jpaged chat: /reset starts over, /exit quits", file=sys.stderr)
+    for turn in itertools.count():
+        if interactive:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+        else:
+            line = sys.stdin.readline()
+            if not line:
+                break
+        line = line.strip()
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            history = list(system)
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        _, ids = engine.chat_prompt(history, chat_template=template)
+        engine.add_request(f"chat-{turn}", ids, params)
+        reply, reason = [], None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    reply.append(c.text)
+                    sys.stdout.write(printable(c.text))
+                    sys.stdout.flush()
+                    reason = c.finish_reason or reason
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if reason == "length":
+            print("# (cut at --max-tokens)", file=sys.stderr)
+        history.append({"role": "assistant", "content": "".join(reply)})
     return 0
 
 
@@ -230,6 +314,12 @@ def build_parser(extensions: Iterable[Callable] = ()) -> argparse.ArgumentParser
     add_prompt_args(gen)
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user message, rendered with the model's chat template",
+    )
+    add_chat_flags(gen)
+    gen.add_argument(
         "--output",
         choices=("text", "json"),
         default="text",
@@ -239,6 +329,18 @@ def build_parser(extensions: Iterable[Callable] = ()) -> argparse.ArgumentParser
     add_engine_flags(gen)
     add_sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser(
+        "chat",
+        help="an interactive chat in the terminal (streams its answers)",
+        description="Each line you type is a user message; the model's answer streams back. "
+        "/reset starts a new conversation, /exit or end of input quits.",
+    )
+    add_chat_flags(chat)
+    add_common_flags(chat)
+    add_engine_flags(chat)
+    add_sampling_flags(chat)
+    chat.set_defaults(func=cmd_chat)
 
     batch = sub.add_parser(
         "batch",

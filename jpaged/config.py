@@ -153,8 +153,11 @@ class ParallelConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: str | None = setting(
-        None, "model: a Hugging Face directory, a .gguf file (default: the demo model)", cli=False
+        None,
+        "a Hugging Face directory, a .gguf file, a Hub id or demo-random (default: SmolLM2)",
+        cli=False,
     )
+    revision: str | None = setting(None, "branch, tag or commit of a Hub model id (default: main)")
     dtype: str | None = setting(
         None, "bfloat16 or float32 (default: bfloat16 on accelerators, float32 on CPU)"
     )

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -42,6 +43,7 @@ from jpaged.sampling_params import SamplingParams
 from jpaged.scheduler import Scheduler
 from jpaged.sequence import RequestGroup, SeqStatus, Sequence
 from jpaged.step_plan import StepPlan
+from jpaged.structured_output import StructuredOutputManager
 from jpaged.tokenizer import Tokenizer
 from models.config import ModelConfig
 
@@ -102,6 +104,19 @@ def resolve_num_swap_pages(config: EngineConfig, model_config: ModelConfig, item
     return num
 
 
+def model_display_name(model: str | None) -> str:
+    """The name a model is served under: a Hub id as is, a path's last component (without
+    .gguf), the built-in model's name for None."""
+    from models.demo import SMOLLM2_NAME
+
+    if model is None:
+        return SMOLLM2_NAME
+    path = Path(model)
+    if path.exists():
+        return path.name.removesuffix(".gguf")
+    return model
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, loaded=None) -> None:
         t0 = time.perf_counter()
@@ -117,6 +132,7 @@ class LLMEngine:
             else None
         )
         self.max_model_len = config.scheduler.max_model_len
+        self.model_name = model_display_name(config.model)
         self.chat_template = loaded.chat_template
         self.bos_token, self.eos_token = loaded.bos_token, loaded.eos_token
         # The model's own sampling defaults (generation_config.json, GGUF), for requests
@@ -175,6 +191,9 @@ class LLMEngine:
             config, self.allocator, self.eos_token_ids, swap_allocator=swap_allocator
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Structured outputs: one matcher per constrained sequence, keyed (request_id,
+        # index), made when the first constrained request arrives.
+        self._constraints: StructuredOutputManager | None = None
         self._groups: dict[str, RequestGroup] = {}
         # The step on the device whose results the next step() call collects (async only).
         self._in_flight: InFlightStep | None = None
@@ -231,6 +250,12 @@ class LLMEngine:
             raise ValueError(f"n must be <= max_num_seqs ({budget}), got {params.n}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in (params.logit_bias or ()) if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:  # before anything is stored
+            self._constraint_manager().add((request_id, 0), params.structured_outputs)
         group = RequestGroup(
             request_id=request_id,
             prompt=text,
@@ -238,11 +263,21 @@ class LLMEngine:
             params=params,
             arrival=self._arrivals,
             cache_salt=cache_salt,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         self._arrivals += 1
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         self._groups[request_id] = group
         self.scheduler.add(group, seed)
+
+    def _constraint_manager(self) -> StructuredOutputManager:
+        if self._constraints is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer; the model has none")
+            self._constraints = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size
+            )
+        return self._constraints
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """Validates a prompt (text or token ids) -> (text or None, token ids).
@@ -319,7 +354,7 @@ class LLMEngine:
             group = self._groups.pop(rid, None)
             if group is not None:
                 self.scheduler.abort(group)
-                self.output_processor.release(group)
+                self._release(group)
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -352,9 +387,28 @@ class LLMEngine:
         plan = self._schedule()
         if not len(plan):
             return None
-        step = self.runner.dispatch(plan, prev)
+        bitmask = self._bitmask(plan) if plan.sampling.constrained is not None else None
+        step = self.runner.dispatch(plan, prev, bitmask)
         self.scheduler.dispatched(plan)
         return step
+
+    def _bitmask(self, plan: StepPlan) -> np.ndarray:
+        """The rows' structured-output masks (int32[len(plan), ceil(vocab / 32)]). A fork's
+        child gets its matcher here, copied from its parent's before the parent advances."""
+        manager = self._constraints
+        keys = []
+        for seq_id, constrained in zip(plan.seq_ids.tolist(), plan.sampling.constrained):
+            seq = self.scheduler.sequence(seq_id) if constrained else None
+            if seq is None:
+                keys.append(None)
+                continue
+            key = (seq.group.request_id, seq.index)
+            if key not in manager:
+                manager.fork((seq.group.request_id, 0), key)
+            keys.append(key)
+        mask = manager.allocate_bitmask(len(plan))
+        manager.fill_bitmask(keys, mask)
+        return mask
 
     def _schedule(self) -> StepPlan:
         """The next plan, its pages' peak noted and its swaps done (they precede the step)."""
@@ -365,22 +419,48 @@ class LLMEngine:
 
     def _can_overlap(self, plan: StepPlan) -> bool:
         """Whether the next plan may be made before plan's tokens are on the host."""
+        sync = plan.sampling.uses_penalties
+        if plan.sampling.constrained is not None:  # a grammar's next mask needs the token
+            sync = sync | plan.sampling.constrained
         return (
             self.config.async_scheduling
             and self.runner.broadcast is None
-            and not np.any(plan.sampling.uses_penalties & plan.keep_sample)
+            and not np.any(sync & plan.keep_sample)
         )
 
     def _collect(self, step: InFlightStep) -> list[RequestOutput]:
         out = self.runner.fetch(step)
+        if step.plan.prompt_targets is not None:
+            self._record_prompt_logprobs(step.plan, out)
         seqs = self.scheduler.commit(step.plan, out)
         return self._take_early_outputs() + self._outputs(seqs)
 
+    def _record_prompt_logprobs(self, plan: StepPlan, out: SamplerOutput) -> None:
+        """Appends each prompt position's log-probabilities to its request (positions already
+        recorded, recomputed after a preemption, are skipped)."""
+        targets = plan.prompt_targets
+        for i, seq_id in enumerate(plan.seq_ids.tolist()):
+            seq = self.scheduler.sequence(seq_id)
+            if seq is None or seq.group.prompt_logprobs is None:
+                continue
+            recorded, n = seq.group.prompt_logprobs, seq.params.prompt_logprobs
+            first, last = int(plan.query_start[i]), int(plan.query_start[i + 1])
+            position = int(plan.starts[i]) + 1  # the prompt position the first token predicts
+            for t in range(first, last):
+                if targets[t] >= 0 and position == len(recorded):
+                    top = zip(
+                        out.prompt_top_ids[t, :n].tolist(), out.prompt_top_logprobs[t, :n].tolist()
+                    )
+                    recorded.append({int(targets[t]): float(out.prompt_logprobs[t]), **dict(top)})
+                position += 1
+
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Text and stop strings for the sequences that got tokens, then their requests'
-        outputs; finished requests are forgotten."""
+        """Grammars, text and stop strings for the sequences that got tokens, then their
+        requests' outputs; finished requests are forgotten."""
         touched: dict[str, RequestGroup] = {}
         for seq in seqs:
+            if self._constraints is not None and seq.params.structured_outputs is not None:
+                self._advance_constraint(seq)
             stop = self.output_processor.process(seq)
             if stop is not None:
                 self.scheduler.finish(seq, "stop", stop)
@@ -392,7 +472,30 @@ class LLMEngine:
                 outputs.append(out)
             if group.finished:
                 del self._groups[rid]
+                self._release(group)
         return outputs
+
+    def _advance_constraint(self, seq: Sequence) -> None:
+        """Commits seq's new token to its grammar; a grammar that is complete (only EOS left)
+        stops the sequence, one that failed ends it with finish_reason "error"."""
+        key = (seq.group.request_id, seq.index)
+        manager = self._constraints
+        manager.advance(key, seq.token_ids[-1:])
+        error = manager.error(key)
+        if seq.is_finished:
+            return
+        if error is not None:
+            seq.group.error = f"structured output: {error}"
+            self.scheduler.finish(seq, "error")
+        elif manager.is_finished(key):
+            self.scheduler.finish(seq, "stop")
+
+    def _release(self, group: RequestGroup) -> None:
+        """Drops a finished or aborted request's text states and grammar matchers."""
+        self.output_processor.release(group)
+        if self._constraints is not None and group.params.structured_outputs is not None:
+            for index in range(max(len(group.seqs), 1)):
+                self._constraints.remove((group.request_id, index))
 
     def _take_early_outputs(self) -> list[RequestOutput]:
         outputs, self._early_outputs = self._early_outputs, []

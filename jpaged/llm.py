@@ -28,6 +28,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's own sampling defaults (its generation config),
+        what generate and chat use when given no sampling params."""
+        return SamplingParams(**self.llm_engine.sampling_defaults)
+
     def stats(self) -> dict:
         return self.llm_engine.stats()
 
@@ -50,7 +55,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
@@ -67,13 +72,11 @@ class LLM:
                     f"{type(sp).__name__}{where}: {sp!r:.80}"
                 )
         engine = self.llm_engine
-        checked = []
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
             try:
                 _, ids = engine.tokenize_prompt(p)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-            checked.append(ids)
             if sp.max_tokens is not None and len(ids) + sp.max_tokens > engine.max_model_len:
                 logger.warning(
                     "prompt %d: %d prompt tokens + max_tokens %d exceed max_model_len %d; "
@@ -90,6 +93,48 @@ class LLM:
             engine.add_request(rid, p, sp.clone(output_kind=RequestOutputKind.FINAL_ONLY))
             ids.append(rid)
         return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        use_tqdm: bool = False,
+        **template_kwargs,
+    ) -> list[RequestOutput]:
+        """Generates a reply to each conversation (vLLM's signature): messages is one
+        conversation (a list of {"role", "content"}) or a list of them, rendered with the
+        model's chat template (or chat_template) with BOS once. Returns one RequestOutput
+        per conversation, its prompt the rendered text.
+
+        Raises ValueError for a malformed conversation (naming the message and field), a
+        template that raises, or a model without a chat template when none is given.
+        """
+        conversations = messages
+        if not messages or isinstance(messages[0], dict):
+            conversations = [messages]
+        rendered = []
+        for i, conversation in enumerate(conversations):
+            try:
+                rendered.append(
+                    self.llm_engine.chat_prompt(
+                        conversation,
+                        chat_template=chat_template,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        **template_kwargs,
+                    )
+                )
+            except ValueError as e:
+                where = f"conversation {i}: " if len(conversations) > 1 else ""
+                raise ValueError(f"{where}{e}") from None
+        outs = self.generate([ids for _, ids in rendered], sampling_params, use_tqdm=use_tqdm)
+        for out, (text, _) in zip(outs, rendered, strict=True):
+            out.prompt = text
+        return outs
 
     def beam_search(
         self,

@@ -2,26 +2,22 @@
 
     load_for_config(config) -> LoadedModel     # sharded over a mesh when T x D > 1 or multi-host
 
-The built-in demo model stands in when config.model is None.
+config.model is a local path (a Hugging Face or Orbax directory, a .gguf file or a directory
+holding one), a Hub repo id ("org/name", at config.revision), "demo-random" (the random demo
+model) or None: the built-in real model, SmolLM2-135M-Instruct, fetched once into jpaged's
+cache (models/demo.py).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import jax
-
 from jpaged.config import EngineConfig
 from models import sharding
+from models.demo import resolve_builtin
 from models.loader import LoadedModel, load_model, read_config
 
 
-def model_path(config: EngineConfig) -> Path:
-    if config.model is not None:
-        return Path(config.model)
-    from models.demo import ensure_demo_model
-
-    return Path(ensure_demo_model())
+def model_path(config: EngineConfig) -> str:
+    return resolve_builtin(config.model)
 
 
 def load_for_config(config: EngineConfig, *, data_parallel: bool = False) -> LoadedModel:
@@ -29,10 +25,13 @@ def load_for_config(config: EngineConfig, *, data_parallel: bool = False) -> Loa
 
     Without data_parallel the mesh is replica 0's (T devices); with it, all D x T devices.
     """
+    import jax
+
     path = model_path(config)
     p = config.parallel
     mesh = None
     if p.num_devices > 1 or jax.process_count() > 1:
         d = p.data_parallel_size if data_parallel else 1
-        mesh = sharding.make_mesh(read_config(path), p.tensor_parallel_size, d)
-    return load_model(path, dtype=config.dtype, mesh=mesh)
+        cfg = read_config(path, revision=config.revision)
+        mesh = sharding.make_mesh(cfg, p.tensor_parallel_size, d)
+    return load_model(path, dtype=config.dtype, mesh=mesh, revision=config.revision)

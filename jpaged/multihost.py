@@ -7,8 +7,9 @@ bucket key), then the call's padded numpy inputs. A follower builds empty inputs
 shapes the key implies, receives into them, and makes the same call; the outputs are
 replicated, so process 0 reads the sampled tokens from its own devices.
 
-    header int32[8]: kind (0 stop, 1 prelude, 2 step), num_tokens, num_seqs, num_page_cols,
-                     decode_only, num_logprobs, Hp, Ho (Hp = Ho = -1: no penalties)
+    header int32[10]: kind (0 stop, 1 prelude, 2 step), num_tokens, num_seqs, num_page_cols,
+                      decode_only, num_logprobs, Hp, Ho (Hp = Ho = -1: no penalties),
+                      bias_width, prompt_logprobs
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from jpaged.step_inputs import StepKey
 logger = logging.getLogger(__name__)
 
 _STOP, _PRELUDE, _STEP = 0, 1, 2
+_HEADER = 10
 
 
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
@@ -63,13 +65,14 @@ class StepBroadcast:
         return jax.make_array_from_callback(x.shape, self._replicated, lambda index: x[index])
 
     def _header(self, kind: int, key=None) -> None:
-        h = np.full(8, -1, np.int32)
+        h = np.full(_HEADER, -1, np.int32)
         h[0] = kind
         if key is not None:
             h[1:6] = (key.num_tokens, key.num_seqs, key.num_page_cols, key.decode_only,
                       key.num_logprobs)  # fmt: skip
             if key.penalty_shape is not None:
                 h[6:8] = key.penalty_shape
+            h[8:10] = (key.bias_width, key.prompt_logprobs)
         multihost_utils.broadcast_one_to_all(h)
 
     def prelude(self, updates: np.ndarray, copies: np.ndarray):
@@ -91,7 +94,7 @@ class StepBroadcast:
         if self.is_leader:
             raise RuntimeError("process 0 leads; it does not follow")
         while True:
-            h = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(8, np.int32)))
+            h = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(_HEADER, np.int32)))
             kind = int(h[0])
             if kind == _STOP:
                 return
@@ -102,5 +105,6 @@ class StepBroadcast:
                 )
                 continue
             penalty = None if h[6] < 0 else (int(h[6]), int(h[7]))
-            key = StepKey(int(h[1]), int(h[2]), int(h[3]), bool(h[4]), int(h[5]), penalty)
+            key = StepKey(int(h[1]), int(h[2]), int(h[3]), bool(h[4]), int(h[5]), penalty,
+                          int(h[8]), bool(h[9]))  # fmt: skip
             runner.run_step(key, runner.dummy_inputs(key))

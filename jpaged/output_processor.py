@@ -44,6 +44,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self._texts: dict[int, _SeqText] = {}  # by seq_id
+        self._prompt_logprobs_sent: set[str] = set()  # DELTA requests (by request_id)
 
     def _state(self, seq: Sequence) -> _SeqText:
         state = self._texts.get(seq.seq_id)
@@ -141,9 +142,10 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                 )
             )
+        prompt_logprobs = self._prompt_logprobs(group, delta)
         if finished:
             self.release(group)
-        if delta and not outputs and not finished:
+        if delta and not outputs and not finished and prompt_logprobs is None:
             return None
         return RequestOutput(
             request_id=group.request_id,
@@ -152,9 +154,23 @@ class OutputProcessor:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=group.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+            error=group.error,
         )
+
+    def _prompt_logprobs(self, group: RequestGroup, delta: bool) -> list | None:
+        """The prompt's log-probabilities once all are computed (DELTA: in one output)."""
+        lp = group.prompt_logprobs
+        if lp is None or len(lp) < len(group.prompt_token_ids):
+            return None
+        if delta:
+            if group.request_id in self._prompt_logprobs_sent:
+                return None
+            self._prompt_logprobs_sent.add(group.request_id)
+        return lp
 
     def release(self, group: RequestGroup) -> None:
         """Drops the text states of a request's sequences (finished or aborted)."""
         for seq in group.seqs:
             self._texts.pop(seq.seq_id, None)
+        self._prompt_logprobs_sent.discard(group.request_id)

@@ -19,7 +19,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
 
     def finished(self) -> bool:
@@ -34,3 +34,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # prompt_logprobs=N: None for the first prompt token, then each token's {id: logprob}
+    # with the N most likely at its position (complete in the first output that has it).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    error: str | None = None  # why a choice ended with finish_reason "error"

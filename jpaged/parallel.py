@@ -69,6 +69,7 @@ class DataParallelEngine:
         self.model_config = first.model_config
         self.tokenizer = first.tokenizer
         self.chat_template = first.chat_template
+        self.model_name = first.model_name
         self.sampling_defaults = first.sampling_defaults
         self.eos_token_ids = first.eos_token_ids
         self.max_model_len = first.max_model_len

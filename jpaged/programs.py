@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpaged.sampler import sample
+from jpaged.sampler import prompt_logprobs, sample
 from jpaged.step_inputs import StepInputs, StepKey
 from models import sharding
 from models.config import ModelConfig
@@ -114,7 +114,14 @@ def step(
     )
     logits = compute_logits(params, model_config, hidden[inputs.logits_indices], tp_axis)
     out = sample(logits, inputs.sampling, num_logprobs=key.num_logprobs)
-    tokens = jnp.zeros(prev_tokens.shape, jnp.int32).at[: key.num_seqs].set(out.tokens)
+    if key.prompt_logprobs:  # the LM head over every token of the step
+        all_logits = compute_logits(params, model_config, hidden, tp_axis)
+        lp, top_ids, top_lp = prompt_logprobs(all_logits, inputs.prompt_targets)
+        out = out._replace(prompt_logprobs=lp, prompt_top_ids=top_ids, prompt_top_logprobs=top_lp)
+    # jnp.pad, not .at[:num_seqs].set(): when num_seqs is the whole length, that scatter's
+    # index array is a zero-size constant, and jax 0.11's CPU compiler crashes on a zero-size
+    # constant inside shard_map (tests/parallel/test_zero_size_constant.py).
+    tokens = jnp.pad(out.tokens, (0, prev_tokens.shape[0] - key.num_seqs))
     return out, tokens, DeviceState(kv_pages, page_table)
 
 

@@ -33,7 +33,6 @@ from jpaged.sampler import SamplerOutput
 from jpaged.step_inputs import (
     StepInputs,
     StepKey,
-    bucket,
     bucket_keys,
     pack,
     pad_rows,
@@ -80,6 +79,8 @@ class ModelRunner:
         self.mesh = mesh
         self.broadcast = broadcast
         self.programs = Programs(model_config, config.attention_backend, mesh)
+        self.mask_words = -(-model_config.vocab_size // 32)
+        self._device_all_allowed: dict[int, object] = {}  # rows -> all-ones bitmask on device
         self.dtype = dtype
         self.reset_state()
         self.swap_space = None
@@ -119,7 +120,17 @@ class ModelRunner:
 
     def dummy_inputs(self, key: StepKey) -> StepInputs:
         """Inputs of key's shapes that change nothing (every row padding)."""
-        return pack(empty_plan(), key, scratch_row=self.scratch_row, page_size=self.page_size)
+        return self._pack(empty_plan(), key)
+
+    def _pack(self, plan: StepPlan, key: StepKey, **kwargs) -> StepInputs:
+        return pack(
+            plan,
+            key,
+            scratch_row=self.scratch_row,
+            page_size=self.page_size,
+            mask_words=self.mask_words,
+            **kwargs,
+        )
 
     def _swappers(self):
         return self.programs.swappers(self.state, self.swap_space.shape, self.swap_space.dtype)
@@ -147,11 +158,17 @@ class ModelRunner:
         """Runs one step; returns numpy arrays of the sampled tokens (row order of the plan)."""
         return self.fetch(self.dispatch(plan))
 
-    def dispatch(self, plan: StepPlan, prev_plan: StepPlan | None = None) -> InFlightStep:
+    def dispatch(
+        self,
+        plan: StepPlan,
+        prev_plan: StepPlan | None = None,
+        token_bitmask: np.ndarray | None = None,
+    ) -> InFlightStep:
         """Packs a plan and starts its step on the device without waiting for it.
 
         prev_plan: the step dispatched before, whose samples this plan's PLACEHOLDER tokens
-        are (async scheduling).
+        are (async scheduling). token_bitmask: int32[len(plan), ceil(vocab / 32)], the
+        structured-output masks of the rows (None: no row is constrained).
         """
         key = step_key(plan, self.config)
         cap = update_capacity(key, self.page_size)
@@ -167,9 +184,7 @@ class ModelRunner:
             )
         if len(updates) != len(plan.page_updates) or len(copies) != len(plan.page_copies):
             plan = dataclasses.replace(plan, page_updates=updates, page_copies=copies)
-        inputs = pack(
-            plan, key, scratch_row=self.scratch_row, page_size=self.page_size, prev_plan=prev_plan
-        )
+        inputs = self._pack(plan, key, prev_plan=prev_plan, token_bitmask=token_bitmask)
         return InFlightStep(key, plan, self.run_step(key, inputs))
 
     def fetch(self, step: InFlightStep) -> SamplerOutput:
@@ -187,9 +202,19 @@ class ModelRunner:
     def run_step(self, key: StepKey, inputs: StepInputs) -> SamplerOutput:
         if self.broadcast is not None:
             inputs = self.broadcast.step(key, inputs)
+        elif not inputs.sampling.use_bitmask:  # no constrained row: the mask is not read
+            inputs.sampling.token_bitmask = self._all_allowed(key.num_seqs)
         exe = self.programs.step(key, self.params, self.state, inputs, self.last_tokens)
         out, self.last_tokens, self.state = exe(self.params, self.state, inputs, self.last_tokens)
         return out
+
+    def _all_allowed(self, num_rows: int):
+        """A device-resident all-ones bitmask (no transfer per step)."""
+        mask = self._device_all_allowed.get(num_rows)
+        if mask is None:
+            mask = jax.device_put(np.full((num_rows, self.mask_words), -1, np.int32))
+            self._device_all_allowed[num_rows] = mask
+        return mask
 
     def follow(self) -> None:
         """Processes other than 0: replay process 0's device calls until it stops."""

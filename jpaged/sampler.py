@@ -3,8 +3,10 @@
 Each row carries its own parameters. A row's random stream is its sequence's key folded with
 the number of tokens it has generated, so a seeded request samples the same tokens whatever
 else shares the batch (and after preemption). Order of processing, as in vLLM:
+a grammar's token mask (structured outputs) -> log-probabilities taken here -> logit bias ->
 banned tokens (min_tokens) and penalties -> greedy argmax, or temperature -> top-k -> top-p
--> min-p -> one draw by inverse CDF. Log-probabilities are those of the raw model distribution.
+-> min-p -> one draw by inverse CDF. Log-probabilities are the model's distribution (masked by
+the grammar when the request has one).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jpaged.logits_processors import apply_logit_bias, apply_token_bitmask
 
 MAX_LOGPROBS = 20
 _NEG_INF = -jnp.inf
@@ -41,6 +45,15 @@ class SamplingInputs:
     num_generated: jax.Array  # int32[S]: folded into the key
     banned: jax.Array  # int32[S, K], -1 padded: tokens masked out (EOS before min_tokens)
     penalties: Penalties | None = None
+    # Structured outputs: int32[S, ceil(V / 32)], bit j of word w allows token 32w + j
+    # (llguidance's layout), applied when use_bitmask (bool[]) is set; rows without a
+    # constraint are all ones. Log-probabilities see the masked distribution.
+    token_bitmask: jax.Array | None = None
+    use_bitmask: jax.Array | None = None
+    # OpenAI logit_bias: int32[S, B] ids (-1 padded) and float32[S, B] values, added after
+    # the log-probabilities are taken (they stay the model's).
+    bias_ids: jax.Array | None = None
+    bias_values: jax.Array | None = None
 
 
 class SamplerOutput(NamedTuple):
@@ -48,6 +61,11 @@ class SamplerOutput(NamedTuple):
     logprobs: jax.Array  # float32[S]: raw log-probability of each sampled token
     top_ids: jax.Array | None  # int32[S, MAX_LOGPROBS]
     top_logprobs: jax.Array | None  # float32[S, MAX_LOGPROBS]
+    # Prompt log-probabilities (steps with prompt_logprobs rows): per step token, the
+    # log-probability of the next prompt token and the MAX_LOGPROBS most likely tokens.
+    prompt_logprobs: jax.Array | None = None  # float32[T]
+    prompt_top_ids: jax.Array | None = None  # int32[T, MAX_LOGPROBS]
+    prompt_top_logprobs: jax.Array | None = None  # float32[T, MAX_LOGPROBS]
 
 
 def seeds_to_key_data(seeds) -> np.ndarray:
@@ -121,7 +139,16 @@ def _inverse_cdf(scaled: jax.Array, key_data: jax.Array, num_generated: jax.Arra
 def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> SamplerOutput:
     """logits float32[S, V] -> one token per row (and log-probabilities)."""
     vocab = logits.shape[-1]
+    if inputs.token_bitmask is not None:
+        logits = jax.lax.cond(
+            inputs.use_bitmask,
+            lambda x: apply_token_bitmask(x, inputs.token_bitmask),
+            lambda x: x,
+            logits,
+        )
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if inputs.bias_ids is not None:
+        logits = apply_logit_bias(logits, inputs.bias_ids, inputs.bias_values)
     rows = jnp.arange(logits.shape[0])
     banned_idx = jnp.where(inputs.banned >= 0, inputs.banned, vocab)
     ban = jnp.zeros(logits.shape, bool).at[rows[:, None], banned_idx].set(True, mode="drop")
@@ -151,3 +178,12 @@ def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> S
         top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
         top_ids = top_ids.astype(jnp.int32)
     return SamplerOutput(tokens, chosen, top_ids, top_lp)
+
+
+def prompt_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
+    """logits float32[T, V] of every step token, targets int32[T] (-1: none) -> the target's
+    log-probability float32[T] (0 where none) and the top MAX_LOGPROBS ids and values."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+    return jnp.where(targets >= 0, chosen, 0.0), top_ids.astype(jnp.int32), top_lp

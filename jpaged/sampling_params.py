@@ -12,6 +12,8 @@ import math
 import numbers
 from collections.abc import Sequence
 
+from jpaged.structured_output import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 _FLOAT32_MAX = 3.4028234663852886e38
 
@@ -41,6 +43,27 @@ def _check_float(name: str, value) -> None:
         raise ValueError(f"{name} must be within +-{_FLOAT32_MAX:.3g}, got {value!r}")
 
 
+def _checked_logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias} with ids >= 0 (JSON's string keys accepted) and biases in [-100, 100]."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got {bias!r:.60}")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if isinstance(key, bool) or token < 0 or str(token) != str(key).strip():
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
+        _check_float(f"logit_bias[{token}]", value)
+        if not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {value}")
+        out[token] = float(value)
+    return out or None
+
+
 @dataclasses.dataclass(kw_only=True)
 class SamplingParams:
     """How to sample one request. Field names and meanings follow vLLM.
@@ -67,6 +90,14 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # OpenAI's logit_bias: token id -> bias in [-100, 100], added to the logits before
+    # sampling (log-probabilities stay the model's).
+    logit_bias: dict[int, float] | None = None
+    # vLLM's prompt_logprobs=N: for every prompt token after the first, its log-probability
+    # and the N most likely tokens at its position (computed during prefill).
+    prompt_logprobs: int | None = None
+    # A constraint on the output (jpaged.structured_output.StructuredOutputsParams).
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -131,6 +162,18 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            if isinstance(self.structured_outputs, dict):
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(
+                    "structured_outputs must be a StructuredOutputsParams, got "
+                    f"{type(self.structured_outputs).__name__}"
+                )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
@@ -145,6 +188,12 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def needs_sync(self) -> bool:
+        """Whether the step after one sampling this request must wait for its token on the
+        host (penalties count it; a grammar's mask depends on it)."""
+        return self.uses_penalties or self.structured_outputs is not None
 
     def clone(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)

@@ -172,6 +172,8 @@ class Scheduler:
         swapped = bool(seq.swap_pages)
         if swapped:  # its computed K/V comes back from host into fresh pages
             hits, computed = [], seq.num_computed_tokens
+        elif seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+            hits, computed = [], 0  # the prompt's log-probabilities need its logits
         else:
             hits = self._prefix_hits(seq)
             computed = len(hits) * self.page_size
@@ -381,7 +383,8 @@ class Scheduler:
             n = seq.params.logprobs
             if n is not None:
                 top = zip(out.top_ids[i, :n].tolist(), out.top_logprobs[i, :n].tolist())
-                seq.logprobs.append({token: logprobs[i], **dict(top)})
+                # Tokens a grammar forbids have -inf: not among the most likely.
+                seq.logprobs.append({token: logprobs[i], **{t: x for t, x in top if x > -1e30}})
             result.append(seq)
             self._check_stop(seq, token)
         return result

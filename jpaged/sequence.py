@@ -34,6 +34,9 @@ class RequestGroup:
     seqs: list[Sequence] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     aborted: bool = False  # an n > 1 request aborted before its fork never gets n sequences
+    # prompt_logprobs: [None, {id: logprob} for prompt tokens 1..] as prefill computes them
+    prompt_logprobs: list | None = None
+    error: str | None = None  # a constraint's error that ended a sequence ("error")
 
     @property
     def finished(self) -> bool:

@@ -30,6 +30,8 @@ class StepKey:
     decode_only: bool
     num_logprobs: int = 0
     penalty_shape: tuple[int, int] | None = None  # (Hp, Ho)
+    bias_width: int = 0  # logit_bias entries per row (0: no row has one)
+    prompt_logprobs: bool = False  # log-probabilities of prompt tokens (every token's logits)
 
 
 @jax.tree_util.register_dataclass
@@ -46,6 +48,7 @@ class StepInputs:
     page_updates: jax.Array  # int32[U, 3]: (table row, column, page)
     page_copies: jax.Array  # int32[C, 2]: (src, dst)
     sampling: SamplingInputs
+    prompt_targets: jax.Array | None = None  # int32[T]: next prompt token, -1 (key.prompt_logprobs)
 
 
 def bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -68,10 +71,16 @@ def step_key(plan: StepPlan, config: EngineConfig) -> StepKey:
             sampling.penalties.prompt_tokens.shape[1],
             sampling.penalties.output_tokens.shape[1],
         )
+    extra = dict(
+        num_logprobs=num_logprobs,
+        penalty_shape=penalty_shape,
+        bias_width=0 if sampling.bias_ids is None else sampling.bias_ids.shape[1],
+        prompt_logprobs=plan.prompt_targets is not None,
+    )
     if plan.decode_only:
-        return StepKey(num_seqs, num_seqs, cols, True, num_logprobs, penalty_shape)
+        return StepKey(num_seqs, num_seqs, cols, True, **extra)
     num_tokens = bucket(config.token_buckets, max(plan.num_tokens, 1))
-    return StepKey(num_tokens, num_seqs, cols, False, num_logprobs, penalty_shape)
+    return StepKey(num_tokens, num_seqs, cols, False, **extra)
 
 
 def bucket_keys(config: EngineConfig) -> list[StepKey]:
@@ -115,7 +124,9 @@ def pack(
     *,
     scratch_row: int,
     page_size: int,
+    mask_words: int,
     prev_plan: StepPlan | None = None,
+    token_bitmask: np.ndarray | None = None,
 ) -> StepInputs:
     """The plan padded to key's shapes.
 
@@ -123,8 +134,12 @@ def pack(
       plan: its page updates and copies must fit the key (update_capacity, num_seqs).
       key: step_key(plan) or a larger key.
       scratch_row: the page-table row padding rows point at (max_num_seqs).
+      page_size: tokens per page.
+      mask_words: ceil(vocab_size / 32), the width of the structured-output bitmask.
       prev_plan: the plan of the step still on the device, whose samples are this plan's
         PLACEHOLDER tokens.
+      token_bitmask: int32[len(plan), mask_words] of the constrained rows (others all ones),
+        or None when no row is constrained.
     """
     t_pad, s_pad = key.num_tokens, key.num_seqs
     t, s = plan.num_tokens, len(plan)
@@ -162,8 +177,22 @@ def pack(
             plan.page_updates, update_capacity(key, page_size), (scratch_row, 0, 0)
         ),
         page_copies=pad_rows(plan.page_copies, key.num_seqs, (0, 0)),
-        sampling=_pack_sampling(plan, key),
+        sampling=_pack_sampling(plan, key, mask_words, token_bitmask),
+        prompt_targets=None if not key.prompt_logprobs else _padded(plan.prompt_targets, t_pad, -1),
     )
+
+
+def all_allowed(num_rows: int, mask_words: int) -> np.ndarray:
+    """A read-only all-ones bitmask int32[num_rows, mask_words] (made once per shape)."""
+    out = _ALL_ALLOWED.get((num_rows, mask_words))
+    if out is None:
+        out = np.full((num_rows, mask_words), -1, np.int32)
+        out.flags.writeable = False
+        _ALL_ALLOWED[(num_rows, mask_words)] = out
+    return out
+
+
+_ALL_ALLOWED: dict[tuple[int, int], np.ndarray] = {}
 
 
 def _padded(values: np.ndarray, n: int, fill) -> np.ndarray:
@@ -172,8 +201,21 @@ def _padded(values: np.ndarray, n: int, fill) -> np.ndarray:
     return out
 
 
-def _pack_sampling(plan: StepPlan, key: StepKey) -> SamplingInputs:
+def _pack_sampling(
+    plan: StepPlan, key: StepKey, mask_words: int, token_bitmask: np.ndarray | None
+) -> SamplingInputs:
     s_pad, r = key.num_seqs, plan.sampling
+    if token_bitmask is None:
+        bitmask = all_allowed(s_pad, mask_words)
+    else:
+        bitmask = _padded(token_bitmask.astype(np.int32, copy=False), s_pad, -1)
+    bias_ids = bias_values = None
+    if key.bias_width:
+        bias_ids = np.full((s_pad, key.bias_width), -1, np.int32)
+        bias_values = np.zeros((s_pad, key.bias_width), np.float32)
+        if r.bias_ids is not None:
+            bias_ids[: len(plan), : r.bias_ids.shape[1]] = r.bias_ids
+            bias_values[: len(plan), : r.bias_values.shape[1]] = r.bias_values
     penalties = None
     if key.penalty_shape is not None:
         hp, ho = key.penalty_shape
@@ -200,4 +242,8 @@ def _pack_sampling(plan: StepPlan, key: StepKey) -> SamplingInputs:
         num_generated=_padded(r.num_generated, s_pad, 0),
         banned=_padded(r.banned, s_pad, -1),
         penalties=penalties,
+        token_bitmask=bitmask,
+        use_bitmask=np.bool_(token_bitmask is not None),
+        bias_ids=bias_ids,
+        bias_values=bias_values,
     )

@@ -47,6 +47,11 @@ class RowSampling:
     # per-row values; None when no row uses penalties.
     penalties: Penalties | None
     wants_logprobs: bool  # some row asked for log-probabilities
+    # OpenAI logit_bias rows: int32[S, B] ids (-1 padded; B a power of two >= 16) and
+    # float32[S, B] values; None when no row has one.
+    bias_ids: np.ndarray | None = None
+    bias_values: np.ndarray | None = None
+    constrained: np.ndarray | None = None  # bool[S]: the row has a structured-output grammar
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -68,6 +73,9 @@ class StepPlan:
     sampling: RowSampling
     max_pages: int  # pages the longest row spans after the step
     decode_only: bool  # one token per row, each row sampling itself
+    # int32[T]: for a prompt token of a row that asked for prompt_logprobs, the next prompt
+    # token (whose log-probability it predicts), else -1; None when no row asked.
+    prompt_targets: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -130,6 +138,9 @@ def build(
     num_pages = 0
     ban: list[tuple[int, list[int]]] = []
     penalty_rows: list[int] = []
+    bias_rows: list[int] = []
+    constrained: list[int] = []
+    prompt_spans: list[tuple[int, int, int, int]] = []  # (row, first token, start, n)
     wants_logprobs = False
     for i, (seq, n, start, _, _) in enumerate(rows):
         pages = seq.pages
@@ -155,6 +166,12 @@ def build(
             ban.append((i, ([] if p.ignore_eos else list(eos_token_ids)) + p.stop_token_ids))
         if p.uses_penalties:
             penalty_rows.append(i)
+        if p.logit_bias:
+            bias_rows.append(i)
+        if p.structured_outputs is not None:
+            constrained.append(i)
+        if p.prompt_logprobs is not None and n and start < seq.num_prompt_tokens - 1:
+            prompt_spans.append((i, len(tok) - n, start, n))
         wants_logprobs |= p.logprobs is not None
     s = len(rows)
     banned = np.full((s, MAX_BANNED), -1, np.int32)
@@ -162,6 +179,18 @@ def build(
         banned[i, : len(stops[:MAX_BANNED])] = stops[:MAX_BANNED]
     uses_penalties = np.zeros(s, bool)
     uses_penalties[penalty_rows] = True
+    bias_ids = bias_values = is_constrained = None
+    if bias_rows:
+        width = _pow2(max(len(rows[i][0].params.logit_bias) for i in bias_rows))
+        bias_ids = np.full((s, width), -1, np.int32)
+        bias_values = np.zeros((s, width), np.float32)
+        for i in bias_rows:
+            bias = rows[i][0].params.logit_bias
+            bias_ids[i, : len(bias)] = list(bias)
+            bias_values[i, : len(bias)] = list(bias.values())
+    if constrained:
+        is_constrained = np.zeros(s, bool)
+        is_constrained[constrained] = True
     c = list(zip(*consts, strict=True)) if consts else [()] * 6
     key_data = np.empty((s, 2), np.uint32)
     key_data[:, 0], key_data[:, 1] = c[4], c[5]
@@ -176,7 +205,17 @@ def build(
         uses_penalties=uses_penalties,
         penalties=_penalties(rows, penalty_rows) if penalty_rows else None,
         wants_logprobs=wants_logprobs,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+        constrained=is_constrained,
     )
+    prompt_targets = None
+    if prompt_spans:
+        prompt_targets = np.full(len(tok), -1, np.int32)
+        for i, first, start, n in prompt_spans:
+            seq = rows[i][0]
+            end = min(start + n, seq.num_prompt_tokens - 1)  # the last prompt token predicts
+            prompt_targets[first : first + end - start] = seq.token_ids[start + 1 : end + 1]
     num_new = np.fromiter((r[1] for r in rows), np.int32, count=s)
     sample_rows = np.fromiter((r[3] for r in rows), np.int32, count=s)
     query_start = np.zeros(s + 1, np.int32)
@@ -201,6 +240,7 @@ def build(
         decode_only=bool(s)
         and bool(np.all(num_new == 1))
         and bool(np.array_equal(sample_rows, np.arange(s))),
+        prompt_targets=prompt_targets,
     )
 
 

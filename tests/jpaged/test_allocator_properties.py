@@ -35,8 +35,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
 from jpaged import scheduler as scheduler_module
+from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
 from jpaged.page_allocator import NULL_PAGE, PageAllocator
 from jpaged.sampler import SamplerOutput
 from jpaged.sampling_params import SamplingParams

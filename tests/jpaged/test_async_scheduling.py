@@ -110,10 +110,10 @@ def count_overlapped(engine: LLMEngine) -> list[int]:
     counter = [0]
     dispatch = engine.runner.dispatch
 
-    def counting(plan, prev_plan=None):
+    def counting(plan, prev_plan=None, token_bitmask=None):
         if prev_plan is not None and np.any(plan.token_ids == PLACEHOLDER):
             counter[0] += 1
-        return dispatch(plan, prev_plan)
+        return dispatch(plan, prev_plan, token_bitmask)
 
     engine.runner.dispatch = counting
     return counter

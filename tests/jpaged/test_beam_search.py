@@ -210,7 +210,7 @@ def test_ignore_eos_runs_to_max_tokens(llm, prompts):
             {"beam_width": 2, "max_tokens": 4, "length_penalty": "1"},
             "length_penalty must be a number",
         ),
-        ({"beam_width": 2, "max_tokens": 4, "length_penalty": math.inf}, "must be finite"),
+        ({"beam_width": 2, "max_tokens": 4, "length_penalty": math.inf}, "must be a finite number"),
         ({"beam_width": 2, "max_tokens": 4, "ignore_eos": 1}, "ignore_eos must be a bool"),
         ({"beam_width": 2, "max_tokens": 4, "early_stopping": "always"}, "early_stopping must be"),
         ({"beam_width": 2, "max_tokens": 4, "early_stopping": 1}, "early_stopping must be"),

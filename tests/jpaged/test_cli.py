@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 ENGINE = [
+    "--model",
+    "demo-random",  # the random demo model, in the JPAGED_CACHE_DIR the tests point at
     "--max-num-seqs",
     "4",
     "--max-model-len",
@@ -52,22 +54,27 @@ def test_generate_and_batch(demo_model_dir, tmp_path, monkeypatch):
         json.dumps({"prompt": "one", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
         + "\n"
         + "{not json\n"
-        + json.dumps({"prompt": "two", "max_tokens": 2, "top_p": 7})
+        + json.dumps({"prompt": "two", "max_tokens": 2, "top_p": 7, "id": "bad-top-p"})
         + "\n"
         + json.dumps({"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "id": "x"})
+        + "\n"
+        + json.dumps({"prompt_token_ids": [8, 9], "max_tokens": 2, "ignore_eos": True})
         + "\n"
     )
     out = tmp_path / "out.jsonl"
     res = run(["batch", str(inp), str(out), *ENGINE], env)
-    assert res.returncode == 1, res.stderr  # some lines were malformed
+    assert res.returncode == 1, res.stderr  # some lines were malformed or invalid
     assert f"{inp}:2: invalid JSON" in res.stderr
     assert f"{inp}:3: top_p must be in (0, 1]" in res.stderr
+    assert "1 malformed line(s), 1 invalid line(s)" in res.stderr  # counted apart
     assert "output tokens/s" in res.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["line"] for r in rows] == [1, 2, 3, 4]
+    assert [r["line"] for r in rows] == [1, 2, 3, 4, 5]
     assert len(rows[0]["outputs"][0]["token_ids"]) == 3
-    assert "error" in rows[1] and "error" in rows[2]
+    assert rows[1]["error"].startswith("invalid JSON") and rows[1]["id"] is None
+    assert rows[2]["error"].startswith("top_p") and rows[2]["id"] == "bad-top-p"  # id kept
     assert rows[3]["id"] == "x" and len(rows[3]["outputs"][0]["token_ids"]) == 4
+    assert len(rows[4]["outputs"][0]["token_ids"]) == 2  # prompt_token_ids lines run too
 
 
 class Recorder:

@@ -53,7 +53,7 @@ def test_a_prefill_plan_is_plain_arrays_and_packs_into_its_bucket():
     key = step_key(plan, config)
     assert key == StepKey(num_tokens=16, num_seqs=4, num_page_cols=4, decode_only=False)
     assert key in bucket_keys(config)
-    inputs = pack(plan, key, scratch_row=SCRATCH, page_size=4)
+    inputs = pack(plan, key, scratch_row=SCRATCH, page_size=4, mask_words=2)
     assert inputs.token_ids.tolist() == [11, 12, 13, 14, 15, 21, 22] + [0] * 9
     assert inputs.src_rows.tolist() == [-1] * 16
     assert inputs.slot_mapping.tolist() == [4, 5, 6, 7, 8, 12, 13] + [0] * 9  # pad: null page
@@ -72,6 +72,27 @@ def test_a_prefill_plan_is_plain_arrays_and_packs_into_its_bucket():
     assert s.top_k.tolist() == [0, 3, 0, 0] and s.top_p.tolist() == [1.0] * 4
     assert s.num_generated.tolist() == [0, 0, 0, 0]
     assert s.key_data.tolist()[:2] == [[0, 7], [0, 7]] and s.penalties is None
+    assert s.token_bitmask.tolist() == [[-1, -1]] * 4 and not s.use_bitmask  # no grammar
+    assert s.bias_ids is None and inputs.prompt_targets is None
+
+
+def test_masks_biases_and_prompt_targets_are_packed_per_row():
+    sched, config = make()
+    add(sched, "a", [11, 12, 13], temperature=0.0, max_tokens=4, logit_bias={7: 2.5, 9: -1.0})
+    add(sched, "b", [21, 22, 23, 24], temperature=0.0, max_tokens=4, prompt_logprobs=2)
+    plan = sched.schedule()
+    assert plan.sampling.bias_ids.tolist()[0][:3] == [7, 9, -1]
+    assert plan.sampling.bias_ids.shape == (2, 16) and plan.sampling.bias_ids[1].max() == -1
+    # b's tokens 21..23 predict 22..24; its last prompt token predicts the first output.
+    assert plan.prompt_targets.tolist() == [-1, -1, -1, 22, 23, 24, -1]
+    key = step_key(plan, config)
+    assert (key.bias_width, key.prompt_logprobs) == (16, True)
+    mask = np.array([[-1, 5], [3, 0]], np.int32)  # rows' masks (2 words: vocab <= 64)
+    inputs = pack(plan, key, scratch_row=SCRATCH, page_size=4, mask_words=2, token_bitmask=mask)
+    assert inputs.sampling.use_bitmask
+    assert inputs.sampling.token_bitmask.tolist() == [[-1, 5], [3, 0], [-1, -1], [-1, -1]]
+    assert inputs.sampling.bias_values.tolist()[0][:2] == [2.5, -1.0]
+    assert inputs.prompt_targets.tolist() == [-1, -1, -1, 22, 23, 24, -1] + [-1] * 9
 
 
 def test_decode_tokens_still_on_the_device_read_the_previous_steps_rows():
@@ -87,7 +108,7 @@ def test_decode_tokens_still_on_the_device_read_the_previous_steps_rows():
     assert second.slot_mapping.tolist() == [4 + 3, 3 * 4]  # a: page 1 slot 3; b: new page 3
     key = step_key(second, config)
     assert key == StepKey(num_tokens=4, num_seqs=4, num_page_cols=4, decode_only=True)
-    inputs = pack(second, key, scratch_row=SCRATCH, page_size=4, prev_plan=first)
+    inputs = pack(second, key, scratch_row=SCRATCH, page_size=4, mask_words=2, prev_plan=first)
     assert inputs.src_rows.tolist() == [0, 1, -1, -1]  # rows of first that sampled them
     assert inputs.token_ids.tolist() == [0, 0, 0, 0]
     assert inputs.sampling.num_generated.tolist() == [1, 1, 0, 0]  # placeholders count
@@ -114,6 +135,6 @@ def test_penalty_rows_carry_their_token_histories():
     assert p.presence.tolist() == [0.5, 0.0] and p.repetition.tolist() == [1.0, 1.0]
     key = step_key(plan, config)
     assert key.penalty_shape == (16, 16)
-    inputs = pack(plan, key, scratch_row=SCRATCH, page_size=4)
+    inputs = pack(plan, key, scratch_row=SCRATCH, page_size=4, mask_words=2)
     assert inputs.sampling.penalties.prompt_tokens.shape == (4, 16)
     assert inputs.sampling.penalties.presence.tolist() == [0.5, 0.0, 0.0, 0.0]

@@ -58,8 +58,8 @@ def to_request(prompt, p: SamplingParams) -> pb.GenerateRequest:
 
 
 @pytest.fixture(scope="module")
-def served():
-    llm = LLM(None, **ENGINE_ARGS)
+def served(demo_model_dir):
+    llm = LLM(str(demo_model_dir), **ENGINE_ARGS)
     offline = [llm.generate([prompt], params)[0] for prompt, params in CASES]
     s = RunningServer(llm.llm_engine, model_name="demo")
     yield s, offline

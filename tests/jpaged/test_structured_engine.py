@@ -1,0 +1,96 @@
+"""Structured outputs and logit_bias through the engine, on the demo model."""
+
+import json
+import re
+
+import pytest
+
+from jpaged import SamplingParams
+from jpaged.structured_output import StructuredOutputsParams as Constraint
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
+
+
+def greedy(**kw):
+    return SamplingParams(temperature=0.0, **kw)
+
+
+def test_every_kind_of_constraint_holds_and_stops_when_the_grammar_is_done(demo_llm):
+    cases = [
+        (Constraint(regex=r"(yes|no)-[0-9]{3}"), lambda t: re.fullmatch(r"(yes|no)-[0-9]{3}", t)),
+        (Constraint(choice=["alpha", "beta", "gamma"]), lambda t: t in ("alpha", "beta", "gamma")),
+        (
+            Constraint(json=SCHEMA, disable_any_whitespace=True),
+            lambda t: set(json.loads(t)) == {"name", "ok"},
+        ),
+        (Constraint(grammar='start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]/'), None),
+    ]
+    params = [greedy(max_tokens=64, structured_outputs=c) for c, _ in cases]
+    params.append(SamplingParams(temperature=1.0, seed=5, max_tokens=64, n=3,
+                                 structured_outputs=cases[1][0]))  # fmt: skip
+    outs = demo_llm.generate([f"question {i}" for i in range(len(params))], params)
+    for (constraint, check), out in zip(cases, outs, strict=False):
+        (c,) = out.outputs
+        assert c.finish_reason == "stop", (constraint.kind, c.text)
+        if check is not None:
+            assert check(c.text), (constraint.kind, c.text)
+    assert re.fullmatch(r"\([0-9](,[0-9])*\)", outs[3].outputs[0].text)
+    assert all(c.text in ("alpha", "beta", "gamma") for c in outs[4].outputs)
+    assert demo_llm.stats()["pages_used"] == 0
+
+
+def test_constraints_change_no_other_row_and_add_no_compiled_program(demo_llm):
+    prompts = ["one two", "three four five", "six"]
+    plain = greedy(max_tokens=8, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in demo_llm.generate(prompts, plain)]
+    compiled = demo_llm.stats()["num_compiled"]
+    mixed = [plain, greedy(max_tokens=8, structured_outputs=Constraint(regex="[a-z]{5}")), plain]
+    outs = demo_llm.generate(prompts, mixed)
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [alone[0], alone[2]]
+    assert re.fullmatch("[a-z]{5}", outs[1].outputs[0].text)
+    stats = demo_llm.stats()
+    assert stats["num_compiled"] == compiled <= stats["num_buckets"]
+
+
+def test_a_failing_matcher_ends_its_request_alone(demo_llm, monkeypatch):
+    engine = demo_llm.llm_engine
+    demo_llm.generate(["warm"], greedy(max_tokens=2, structured_outputs=Constraint(regex="a+")))
+    manager = engine._constraints
+    real = manager.error
+    monkeypatch.setattr(
+        manager, "error", lambda key: "injected" if key[0].endswith("-bad") else real(key)
+    )
+    params = [
+        greedy(max_tokens=6, ignore_eos=True),
+        greedy(max_tokens=6, structured_outputs=Constraint(regex="[0-9]+")),
+    ]
+    engine.add_request("r-bad", "x", params[1])
+    engine.add_request("r-ok", "x", params[0])
+    engine.add_request("r-ok2", "y", params[1])
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    bad = done["r-bad"]
+    assert bad.outputs[0].finish_reason == "error" and bad.error == "structured output: injected"
+    assert len(done["r-ok"].outputs[0].token_ids) == 6
+    assert re.fullmatch("[0-9]+", done["r-ok2"].outputs[0].text) and done["r-ok2"].error is None
+
+
+def test_logit_bias_picks_the_biased_token_and_keeps_the_models_logprobs(demo_llm):
+    ref = demo_llm.generate(["bias me"], greedy(max_tokens=1, logprobs=5))[0].outputs[0]
+    ranked = sorted(ref.logprobs[0].items(), key=lambda kv: -kv[1])
+    second, second_lp = ranked[1]
+    out = demo_llm.generate(
+        ["bias me"], greedy(max_tokens=3, logprobs=5, logit_bias={second: 100.0})
+    )[0].outputs[0]
+    assert out.token_ids == [second] * 3
+    assert out.logprobs[0][second] == pytest.approx(second_lp, abs=1e-6)
+    with pytest.raises(ValueError, match="logit_bias token id 999999 is outside"):
+        demo_llm.generate(["x"], greedy(logit_bias={999999: 1.0}))
+    with pytest.raises(ValueError, match=r"logit_bias\[3\] must be in \[-100, 100\]"):
+        SamplingParams(logit_bias={3: 101.0})
