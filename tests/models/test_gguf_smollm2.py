@@ -119,15 +119,13 @@ def test_loaded_model_chat_fields(smollm2, smollm2_gguf):
     assert loaded.generation_defaults == {}
 
 
-def test_greedy_tokens_equal_transformers(smollm2_gguf, hf_smollm2_tokenizer, hf_smollm2_model):
-    from jpaged import LLM, SamplingParams
+@pytest.fixture(scope="module")
+def smol_llm(smollm2_gguf):
+    """Four sequence slots, one token bucket and one page bucket: two compiled programs for
+    the 30-layer model, shared by the tests below."""
+    from jpaged import LLM
 
-    lengths = [len(hf_smollm2_tokenizer.encode(p)) for p in PROMPTS]
-    assert min(lengths) == 1 and max(lengths) > 150 and len(PROMPTS) >= 8
-
-    # Eight prompts through four sequence slots: batches form, finish and refill mid-run. One
-    # token bucket and one page bucket: two compiled programs for the 30-layer model.
-    llm = LLM(
+    return LLM(
         model=str(smollm2_gguf),
         max_num_seqs=4,
         max_model_len=256,
@@ -135,6 +133,16 @@ def test_greedy_tokens_equal_transformers(smollm2_gguf, hf_smollm2_tokenizer, hf
         min_token_bucket=256,
         min_page_bucket=16,
     )
+
+
+def test_greedy_tokens_equal_transformers(smol_llm, hf_smollm2_tokenizer, hf_smollm2_model):
+    from jpaged import SamplingParams
+
+    lengths = [len(hf_smollm2_tokenizer.encode(p)) for p in PROMPTS]
+    assert min(lengths) == 1 and max(lengths) > 150 and len(PROMPTS) >= 8
+
+    # Eight prompts through four sequence slots: batches form, finish and refill mid-run.
+    llm = smol_llm
     outputs = llm.generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     )
@@ -146,3 +154,27 @@ def test_greedy_tokens_equal_transformers(smollm2_gguf, hf_smollm2_tokenizer, hf
     mismatched = [i for i in range(len(PROMPTS)) if got[i] != expected[i]]
     assert mismatched == [], [(i, got[i], expected[i]) for i in mismatched]
     assert outputs[1].outputs[0].text.startswith(" Paris.")
+
+
+def test_chat_answers_the_capital_of_france(smol_llm, hf_smollm2_tokenizer):
+    from jpaged import SamplingParams
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    (out,) = smol_llm.chat(question, greedy)
+    assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
+    # The prompt is transformers' rendering of the same conversation, tokenized the same way.
+    want = hf_smollm2_tokenizer.apply_chat_template(
+        question, add_generation_prompt=True, tokenize=False
+    )
+    assert out.prompt == want
+    assert out.prompt_token_ids == hf_smollm2_tokenizer.encode(want, add_special_tokens=False)
+    # Bad conversations and templates are one clear error each; the engine still serves.
+    with pytest.raises(ValueError, match=r"messages\[0\]\.role: must be one of"):
+        smol_llm.chat([{"role": "wizard", "content": "hi"}], greedy)
+    with pytest.raises(ValueError, match="chat template error: no tools here"):
+        smol_llm.chat(question, greedy, chat_template="{{ raise_exception('no tools here') }}")
+    with pytest.raises(ValueError, match="conversation 1: messages: must be a non-empty list"):
+        smol_llm.chat([question, []], greedy)
+    (again,) = smol_llm.chat(question, greedy)
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
