@@ -14,6 +14,7 @@ are derived from them (jpaged/engine_args.py). Settings that depend on the model
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 KV_ALLOCATIONS = ("paged", "reserve")
@@ -186,11 +187,32 @@ class EngineConfig:
     compilation_cache_dir: str | None = setting(
         "auto", "JAX persistent compilation cache: auto (~/.cache/jpaged/xla), a directory, or off"
     )
+    # vLLM's speculative_config: JSON text or a dict (kept as canonical JSON, so the config
+    # stays hashable), e.g. {"method": "ngram", "num_speculative_tokens": 4}.
+    speculative_config: str | dict | None = setting(
+        None,
+        'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (default: off)',
+    )
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            from jpaged.spec_decode import SpeculativeConfig
+
+            raw = self.speculative_config
+            try:
+                spec = (
+                    SpeculativeConfig.from_dict(raw)
+                    if isinstance(raw, dict)
+                    else SpeculativeConfig.from_json(raw)
+                )
+            except ValueError as e:
+                raise ValueError(f"speculative_config: {e}") from None
+            canonical = json.dumps(dataclasses.asdict(spec), sort_keys=True)
+            object.__setattr__(self, "speculative_config", canonical)
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(
                 f"generation_config must be one of {GENERATION_CONFIGS}, "
@@ -201,6 +223,20 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+
+    @property
+    def speculative(self):
+        """The SpeculativeConfig (jpaged/spec_decode.py), or None."""
+        if self.speculative_config is None:
+            return None
+        from jpaged.spec_decode import SpeculativeConfig
+
+        return SpeculativeConfig.from_json(self.speculative_config)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        spec = self.speculative
+        return 0 if spec is None else spec.num_speculative_tokens
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """This config with the model-dependent defaults filled in: max_model_len (the

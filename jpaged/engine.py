@@ -34,6 +34,7 @@ import numpy as np
 from jpaged import compilation_cache
 from jpaged.config import DEFAULT_SWAP_SPACE_BYTES, CacheConfig, EngineConfig
 from jpaged.model_loading import load_for_config
+from jpaged.ngram_proposer import NgramProposer
 from jpaged.output_processor import OutputProcessor
 from jpaged.outputs import RequestOutput
 from jpaged.page_allocator import PageAllocator
@@ -42,6 +43,7 @@ from jpaged.sampler import SamplerOutput
 from jpaged.sampling_params import SamplingParams
 from jpaged.scheduler import Scheduler
 from jpaged.sequence import RequestGroup, SeqStatus, Sequence
+from jpaged.spec_decode import AcceptanceTracker
 from jpaged.step_plan import StepPlan
 from jpaged.structured_output import StructuredOutputManager
 from jpaged.tokenizer import Tokenizer
@@ -161,6 +163,7 @@ class LLMEngine:
             broadcast=broadcast,
         )
         self._arrivals = 0
+        self._init_speculation()
         self.num_recoveries = 0  # failed steps the engine rebuilt its state after
         self._rng = np.random.default_rng(config.seed)
         self.peak_pages_used = 0
@@ -199,6 +202,75 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self._early_outputs: list[RequestOutput] = []  # collected outside step()
 
+    def _init_speculation(self) -> None:
+        """The n-gram proposer and the per-sequence acceptance tracker (speculative decoding
+        on); their state is per sequence and dropped when a sequence finishes."""
+        self.speculative = spec = self.config.speculative
+        self._proposer = self._tracker = None
+        self._proposed: dict[int, int] = {}  # seq_id -> proposals of the step in flight
+        if spec is None:
+            return
+        if spec.method != "ngram":
+            raise ValueError(
+                f"speculative_config: method {spec.method!r} is not supported yet; use 'ngram'"
+            )
+        sched = self.config.scheduler
+        self._proposer = NgramProposer(
+            spec, max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len
+        )
+        self._tracker = AcceptanceTracker(spec.num_speculative_tokens)
+
+    def _proposals(self) -> dict[int, list[int]] | None:
+        """Speculative tokens for the running sequences that decode next, capped so a step
+        never passes max_tokens or max_model_len. Rows with a grammar, a logit bias or
+        prompt log-probabilities do not speculate."""
+        if self._proposer is None:
+            return None
+        seqs, caps = [], []
+        max_len = self.max_model_len
+        for seq in self.scheduler.running:
+            p = seq.params
+            if (
+                seq.num_computed_tokens != seq.num_tokens - 1
+                or p.structured_outputs is not None
+                or p.logit_bias
+                or seq.group.prompt_logprobs is not None
+                and seq.num_output_tokens == 0
+            ):
+                continue
+            room = max_len - seq.num_tokens - 1
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+            seqs.append(seq)
+            caps.append(max(room, 0))
+        if not seqs:
+            return None
+        ids = [s.seq_id for s in seqs]
+        want = np.minimum(self._tracker.num_proposals(ids), caps)
+        proposals, num = self._proposer.propose(
+            [s.table_row for s in seqs], ids, [s.token_ids for s in seqs], want
+        )
+        self._proposed = dict(zip(ids, num.tolist(), strict=True))  # for the tracker
+        return {i: proposals[j, :n].tolist() for j, (i, n) in enumerate(zip(ids, num)) if n}
+
+    def _record_acceptance(self, plan: StepPlan, out: SamplerOutput) -> None:
+        """Tells the tracker what every decoding sequence proposed and had accepted."""
+        proposed = self._proposed
+        if not proposed:
+            return
+        self._proposed = {}
+        ids, num, accepted = [], [], []
+        verified = out.num_accepted.tolist() if out.num_accepted is not None else None
+        row_proposed = plan.num_proposed.tolist() if plan.num_proposed is not None else None
+        for i, seq_id in enumerate(plan.seq_ids.tolist()):
+            if seq_id in proposed:
+                ids.append(seq_id)
+                n = row_proposed[i] if row_proposed is not None else 0
+                num.append(n)
+                accepted.append(min(verified[i], n) if verified is not None else 0)
+        if ids:
+            self._tracker.record(ids, np.asarray(num), np.asarray(accepted))
+
     def _recover(self, error: Exception) -> EngineStepError:
         """After a failed step: every request in the engine is dropped, the host state is made
         anew and the device state (pool, page table) re-allocated, the prefix cache with it;
@@ -211,6 +283,7 @@ class LLMEngine:
             len(request_ids),
         )
         self._new_host_state()
+        self._init_speculation()
         self.runner.reset_state()
         self.num_recoveries += 1
         return EngineStepError(request_ids, error)
@@ -410,9 +483,9 @@ class LLMEngine:
         manager.fill_bitmask(keys, mask)
         return mask
 
-    def _schedule(self) -> StepPlan:
+    def _schedule(self, *, speculate: bool = True) -> StepPlan:
         """The next plan, its pages' peak noted and its swaps done (they precede the step)."""
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self._proposals() if speculate else None)
         self.peak_pages_used = max(self.peak_pages_used, self.allocator.num_used())
         self.runner.swap(plan)  # preempted K/V to host and back, before the step
         return plan
@@ -425,6 +498,7 @@ class LLMEngine:
         return (
             self.config.async_scheduling
             and self.runner.broadcast is None
+            and self._proposer is None  # proposals need the committed tokens
             and not np.any(sync & plan.keep_sample)
         )
 
@@ -432,6 +506,8 @@ class LLMEngine:
         out = self.runner.fetch(step)
         if step.plan.prompt_targets is not None:
             self._record_prompt_logprobs(step.plan, out)
+        if self._tracker is not None:
+            self._record_acceptance(step.plan, out)
         seqs = self.scheduler.commit(step.plan, out)
         return self._take_early_outputs() + self._outputs(seqs)
 
@@ -491,8 +567,12 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop")
 
     def _release(self, group: RequestGroup) -> None:
-        """Drops a finished or aborted request's text states and grammar matchers."""
+        """Drops a finished or aborted request's text states, grammar matchers and
+        speculation state."""
         self.output_processor.release(group)
+        if self._tracker is not None:
+            for seq in group.seqs:
+                self._tracker.free(seq.seq_id)
         if self._constraints is not None and group.params.structured_outputs is not None:
             for index in range(max(len(group.seqs), 1)):
                 self._constraints.remove((group.request_id, index))
@@ -526,7 +606,7 @@ class LLMEngine:
             if self._in_flight is not None:  # its outputs go out with the next step()
                 self._early_outputs = self._collect(self._in_flight)
                 self._in_flight = None
-            plan = self._schedule()
+            plan = self._schedule(speculate=False)
             if not len(plan):
                 return None
             out = self.runner.execute(plan)
@@ -590,7 +670,20 @@ class LLMEngine:
             compile_seconds=programs.compile_seconds,
             num_recompiles=programs.num_recompiles,
             num_recoveries=self.num_recoveries,
+            **self._speculation_stats(),
         )
+
+    def _speculation_stats(self) -> dict:
+        """Proposed and accepted tokens and the mean acceptance length (speculation on)."""
+        if self._tracker is None:
+            return {}
+        t = self._tracker.stats()
+        return {
+            "spec_num_drafts": t["spec_num_drafts"],
+            "spec_num_draft_tokens": t["spec_num_draft_tokens"],
+            "spec_num_accepted_tokens": t["spec_num_accepted_tokens"],
+            "spec_mean_acceptance_length": t["spec_mean_acceptance_length"],
+        }
 
     def reset_stats(self) -> None:
         self.peak_pages_used = self.allocator.num_used()

@@ -154,6 +154,9 @@ class DataParallelEngine:
         per = [r.stats() for r in self.replicas]
         out = {k: sum(s[k] for s in per) for k in per[0]}
         out["num_buckets"] = per[0]["num_buckets"]
+        if out.get("spec_num_drafts"):  # a mean, not a sum
+            accepted, drafts = out["spec_num_accepted_tokens"], out["spec_num_drafts"]
+            out["spec_mean_acceptance_length"] = 1.0 + accepted / drafts
         return out
 
     def reset_stats(self) -> None:

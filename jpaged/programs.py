@@ -32,7 +32,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpaged.sampler import prompt_logprobs, sample
+from jpaged.logits_processors import apply_logit_bias, apply_token_bitmask
+from jpaged.rejection_sampler import verify
+from jpaged.sampler import SamplerOutput, prompt_logprobs, sample
 from jpaged.step_inputs import StepInputs, StepKey
 from models import sharding
 from models.config import ModelConfig
@@ -112,8 +114,11 @@ def step(
         attention_backend=backend,
         tp_axis=tp_axis,
     )
-    logits = compute_logits(params, model_config, hidden[inputs.logits_indices], tp_axis)
-    out = sample(logits, inputs.sampling, num_logprobs=key.num_logprobs)
+    if key.spec_k:
+        out = _verify(params, model_config, hidden, inputs, key, tp_axis)
+    else:
+        logits = compute_logits(params, model_config, hidden[inputs.logits_indices], tp_axis)
+        out = sample(logits, inputs.sampling, num_logprobs=key.num_logprobs)
     if key.prompt_logprobs:  # the LM head over every token of the step
         all_logits = compute_logits(params, model_config, hidden, tp_axis)
         lp, top_ids, top_lp = prompt_logprobs(all_logits, inputs.prompt_targets)
@@ -123,6 +128,43 @@ def step(
     # constant inside shard_map (tests/parallel/test_zero_size_constant.py).
     tokens = jnp.pad(out.tokens, (0, prev_tokens.shape[0] - key.num_seqs))
     return out, tokens, DeviceState(kv_pages, page_table)
+
+
+def _verify(params, model_config, hidden, inputs: StepInputs, key: StepKey, tp_axis):
+    """A speculative step's sampling: the target's logits after each row's last token and
+    after each proposal, then rejection sampling (jpaged/rejection_sampler.py). A row's
+    grammar mask and logit bias apply at every position (rows with either never propose)."""
+    num_seqs, width = inputs.logits_indices.shape
+    flat = hidden[inputs.logits_indices.reshape(-1)]
+    logits = compute_logits(params, model_config, flat, tp_axis)  # [S * (K+1), V]
+    sampling = inputs.sampling
+    rows = jnp.repeat(jnp.arange(num_seqs), width)
+    if sampling.token_bitmask is not None:
+        logits = jax.lax.cond(
+            sampling.use_bitmask,
+            lambda x: apply_token_bitmask(x, sampling.token_bitmask[rows]),
+            lambda x: x,
+            logits,
+        )
+    if sampling.bias_ids is not None:
+        logits = apply_logit_bias(logits, sampling.bias_ids[rows], sampling.bias_values[rows])
+    v = verify(
+        logits.reshape(num_seqs, width, -1),
+        inputs.proposals,
+        inputs.num_proposed,
+        sampling,
+        num_banned_positions=sampling.num_banned_positions,
+        num_logprobs=key.num_logprobs,
+    )
+    return SamplerOutput(
+        tokens=v.tokens[:, 0],
+        logprobs=v.logprobs[:, 0],
+        top_ids=v.top_ids,
+        top_logprobs=v.top_logprobs,
+        num_accepted=v.num_accepted,
+        spec_tokens=v.tokens,
+        spec_logprobs=v.logprobs,
+    )
 
 
 class Programs:

@@ -54,6 +54,8 @@ class SamplingInputs:
     # the log-probabilities are taken (they stay the model's).
     bias_ids: jax.Array | None = None
     bias_values: jax.Array | None = None
+    # Speculative steps: int32[S], the positions (from the first) banned applies to.
+    num_banned_positions: jax.Array | None = None
 
 
 class SamplerOutput(NamedTuple):
@@ -66,6 +68,11 @@ class SamplerOutput(NamedTuple):
     prompt_logprobs: jax.Array | None = None  # float32[T]
     prompt_top_ids: jax.Array | None = None  # int32[T, MAX_LOGPROBS]
     prompt_top_logprobs: jax.Array | None = None  # float32[T, MAX_LOGPROBS]
+    # Speculative steps (jpaged.rejection_sampler.verify): row i emits spec_tokens[i, :a + 1]
+    # with a = num_accepted[i]; top_ids / top_logprobs are then [S, K+1, MAX_LOGPROBS].
+    num_accepted: jax.Array | None = None  # int32[S]
+    spec_tokens: jax.Array | None = None  # int32[S, K+1]
+    spec_logprobs: jax.Array | None = None  # float32[S, K+1]
 
 
 def seeds_to_key_data(seeds) -> np.ndarray:

@@ -41,8 +41,9 @@ from jpaged.sampler import seeds_to_key_data
 from jpaged.sequence import RequestGroup, SeqStatus, Sequence
 from jpaged.step_plan import StepPlan
 
-# A scheduled row while a plan is made: (seq, num_new_tokens, start, sample_row, keep_sample).
-# num_new_tokens is 0 for a fresh fork, which samples from its parent's row (sample_row).
+# A scheduled row while a plan is made: (seq, num_new_tokens, start, sample_row, keep_sample,
+# proposals). num_new_tokens is 0 for a fresh fork, which samples from its parent's row
+# (sample_row); proposals: speculative tokens verified after the last one, or None.
 Row = tuple
 
 
@@ -63,6 +64,7 @@ class Scheduler:
         if self.sched.preemption_mode == "swap" and swap_allocator is None:
             raise ValueError('preemption_mode="swap" needs a swap_allocator (host swap pages)')
         self.swap_allocator = swap_allocator if self.sched.preemption_mode == "swap" else None
+        self._paged = config.cache.kv_allocation == "paged"
         self.eos_token_ids = frozenset(eos_token_ids)
         self._eos_list = list(eos_token_ids)
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -116,7 +118,13 @@ class Scheduler:
         return self._seqs.get(seq_id)
 
     # -- scheduling ------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, proposals: dict[int, list[int]] | None = None) -> StepPlan:
+        """The next step's plan.
+
+        proposals: speculative tokens by seq_id for decoding sequences (the engine caps them
+        at max_tokens and max_model_len); a row verifies them when the token budget and free
+        pages allow, else it decodes one token (proposals never cause a preemption).
+        """
         budget = self.sched.max_num_batched_tokens
         rows: list[Row] = []
         preempted = False
@@ -126,6 +134,16 @@ class Scheduler:
             num_new = min(seq.num_planned_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
+            # A parent about to fork samples for its children too: it never speculates.
+            extra = None
+            if proposals and num_new == 1 and not seq.needs_fork:
+                extra = proposals.get(seq.seq_id)
+            if extra:
+                extra = extra[: budget - 1]
+                if extra and self._grow(seq, 1 + len(extra)):
+                    rows.append(self._row(seq, 1 + len(extra), len(rows), extra))
+                    budget -= 1 + len(extra)
+                    continue
             while not self._grow(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -158,9 +176,10 @@ class Scheduler:
         self._updates, self._copies, self._swap_out, self._swap_in = [], [], [], []
         return plan
 
-    def _row(self, seq: Sequence, num_new: int, row: int) -> Row:
+    def _row(self, seq: Sequence, num_new: int, row: int, proposals=None) -> Row:
         start = seq.num_computed_tokens
-        return (seq, num_new, start, row, start + num_new == seq.num_planned_tokens)
+        keep = start + num_new - len(proposals or ()) == seq.num_planned_tokens
+        return (seq, num_new, start, row, keep, proposals)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Admits the waiting head if slots, pages and budget allow; returns its new tokens."""
@@ -275,7 +294,7 @@ class Scheduler:
             self._append_pages(child, list(parent.pages))
             group.seqs.append(child)
             self.running.append(child)
-            rows.append((child, 0, child.num_computed_tokens, parent_row, True))
+            rows.append((child, 0, child.num_computed_tokens, parent_row, True, None))
         return rows
 
     def _new_seq(self, group: RequestGroup, index: int, token_ids: list[int], seed: int):
@@ -359,8 +378,10 @@ class Scheduler:
 
     def commit(self, plan: StepPlan, out) -> list[Sequence]:
         """Applies a step's SamplerOutput (numpy, rows in plan order); returns the sequences
-        that got a new token. Rows of finished sequences are dropped; a sequence preempted
+        that got new tokens. Rows of finished sequences are dropped; a sequence preempted
         after the step was dispatched still gets its token."""
+        if out.num_accepted is not None:
+            return self._commit_verified(plan, out)
         result = []
         tokens = out.tokens.tolist()
         logprobs = out.logprobs.tolist()
@@ -387,6 +408,55 @@ class Scheduler:
                 seq.logprobs.append({token: logprobs[i], **{t: x for t, x in top if x > -1e30}})
             result.append(seq)
             self._check_stop(seq, token)
+        return result
+
+    def _commit_verified(self, plan: StepPlan, out) -> list[Sequence]:
+        """A speculative step's tokens: row i emits out.spec_tokens[i, :a + 1] (its a accepted
+        proposals, then the target's token), checked for stops one by one. Only the verified
+        positions count as computed: the pages past them (rejected proposals' K/V) go back to
+        the pool, and prefix caching registers only verified pages.
+
+            positions   start .. start + a - 1 | start + a | .. start + n - 1
+            tokens      last, accepted         | new token | rejected (freed)
+        """
+        result = []
+        accepted = out.num_accepted.tolist()
+        tokens, logprobs = out.spec_tokens.tolist(), out.spec_logprobs.tolist()
+        ends = plan.context_lens.tolist()
+        keep = plan.keep_sample.tolist()
+        proposed = plan.num_proposed.tolist() if plan.num_proposed is not None else [0] * len(plan)
+        ps = self.page_size
+        for i, seq_id in enumerate(plan.seq_ids.tolist()):
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                continue
+            a = accepted[i]
+            if keep[i]:
+                seq.num_placeholders = max(seq.num_placeholders - 1, 0)
+                n = seq.params.logprobs
+                for j in range(a + 1):
+                    token = tokens[i][j]
+                    seq.token_ids.append(token)
+                    seq.cumulative_logprob += logprobs[i][j]
+                    if n is not None:
+                        top = zip(
+                            out.top_ids[i, j, :n].tolist(), out.top_logprobs[i, j, :n].tolist()
+                        )
+                        entry = {t: x for t, x in top if x > -1e30}
+                        seq.logprobs.append({token: logprobs[i][j], **entry})
+                    self._check_stop(seq, token)
+                    if seq.is_finished:
+                        break
+                result.append(seq)
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            verified = ends[i] - proposed[i] + a  # the K/V of these positions is valid
+            seq.num_computed_tokens = verified
+            needed = -(-verified // ps)
+            if proposed[i] and len(seq.pages) > needed and self._paged:
+                self.allocator.free(seq.pages[needed:][::-1])  # the rejected proposals' pages
+                del seq.pages[needed:]
+            self._cache_full_pages(seq, verified)
         return result
 
     def mark_computed(self, plan: StepPlan) -> list[Sequence]:

@@ -32,6 +32,7 @@ class StepKey:
     penalty_shape: tuple[int, int] | None = None  # (Hp, Ho)
     bias_width: int = 0  # logit_bias entries per row (0: no row has one)
     prompt_logprobs: bool = False  # log-probabilities of prompt tokens (every token's logits)
+    spec_k: int = 0  # speculative decoding: proposals verified per row (0: a plain step)
 
 
 @jax.tree_util.register_dataclass
@@ -44,11 +45,16 @@ class StepInputs:
     table_rows: jax.Array  # int32[S]: page-table row of each sequence; padding -> scratch row
     context_lens: jax.Array  # int32[S]: cached tokens after the step; padding -> 0
     query_start: jax.Array  # int32[S + 1]
-    logits_indices: jax.Array  # int32[S]: token whose hidden state each row samples from
+    # int32[S]: the token whose hidden state each row samples from; int32[S, K+1] in a
+    # speculative step: after the row's last token and after each proposal (repeated past
+    # the row's proposals).
+    logits_indices: jax.Array
     page_updates: jax.Array  # int32[U, 3]: (table row, column, page)
     page_copies: jax.Array  # int32[C, 2]: (src, dst)
     sampling: SamplingInputs
     prompt_targets: jax.Array | None = None  # int32[T]: next prompt token, -1 (key.prompt_logprobs)
+    proposals: jax.Array | None = None  # int32[S, K] (key.spec_k): the rows' proposals
+    num_proposed: jax.Array | None = None  # int32[S] (key.spec_k)
 
 
 def bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -76,6 +82,7 @@ def step_key(plan: StepPlan, config: EngineConfig) -> StepKey:
         penalty_shape=penalty_shape,
         bias_width=0 if sampling.bias_ids is None else sampling.bias_ids.shape[1],
         prompt_logprobs=plan.prompt_targets is not None,
+        spec_k=config.num_speculative_tokens if plan.proposals is not None else 0,
     )
     if plan.decode_only:
         return StepKey(num_seqs, num_seqs, cols, True, **extra)
@@ -84,15 +91,18 @@ def step_key(plan: StepPlan, config: EngineConfig) -> StepKey:
 
 
 def bucket_keys(config: EngineConfig) -> list[StepKey]:
-    """Every step shape the scheduler can produce (without logprobs or penalties)."""
+    """Every step shape the scheduler can produce (without logprobs, penalties, logit bias
+    or prompt logprobs): decode steps, ragged steps, and with speculative decoding the
+    ragged steps that verify proposals."""
     c = config
     keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in c.page_buckets]
-    keys += [
-        StepKey(t, s, p, False)
-        for t in c.token_buckets
-        for s in c.seq_buckets
-        for p in c.page_buckets
-    ]
+    for spec_k in sorted({0, c.num_speculative_tokens}):
+        keys += [
+            StepKey(t, s, p, False, spec_k=spec_k)
+            for t in c.token_buckets
+            for s in c.seq_buckets
+            for p in c.page_buckets
+        ]
     return keys
 
 
@@ -162,8 +172,21 @@ def pack(
     context_lens[:s] = plan.context_lens
     query_start = np.full(s_pad + 1, t, np.int32)
     query_start[: s + 1] = plan.query_start
-    logits_indices = np.zeros(s_pad, np.int32)
-    logits_indices[:s] = np.maximum(plan.query_start[plan.sample_rows + 1] - 1, 0)
+    last = np.maximum(plan.query_start[plan.sample_rows + 1] - 1, 0)  # [S]
+    proposals = num_proposed = None
+    if key.spec_k:
+        k = key.spec_k
+        n = plan.num_proposed if plan.num_proposed is not None else np.zeros(s, np.int32)
+        logits_indices = np.zeros((s_pad, k + 1), np.int32)
+        logits_indices[:s] = (last - n)[:, None] + np.minimum(np.arange(k + 1)[None, :], n[:, None])
+        proposals = np.full((s_pad, k), -1, np.int32)
+        num_proposed = np.zeros(s_pad, np.int32)
+        if plan.proposals is not None:
+            proposals[:s, : plan.proposals.shape[1]] = plan.proposals
+            num_proposed[:s] = plan.num_proposed
+    else:
+        logits_indices = np.zeros(s_pad, np.int32)
+        logits_indices[:s] = last
     return StepInputs(
         token_ids=token_ids,
         src_rows=src_rows,
@@ -179,6 +202,8 @@ def pack(
         page_copies=pad_rows(plan.page_copies, key.num_seqs, (0, 0)),
         sampling=_pack_sampling(plan, key, mask_words, token_bitmask),
         prompt_targets=None if not key.prompt_logprobs else _padded(plan.prompt_targets, t_pad, -1),
+        proposals=proposals,
+        num_proposed=num_proposed,
     )
 
 
@@ -246,4 +271,5 @@ def _pack_sampling(
         use_bitmask=np.bool_(token_bitmask is not None),
         bias_ids=bias_ids,
         bias_values=bias_values,
+        num_banned_positions=_padded(r.num_banned_positions, s_pad, 0) if key.spec_k else None,
     )

@@ -41,6 +41,7 @@ class RowSampling:
     min_p: np.ndarray  # float32[S]
     key_data: np.ndarray  # uint32[S, 2]: the sequence's threefry key
     num_generated: np.ndarray  # int32[S]: tokens generated before this step's sample
+    num_banned_positions: np.ndarray  # int32[S]: tokens still due before min_tokens
     banned: np.ndarray  # int32[S, MAX_BANNED], -1 padded
     uses_penalties: np.ndarray  # bool[S]
     # Token histories [S, Hp] / [S, Ho] (-1 padded, widths powers of two >= 16) and
@@ -76,6 +77,11 @@ class StepPlan:
     # int32[T]: for a prompt token of a row that asked for prompt_logprobs, the next prompt
     # token (whose log-probability it predicts), else -1; None when no row asked.
     prompt_targets: np.ndarray | None = None
+    # Speculative decoding: int32[S, K'] proposed tokens (-1 padded) of the rows that verify
+    # proposals (their new tokens are the last token then the proposals), int32[S] how many;
+    # None when no row proposes.
+    proposals: np.ndarray | None = None
+    num_proposed: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -123,8 +129,10 @@ def build(
     """The plan of the scheduled rows.
 
     Args:
-      rows: (seq, num_new_tokens, start, sample_row, keep_sample) per scheduled sequence, in
-        row order; seq is read here and only here (Sequence.pages, token_ids, params).
+      rows: (seq, num_new_tokens, start, sample_row, keep_sample, proposals) per scheduled
+        sequence, in row order; seq is read here and only here (Sequence.pages, token_ids,
+        params); proposals: speculative tokens after the last one (num_new_tokens counts
+        them), or None.
       page_size: tokens per page.
       eos_token_ids: banned with the stop tokens while a row has fewer than min_tokens.
     """
@@ -135,16 +143,26 @@ def build(
     query_end: list[int] = []
     consts: list[tuple] = []
     num_generated: list[int] = []
+    num_banned: list[int] = []
     num_pages = 0
     ban: list[tuple[int, list[int]]] = []
     penalty_rows: list[int] = []
     bias_rows: list[int] = []
     constrained: list[int] = []
     prompt_spans: list[tuple[int, int, int, int]] = []  # (row, first token, start, n)
+    spec_rows: list[tuple[int, list[int]]] = []  # (row, its proposals)
     wants_logprobs = False
-    for i, (seq, n, start, _, _) in enumerate(rows):
+    for i, (seq, n, start, _, _, proposals) in enumerate(rows):
         pages = seq.pages
-        if n == 1:  # a decode token (or the last of a prompt)
+        if proposals:  # the last token, then the proposals after it (speculative decoding)
+            spec_rows.append((i, proposals))
+            span = np.arange(start, start + n)
+            tok.append(seq.token_ids[start])
+            tok.extend(proposals)
+            pos.extend(range(start, start + n))
+            page_of = np.asarray(pages, np.int64)[span // page_size]
+            slot.extend((page_of * page_size + span % page_size).tolist())
+        elif n == 1:  # a decode token (or the last of a prompt)
             tok.append(seq.token_ids[start] if start < len(seq.token_ids) else PLACEHOLDER)
             pos.append(start)
             slot.append(pages[start // page_size] * page_size + start % page_size)
@@ -162,6 +180,7 @@ def build(
         p = seq.params
         generated = seq.num_output_tokens + seq.num_placeholders
         num_generated.append(generated)
+        num_banned.append(max(p.min_tokens - generated, 0))
         if generated < p.min_tokens:
             ban.append((i, ([] if p.ignore_eos else list(eos_token_ids)) + p.stop_token_ids))
         if p.uses_penalties:
@@ -201,6 +220,7 @@ def build(
         min_p=np.asarray(c[3], np.float32),
         key_data=key_data,
         num_generated=np.asarray(num_generated, np.int32),
+        num_banned_positions=np.asarray(num_banned, np.int32),
         banned=banned,
         uses_penalties=uses_penalties,
         penalties=_penalties(rows, penalty_rows) if penalty_rows else None,
@@ -216,6 +236,14 @@ def build(
             seq = rows[i][0]
             end = min(start + n, seq.num_prompt_tokens - 1)  # the last prompt token predicts
             prompt_targets[first : first + end - start] = seq.token_ids[start + 1 : end + 1]
+    proposals = num_proposed = None
+    if spec_rows:
+        width = max(len(x) for _, x in spec_rows)
+        proposals = np.full((s, width), -1, np.int32)
+        num_proposed = np.zeros(s, np.int32)
+        for i, x in spec_rows:
+            proposals[i, : len(x)] = x
+            num_proposed[i] = len(x)
     num_new = np.fromiter((r[1] for r in rows), np.int32, count=s)
     sample_rows = np.fromiter((r[3] for r in rows), np.int32, count=s)
     query_start = np.zeros(s + 1, np.int32)
@@ -238,9 +266,12 @@ def build(
         sampling=sampling,
         max_pages=num_pages,
         decode_only=bool(s)
+        and not spec_rows
         and bool(np.all(num_new == 1))
         and bool(np.array_equal(sample_rows, np.arange(s))),
         prompt_targets=prompt_targets,
+        proposals=proposals,
+        num_proposed=num_proposed,
     )
 
 

@@ -95,13 +95,24 @@ class FakeDevice:
                 assert page == seq.pages[pos // self.page_size]  # device table == host pages
                 assert plan.positions[t] == pos
                 assert plan.slot_mapping[t] == page * self.page_size + pos % self.page_size
-                assert plan.token_ids[t] == seq.token_ids[pos]
+                if pos < seq.num_tokens:
+                    assert plan.token_ids[t] == seq.token_ids[pos]
+                else:  # a speculative proposal after the sequence's last token
+                    assert plan.token_ids[t] == plan.proposals[i, pos - seq.num_tokens]
                 self.kv[page, pos % self.page_size] = plan.token_ids[t]
 
 
 class Harness:
     def __init__(
-        self, page_size, num_pages, max_num_seqs, budget, kv_allocation, caching, swap_pages=0
+        self,
+        page_size,
+        num_pages,
+        max_num_seqs,
+        budget,
+        kv_allocation,
+        caching,
+        swap_pages=0,
+        spec=False,
     ):
         config = EngineConfig(
             cache=CacheConfig(
@@ -128,6 +139,8 @@ class Harness:
         self.device = FakeDevice(num_pages, page_size, table_shape, swap_pages)
         self.groups: list[RequestGroup] = []
         self.num_steps = 0
+        self.spec = spec  # speculative decoding: proposals, then a partial acceptance
+        self.num_accepted = 0
 
     # -- operations ------------------------------------------------------------------------
     def admit(self, prompt, n, max_tokens, salt, seed):
@@ -137,14 +150,47 @@ class Harness:
         self.groups.append(group)
 
     def step(self, tokens):
-        plan = self.sched.schedule()
+        plan = self.sched.schedule(self.proposals(tokens) if self.spec else None)
         self.check_scheduled(plan)
         self.device.run(plan, self.sched)
         out_tokens = np.asarray([tokens[i % len(tokens)] for i in range(len(plan))])
         n = len(plan)
-        self.sched.commit(plan, SamplerOutput(out_tokens.astype(np.int32), np.zeros(n), None, None))
+        out = SamplerOutput(out_tokens.astype(np.int32), np.zeros(n), None, None)
+        if self.spec:
+            out = self.verified(plan, out_tokens)
+        self.sched.commit(plan, out)
         self.num_steps += 1
         return plan
+
+    def proposals(self, tokens):
+        """Up to 3 proposals for each decoding sequence, capped as the engine caps them."""
+        out = {}
+        for s in self.running():
+            if s.num_computed_tokens != s.num_tokens - 1:
+                continue
+            room = min(MAX_MODEL_LEN - s.num_tokens, s.params.max_tokens - s.num_output_tokens) - 1
+            k = min(tokens[s.seq_id % len(tokens)] % 4, room)
+            if k > 0:
+                out[s.seq_id] = [(t + s.seq_id) % 9 + 1 for t in tokens[:k]]
+        return out
+
+    def verified(self, plan, bonus):
+        """A verification's output: a prefix of each row's proposals (length from the row's
+        bonus token), then the bonus token."""
+        n = len(plan)
+        k = plan.proposals.shape[1] if plan.proposals is not None else 0
+        num = plan.num_proposed if plan.num_proposed is not None else np.zeros(n, np.int32)
+        accepted = np.minimum(bonus % (num + 1), num).astype(np.int32)
+        spec = np.full((n, k + 1), -1, np.int32)
+        for i in range(n):
+            a = accepted[i]
+            spec[i, :a] = plan.proposals[i, :a] if a else []
+            spec[i, a] = bonus[i]
+        self.num_accepted += int(accepted.sum())
+        return SamplerOutput(
+            spec[:, 0], np.zeros(n), None, None,
+            num_accepted=accepted, spec_tokens=spec, spec_logprobs=np.zeros((n, k + 1)),
+        )  # fmt: skip
 
     def abort(self, i):
         group = self.groups[i % len(self.groups)]
@@ -269,7 +315,7 @@ prompts = st.builds(
 OPS = ["admit"] * 3 + ["step"] * 5 + ["abort", "reset_prefix_cache"]
 
 
-def run_ops(data, kv_allocation, swap=False):
+def run_ops(data, kv_allocation, swap=False, spec=False):
     ps = data.draw(st.sampled_from([1, 2, 4]), label="page_size")
     pages_per_seq = -(-MAX_MODEL_LEN // ps)
     max_num_seqs = data.draw(st.integers(1, 4), label="max_num_seqs")
@@ -283,6 +329,7 @@ def run_ops(data, kv_allocation, swap=False):
         caching=data.draw(st.sampled_from([True, True, False]), label="caching"),
         # From too few host pages for one sequence (recompute fallbacks) to room for several.
         swap_pages=data.draw(st.integers(1, 3 * pages_per_seq), label="swap_pages") if swap else 0,
+        spec=spec,
     )
     for _ in range(data.draw(st.integers(5, 40), label="num_ops")):
         op = data.draw(st.sampled_from(OPS))
@@ -400,3 +447,25 @@ def test_a_crafted_collision_never_hits_another_tenants_page(monkeypatch):
     h.step([5])
     assert h.groups[2].num_cached_tokens == 8
     h.check()
+
+
+@settings(_SETTINGS, max_examples=400)
+@given(st.data())
+def test_speculative_steps_keep_every_invariant(data):
+    """Proposals verified in part: only verified positions count as computed, the rejected
+    ones' pages go back, and prefix caching never registers a page of unverified tokens (a
+    cached page always reads back its entry's tokens)."""
+    h = run_ops(data, data.draw(st.sampled_from(["paged", "paged", "reserve"])),
+                swap=data.draw(st.booleans()), spec=True)  # fmt: skip
+    assert h.sched.num_preemptions >= h.sched.num_swaps_out
+
+
+def test_speculative_steps_accept_and_reject():
+    h = Harness(2, 40, 3, 16, "paged", True, spec=True)
+    for i in range(6):
+        h.admit([1, 2, 3, 4, 1, 2, 3][: 3 + i % 4], 1, 10, None, seed=i)
+    for tokens in ([3, 2, 1], [7, 5, 2], [1, 1, 3], [2, 6, 5]) * 10:
+        h.step(tokens)
+        h.check()
+    h.drain_and_check_no_leaks()
+    assert h.num_accepted > 0 and h.num_steps > 0

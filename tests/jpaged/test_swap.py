@@ -126,8 +126,8 @@ def run(engine: LLMEngine, requests) -> tuple[dict, int, dict]:
     done, computed = {}, []
     schedule = engine.scheduler.schedule
 
-    def counting_schedule():
-        plan = schedule()
+    def counting_schedule(*args):
+        plan = schedule(*args)
         computed.append(plan.num_tokens)
         return plan
 

@@ -1,0 +1,136 @@
+"""Speculative decoding (n-gram proposals) through the engine: exact for greedy requests,
+batch-independent for seeded ones, pages accounted, under preemption and swap too."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jpaged import LLM, SamplingParams
+from jpaged.engine import LLMEngine
+from jpaged.engine_args import engine_config_from_args
+
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+ENGINE = dict(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64, page_size=8)
+# Repetitive prompts, so that proposals are found and often accepted by the random model.
+PROMPTS = [
+    [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6],
+    [9, 9, 9, 9, 9, 9],
+    [3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3, 4, 3],
+    [11, 12, 13, 14, 15],
+    [1, 2, 1, 2, 1, 2, 1],
+    [7, 8, 9, 10, 7, 8, 9, 10, 7, 8],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def one_bucket(path, **kwargs) -> LLM:
+    """An LLM whose steps all fit one token, sequence and page bucket (few compiles)."""
+    config = engine_config_from_args(str(path), **{**ENGINE, **kwargs})
+    s = config.scheduler
+    scheduler = dataclasses.replace(
+        s,
+        min_token_bucket=s.max_num_batched_tokens,
+        min_seq_bucket=s.max_num_seqs,
+        min_page_bucket=config.max_pages_per_seq,
+    )
+    llm = LLM.__new__(LLM)
+    llm.llm_engine = LLMEngine(dataclasses.replace(config, scheduler=scheduler))
+    llm._ids = iter(range(10**9))
+    return llm
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model_dir):
+    return one_bucket(demo_model_dir, num_pages=128)
+
+
+@pytest.fixture(scope="module")
+def speculative(demo_model_dir):
+    return one_bucket(demo_model_dir, num_pages=128, speculative_config=NGRAM)
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_tokens_are_exactly_the_non_speculative_ones(reference, speculative):
+    want = tokens(reference.generate(PROMPTS, GREEDY))
+    speculative.llm_engine.reset_stats()
+    got = speculative.generate(PROMPTS, GREEDY)
+    assert tokens(got) == want
+    stats = speculative.stats()
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    assert stats["spec_mean_acceptance_length"] > 1.0
+    assert stats["pages_used"] == 0 and stats["num_compiled"] <= stats["num_buckets"]
+    # Logprobs of the emitted tokens are the target's own.
+    lp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+    want_lp = reference.generate(PROMPTS[:2], lp)
+    got_lp = speculative.generate(PROMPTS[:2], lp)
+    for w, g in zip(want_lp, got_lp, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for pw, pg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
+            assert set(pw) == set(pg)
+            assert all(abs(pw[t] - pg[t]) < 1e-4 for t in pw)
+
+
+def test_stops_inside_accepted_proposals_end_the_output_there(reference, speculative):
+    want = reference.generate(PROMPTS[:3], GREEDY)
+    for w, prompt in zip(want, PROMPTS[:3], strict=True):
+        ids = w.outputs[0].token_ids
+        stop = ids[15]  # a token in the middle of the output, maybe inside a verified run
+        first = ids.index(stop)
+        params = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop])
+        (got,) = speculative.generate([prompt], params)
+        assert got.outputs[0].token_ids == ids[: first + 1]
+        assert got.outputs[0].finish_reason == "stop" and got.outputs[0].stop_reason == stop
+    short = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    got = speculative.generate(PROMPTS, short)
+    assert [len(t) for t in tokens(got)] == [7] * len(PROMPTS)  # never past max_tokens
+    assert tokens(got) == [t[:7] for t in tokens(reference.generate(PROMPTS, GREEDY))]
+
+
+def test_seeded_sampling_is_batch_independent(speculative):
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True)
+    alone = tokens(speculative.generate([PROMPTS[2]], params))[0]
+    together = tokens(speculative.generate(PROMPTS, params))[2]
+    assert together == alone
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_pool_too_small_preempts_and_changes_no_greedy_token(demo_model_dir, reference, mode):
+    small = one_bucket(
+        demo_model_dir,
+        num_pages=14,  # 13 usable pages of 8 tokens for 4 sequences of up to 59 tokens
+        speculative_config=NGRAM,
+        preemption_mode=mode,
+        **({"num_swap_pages": 64} if mode == "swap" else {}),
+    )
+    got = small.generate(PROMPTS, GREEDY)
+    assert tokens(got) == tokens(reference.generate(PROMPTS, GREEDY))
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    assert stats["pages_used"] == 0 and stats["swap_pages_used"] == 0
+    if mode == "swap":
+        assert stats["num_swaps_out"] > 0
+
+
+def test_speculative_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="speculative_config: num_speculative_tokens"):
+        engine_config_from_args(
+            "x", speculative_config={"method": "ngram", "num_speculative_tokens": 0}
+        )
+    with pytest.raises(
+        ValueError, match="speculative_config: --speculative-config is not valid JSON"
+    ):
+        engine_config_from_args("x", speculative_config="{not json")
+    config = engine_config_from_args(
+        "x", speculative_config='{"method": "ngram", "num_speculative_tokens": 2}'
+    )
+    assert config.num_speculative_tokens == 2 and hash(config) == hash(config)
+    np.testing.assert_equal(config.speculative.prompt_lookup_max, 5)
