@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jpaged import LLM, SamplingParams  # noqa: E402
-from jpaged.structured_output import StructuredOutputsParams  # noqa: E402
+from jpaged import LLM, SamplingParams
+from jpaged.structured_output import StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",
@@ -41,7 +41,7 @@ SCHEMA = {
     "required": ["name", "age", "city"],
     "additionalProperties": False,
 }
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india"]
 
 
 def timed(llm: LLM, prompts, params, repeats: int) -> dict:
