@@ -33,6 +33,7 @@ import numpy as np
 
 from jpaged import compilation_cache
 from jpaged.config import DEFAULT_SWAP_SPACE_BYTES, CacheConfig, EngineConfig
+from jpaged.draft_model import DraftModel
 from jpaged.model_loading import load_for_config
 from jpaged.ngram_proposer import NgramProposer
 from jpaged.output_processor import OutputProcessor
@@ -70,15 +71,21 @@ def _kv_bytes_per_page(cfg: ModelConfig, page_size: int, itemsize: int) -> int:
 
 
 def resolve_num_pages(
-    cache: CacheConfig, config: EngineConfig, model_config: ModelConfig, itemsize: int
+    cache: CacheConfig,
+    config: EngineConfig,
+    model_config: ModelConfig,
+    itemsize: int,
+    *,
+    extra_bytes_per_page: int = 0,
 ) -> int:
     """Pool size: num_pages if given, else from the memory budget (kv_cache_memory_bytes: the
     whole pool's bytes); on CPU with neither, enough pages for every sequence slot at
     max_model_len; on an accelerator, kv_memory_fraction of one device's free memory, where
-    with tensor parallelism a device holds 1 / min(T, num_kv_heads) of every page."""
+    with tensor parallelism a device holds 1 / min(T, num_kv_heads) of every page.
+    extra_bytes_per_page: a draft model's K/V per page, in the same budget."""
     if cache.num_pages is not None:
         return cache.num_pages
-    per_page = _kv_bytes_per_page(model_config, cache.page_size, itemsize)
+    per_page = _kv_bytes_per_page(model_config, cache.page_size, itemsize) + extra_bytes_per_page
     if cache.kv_cache_memory_bytes is not None:
         return max(2, cache.kv_cache_memory_bytes // per_page + 1)
     device = jax.devices()[0]
@@ -144,7 +151,15 @@ class LLMEngine:
         )
         dtype = jax.tree_util.tree_leaves(loaded.params)[0].dtype
         itemsize = np.dtype(dtype).itemsize
-        self.num_pages = resolve_num_pages(config.cache, config, self.model_config, itemsize)
+        draft = self._load_draft(config, dtype)
+        extra = (
+            0
+            if draft is None
+            else DraftModel.bytes_per_page(draft, config.cache.page_size, itemsize)
+        )
+        self.num_pages = resolve_num_pages(
+            config.cache, config, self.model_config, itemsize, extra_bytes_per_page=extra
+        )
         self.num_swap_pages = resolve_num_swap_pages(config, self.model_config, itemsize)
         self._new_host_state()
         broadcast = None
@@ -163,6 +178,11 @@ class LLMEngine:
             broadcast=broadcast,
         )
         self._arrivals = 0
+        self._drafter = None
+        if draft is not None:
+            if broadcast is not None:
+                raise ValueError("a draft model is not supported across processes")
+            self._drafter = DraftModel(config, draft, self.num_pages, self.eos_token_ids)
         self._init_speculation()
         self.num_recoveries = 0  # failed steps the engine rebuilt its state after
         self._rng = np.random.default_rng(config.seed)
@@ -202,29 +222,41 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self._early_outputs: list[RequestOutput] = []  # collected outside step()
 
+    @staticmethod
+    def _load_draft(config: EngineConfig, dtype):
+        """The draft model of a draft_model speculative config (same vocabulary), or None."""
+        spec = config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        from models.demo import resolve_builtin
+        from models.loader import load_model
+
+        draft = load_model(resolve_builtin(spec.model), dtype=dtype)
+        return draft
+
     def _init_speculation(self) -> None:
-        """The n-gram proposer and the per-sequence acceptance tracker (speculative decoding
-        on); their state is per sequence and dropped when a sequence finishes."""
+        """The proposer (n-gram) or draft model and the per-sequence acceptance tracker
+        (speculative decoding on); their state is per sequence, dropped when it finishes."""
         self.speculative = spec = self.config.speculative
         self._proposer = self._tracker = None
         self._proposed: dict[int, int] = {}  # seq_id -> proposals of the step in flight
         if spec is None:
             return
-        if spec.method != "ngram":
-            raise ValueError(
-                f"speculative_config: method {spec.method!r} is not supported yet; use 'ngram'"
+        if spec.method == "draft_model":
+            spec.check_draft_vocab(self.model_config.vocab_size, self._drafter.vocab_size)
+            self._drafter.reset()
+        else:
+            sched = self.config.scheduler
+            self._proposer = NgramProposer(
+                spec, max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len
             )
-        sched = self.config.scheduler
-        self._proposer = NgramProposer(
-            spec, max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len
-        )
         self._tracker = AcceptanceTracker(spec.num_speculative_tokens)
 
     def _proposals(self) -> dict[int, list[int]] | None:
         """Speculative tokens for the running sequences that decode next, capped so a step
         never passes max_tokens or max_model_len. Rows with a grammar, a logit bias or
         prompt log-probabilities do not speculate."""
-        if self._proposer is None:
+        if self._tracker is None:
             return None
         seqs, caps = [], []
         max_len = self.max_model_len
@@ -247,6 +279,9 @@ class LLMEngine:
             return None
         ids = [s.seq_id for s in seqs]
         want = np.minimum(self._tracker.num_proposals(ids), caps)
+        if self._drafter is not None:  # slots now, the draft's tokens once pages are known
+            self._proposed = dict(zip(ids, want.tolist(), strict=True))
+            return {i: [0] * int(n) for i, n in zip(ids, want) if n}
         proposals, num = self._proposer.propose(
             [s.table_row for s in seqs], ids, [s.token_ids for s in seqs], want
         )
@@ -461,7 +496,7 @@ class LLMEngine:
         if not len(plan):
             return None
         bitmask = self._bitmask(plan) if plan.sampling.constrained is not None else None
-        step = self.runner.dispatch(plan, prev, bitmask)
+        step = self.runner.dispatch(plan, prev, bitmask, draft_probs=self._draft_probs)
         self.scheduler.dispatched(plan)
         return step
 
@@ -484,8 +519,15 @@ class LLMEngine:
         return mask
 
     def _schedule(self, *, speculate: bool = True) -> StepPlan:
-        """The next plan, its pages' peak noted and its swaps done (they precede the step)."""
+        """The next plan, its pages' peak noted and its swaps done (they precede the step);
+        with a draft model, its page edits replayed on the draft and the draft's proposals
+        filled in."""
         plan = self.scheduler.schedule(self._proposals() if speculate else None)
+        self._draft_probs = None
+        if self._drafter is not None:
+            self._drafter.sync(plan)
+            if plan.num_proposed is not None:
+                plan, self._draft_probs = self._drafter.propose(plan, self.scheduler.sequence)
         self.peak_pages_used = max(self.peak_pages_used, self.allocator.num_used())
         self.runner.swap(plan)  # preempted K/V to host and back, before the step
         return plan
@@ -498,7 +540,7 @@ class LLMEngine:
         return (
             self.config.async_scheduling
             and self.runner.broadcast is None
-            and self._proposer is None  # proposals need the committed tokens
+            and self._tracker is None  # proposals need the committed tokens
             and not np.any(sync & plan.keep_sample)
         )
 
@@ -509,6 +551,8 @@ class LLMEngine:
         if self._tracker is not None:
             self._record_acceptance(step.plan, out)
         seqs = self.scheduler.commit(step.plan, out)
+        if self._drafter is not None:
+            self._drafter.committed(step.plan, out, self.scheduler.sequence)
         return self._take_early_outputs() + self._outputs(seqs)
 
     def _record_prompt_logprobs(self, plan: StepPlan, out: SamplerOutput) -> None:
@@ -573,6 +617,8 @@ class LLMEngine:
         if self._tracker is not None:
             for seq in group.seqs:
                 self._tracker.free(seq.seq_id)
+                if self._drafter is not None:
+                    self._drafter.forget(seq.seq_id)
         if self._constraints is not None and group.params.structured_outputs is not None:
             for index in range(max(len(group.seqs), 1)):
                 self._constraints.remove((group.request_id, index))

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jpaged.logits_processors import apply_logit_bias, apply_token_bitmask
-from jpaged.rejection_sampler import verify
+from jpaged.rejection_sampler import draft_sample, verify
 from jpaged.sampler import SamplerOutput, prompt_logprobs, sample
 from jpaged.step_inputs import StepInputs, StepKey
 from models import sharding
@@ -114,7 +114,12 @@ def step(
         attention_backend=backend,
         tp_axis=tp_axis,
     )
-    if key.spec_k:
+    if key.draft:
+        logits = compute_logits(params, model_config, hidden[inputs.logits_indices], tp_axis)
+        tokens, probs = draft_sample(logits, inputs.sampling, inputs.draft_offset)
+        out = SamplerOutput(tokens, jnp.zeros(tokens.shape, jnp.float32), None, None)
+        out = out._replace(draft_probs=probs)
+    elif key.spec_k:
         out = _verify(params, model_config, hidden, inputs, key, tp_axis)
     else:
         logits = compute_logits(params, model_config, hidden[inputs.logits_indices], tp_axis)
@@ -153,6 +158,7 @@ def _verify(params, model_config, hidden, inputs: StepInputs, key: StepKey, tp_a
         inputs.proposals,
         inputs.num_proposed,
         sampling,
+        inputs.draft_probs if key.spec_draft else None,
         num_banned_positions=sampling.num_banned_positions,
         num_logprobs=key.num_logprobs,
     )

@@ -120,7 +120,13 @@ class ModelRunner:
 
     def dummy_inputs(self, key: StepKey) -> StepInputs:
         """Inputs of key's shapes that change nothing (every row padding)."""
-        return self._pack(empty_plan(), key)
+        inputs = self._pack(empty_plan(), key)
+        if key.spec_draft:
+            shape = (key.num_seqs, key.spec_k, self.model_config.vocab_size)
+            inputs.draft_probs = np.zeros(shape, np.float32)
+        if key.draft:
+            inputs.draft_offset = np.int32(0)
+        return inputs
 
     def _pack(self, plan: StepPlan, key: StepKey, **kwargs) -> StepInputs:
         return pack(
@@ -163,14 +169,22 @@ class ModelRunner:
         plan: StepPlan,
         prev_plan: StepPlan | None = None,
         token_bitmask: np.ndarray | None = None,
+        *,
+        draft_probs=None,
+        draft_offset: int | None = None,
     ) -> InFlightStep:
         """Packs a plan and starts its step on the device without waiting for it.
 
         prev_plan: the step dispatched before, whose samples this plan's PLACEHOLDER tokens
         are (async scheduling). token_bitmask: int32[len(plan), ceil(vocab / 32)], the
-        structured-output masks of the rows (None: no row is constrained).
+        structured-output masks of the rows (None: no row is constrained). draft_probs: the
+        draft model's proposal distributions, float32[seq bucket, K, V] on the device (a
+        verification of draft proposals); draft_offset: the proposal index a draft model's
+        own step samples (jpaged/draft_model.py).
         """
         key = step_key(plan, self.config)
+        if draft_offset is not None:
+            key = dataclasses.replace(key, draft=True)
         cap = update_capacity(key, self.page_size)
         updates, copies = plan.page_updates, plan.page_copies
         # What does not fit the step's share goes through the prelude first.
@@ -185,6 +199,10 @@ class ModelRunner:
         if len(updates) != len(plan.page_updates) or len(copies) != len(plan.page_copies):
             plan = dataclasses.replace(plan, page_updates=updates, page_copies=copies)
         inputs = self._pack(plan, key, prev_plan=prev_plan, token_bitmask=token_bitmask)
+        if key.spec_draft:
+            inputs.draft_probs = draft_probs
+        if key.draft:
+            inputs.draft_offset = np.int32(draft_offset)
         return InFlightStep(key, plan, self.run_step(key, inputs))
 
     def fetch(self, step: InFlightStep) -> SamplerOutput:

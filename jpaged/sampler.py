@@ -73,6 +73,8 @@ class SamplerOutput(NamedTuple):
     num_accepted: jax.Array | None = None  # int32[S]
     spec_tokens: jax.Array | None = None  # int32[S, K+1]
     spec_logprobs: jax.Array | None = None  # float32[S, K+1]
+    # A draft model's step: the distribution each row's proposal was drawn from.
+    draft_probs: jax.Array | None = None  # float32[S, V]
 
 
 def seeds_to_key_data(seeds) -> np.ndarray:

@@ -33,6 +33,8 @@ class StepKey:
     bias_width: int = 0  # logit_bias entries per row (0: no row has one)
     prompt_logprobs: bool = False  # log-probabilities of prompt tokens (every token's logits)
     spec_k: int = 0  # speculative decoding: proposals verified per row (0: a plain step)
+    spec_draft: bool = False  # the proposals come from a draft model (its probabilities given)
+    draft: bool = False  # a draft model's step: sample a proposal and return its distribution
 
 
 @jax.tree_util.register_dataclass
@@ -55,6 +57,10 @@ class StepInputs:
     prompt_targets: jax.Array | None = None  # int32[T]: next prompt token, -1 (key.prompt_logprobs)
     proposals: jax.Array | None = None  # int32[S, K] (key.spec_k): the rows' proposals
     num_proposed: jax.Array | None = None  # int32[S] (key.spec_k)
+    # float32[S, K, V] (key.spec_draft): the draft's distribution of each proposal; on the
+    # device already (jpaged/draft_model.py), set after packing.
+    draft_probs: jax.Array | None = None
+    draft_offset: jax.Array | None = None  # int32[] (key.draft): the proposal's index
 
 
 def bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -83,6 +89,7 @@ def step_key(plan: StepPlan, config: EngineConfig) -> StepKey:
         bias_width=0 if sampling.bias_ids is None else sampling.bias_ids.shape[1],
         prompt_logprobs=plan.prompt_targets is not None,
         spec_k=config.num_speculative_tokens if plan.proposals is not None else 0,
+        spec_draft=plan.proposals is not None and config.speculative.method == "draft_model",
     )
     if plan.decode_only:
         return StepKey(num_seqs, num_seqs, cols, True, **extra)
@@ -96,9 +103,11 @@ def bucket_keys(config: EngineConfig) -> list[StepKey]:
     ragged steps that verify proposals."""
     c = config
     keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in c.page_buckets]
+    spec = c.speculative
+    drafted = spec is not None and spec.method == "draft_model"
     for spec_k in sorted({0, c.num_speculative_tokens}):
         keys += [
-            StepKey(t, s, p, False, spec_k=spec_k)
+            StepKey(t, s, p, False, spec_k=spec_k, spec_draft=drafted and spec_k > 0)
             for t in c.token_buckets
             for s in c.seq_buckets
             for p in c.page_buckets

@@ -110,10 +110,10 @@ def count_overlapped(engine: LLMEngine) -> list[int]:
     counter = [0]
     dispatch = engine.runner.dispatch
 
-    def counting(plan, prev_plan=None, token_bitmask=None):
+    def counting(plan, prev_plan=None, token_bitmask=None, **kwargs):
         if prev_plan is not None and np.any(plan.token_ids == PLACEHOLDER):
             counter[0] += 1
-        return dispatch(plan, prev_plan, token_bitmask)
+        return dispatch(plan, prev_plan, token_bitmask, **kwargs)
 
     engine.runner.dispatch = counting
     return counter

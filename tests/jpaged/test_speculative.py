@@ -134,3 +134,63 @@ def test_speculative_config_errors_name_the_field():
     )
     assert config.num_speculative_tokens == 2 and hash(config) == hash(config)
     np.testing.assert_equal(config.speculative.prompt_lookup_max, 5)
+
+
+# -- a draft model ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory, demo_model_dir):
+    """A random 2-layer Llama with the demo model's tokenizer (so the same vocabulary)."""
+    import shutil
+
+    from models.demo import DEMO_DIMS, build_tokenizer, write_llama_checkpoint
+
+    path = tmp_path_factory.mktemp("draft") / "draft"
+    tok = build_tokenizer()
+    dims = {**DEMO_DIMS, "layers": 2, "hidden": 128, "intermediate": 256}
+    write_llama_checkpoint(path, seed=99, vocab=tok.get_vocab_size(), **dims)
+    for name in ("tokenizer.json", "generation_config.json"):
+        shutil.copy(demo_model_dir / name, path / name)
+    return path
+
+
+def draft_config(model, k=3):
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
+
+
+def test_the_model_as_its_own_draft_accepts_every_proposal(demo_model_dir, reference):
+    llm = one_bucket(demo_model_dir, num_pages=128, speculative_config=draft_config(demo_model_dir))
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == tokens(reference.generate(PROMPTS, GREEDY))
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=30, ignore_eos=True)
+    llm.llm_engine.reset_stats()
+    llm.generate(PROMPTS, sampled)  # p == q: rejection sampling accepts everything
+    s = llm.stats()
+    assert s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"] > 0
+    assert s["pages_used"] == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_another_draft_changes_no_greedy_token_under_preemption(
+    demo_model_dir, reference, small_draft, mode
+):
+    llm = one_bucket(
+        demo_model_dir,
+        num_pages=14,
+        speculative_config=draft_config(small_draft, k=2),
+        preemption_mode=mode,
+        **({"num_swap_pages": 64} if mode == "swap" else {}),
+    )
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == tokens(reference.generate(PROMPTS, GREEDY))
+    s = llm.stats()
+    assert s["num_preemptions"] > 0 and s["spec_num_draft_tokens"] > 0
+    assert s["pages_used"] == 0 and s["swap_pages_used"] == 0
+
+
+def test_a_draft_with_another_vocabulary_is_rejected(demo_model_dir, tmp_path):
+    from models.demo import write_llama_checkpoint
+
+    other = write_llama_checkpoint(
+        tmp_path / "other", seed=1, hidden=64, layers=1, heads=2, kv_heads=1, intermediate=64,
+        vocab=1000,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"vocabulary \(1000 tokens\) must equal the target's"):
+        one_bucket(demo_model_dir, speculative_config=draft_config(other))

@@ -53,8 +53,7 @@ def test_constraints_change_no_other_row_and_add_no_compiled_program(demo_llm):
     outs = demo_llm.generate(prompts, mixed)
     assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [alone[0], alone[2]]
     assert re.fullmatch("[a-z]{5}", outs[1].outputs[0].text)
-    stats = demo_llm.stats()
-    assert stats["num_compiled"] == compiled <= stats["num_buckets"]
+    assert demo_llm.stats()["num_compiled"] == compiled  # the same programs as without
 
 
 def test_a_failing_matcher_ends_its_request_alone(demo_llm, monkeypatch):
