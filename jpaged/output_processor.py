@@ -34,6 +34,7 @@ _PREFIX_CONTEXT = 5
 @dataclasses.dataclass(eq=False)
 class _SeqText:
     stream: DecodeStream | None
+    num_seen: int  # tokens of the sequence the detokenizer has consumed
     text: str = ""
     num_sent_tokens: int = 0  # DELTA: token ids (and logprobs) already emitted
     num_sent_chars: int = 0  # DELTA: characters already emitted
@@ -51,24 +52,36 @@ class OutputProcessor:
         if state is None:
             stream = None
             if self.tokenizer is not None:
-                context = seq.token_ids[
-                    max(seq.num_prompt_tokens - _PREFIX_CONTEXT, 0) : seq.num_prompt_tokens
-                ]
                 stream = DecodeStream(
-                    ids=context, skip_special_tokens=seq.params.skip_special_tokens
+                    ids=self.context(seq), skip_special_tokens=seq.params.skip_special_tokens
                 )
-            state = self._texts[seq.seq_id] = _SeqText(stream)
+            state = self._texts[seq.seq_id] = _SeqText(stream, seq.num_prompt_tokens)
         return state
 
-    def process(self, seq: Sequence, num_new: int = 1) -> str | None:
-        """Detokenizes seq's newest num_new tokens; returns the stop string the new text
-        completed (the text is already cut there), or None. The caller finishes the sequence."""
+    def context(self, seq: Sequence) -> list[int]:
+        """The prompt's last tokens the detokenizer starts from (for word-boundary spaces),
+        ending on a complete character: a prompt that ends inside a UTF-8 character leaves
+        that character's bytes to the output's first text."""
+        end = seq.num_prompt_tokens
+        context = seq.token_ids[max(end - _PREFIX_CONTEXT, 0) : end]
+        skip = seq.params.skip_special_tokens
+        while context and self.tokenizer.decode(context, skip).endswith("\ufffd"):
+            context = context[:-1]
+        return context
+
+    def process(self, seq: Sequence) -> str | None:
+        """Detokenizes seq's tokens since the last call (one, or several after a speculative
+        step); returns the stop string the new text completed (the text is already cut
+        there), or None. The caller finishes the sequence."""
         state = self._state(seq)
         if state.stream is None:
             return None
         p = seq.params
-        new = seq.token_ids[len(seq.token_ids) - num_new :]
-        delta = state.stream.step(self.tokenizer.backend, new if num_new > 1 else new[0])
+        new = seq.token_ids[state.num_seen :]
+        state.num_seen = len(seq.token_ids)
+        if not new:
+            return None
+        delta = state.stream.step(self.tokenizer.backend, new if len(new) > 1 else new[0])
         stop = None
         if delta:
             state.text += delta

@@ -1,14 +1,12 @@
 """A thin wrapper over a `tokenizers.Tokenizer` with the calls the engine and users need.
 
-Incremental detokenization (vLLM's offsets scheme) never emits half a UTF-8 character: text
-is only released once the decoded tail no longer ends in the replacement character.
+Incremental detokenization is the output processor's (tokenizers' DecodeStream).
 """
 
 from __future__ import annotations
 
 import tokenizers
 
-_REPLACEMENT = "\ufffd"
 
 
 class Tokenizer:
@@ -32,21 +30,3 @@ class Tokenizer:
 
     def __call__(self, text: str) -> dict:
         return {"input_ids": self.encode(text)}
-
-    def decode_incremental(
-        self,
-        ids: list[int],
-        prefix_offset: int,
-        read_offset: int,
-        skip_special_tokens: bool = True,
-    ) -> tuple[str, int, int]:
-        """New text since read_offset, and the updated (prefix_offset, read_offset).
-
-        ids[prefix_offset:read_offset] is context already emitted: decoding it with the new
-        tokens and subtracting keeps word-boundary spaces right for every tokenizer.
-        """
-        prefix = self.decode(ids[prefix_offset:read_offset], skip_special_tokens)
-        full = self.decode(ids[prefix_offset:], skip_special_tokens)
-        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
-            return full[len(prefix) :], read_offset, len(ids)
-        return "", prefix_offset, read_offset

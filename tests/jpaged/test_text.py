@@ -1,10 +1,27 @@
 """Incremental detokenization and stop strings."""
 
+import numpy as np
 import pytest
 
 from jpaged import SamplingParams
+from jpaged.output_processor import OutputProcessor
+from jpaged.sequence import RequestGroup, Sequence
 from jpaged.tokenizer import Tokenizer
 from models.demo import build_tokenizer
+
+
+def _stream(tok, prompt, output, skip=True):
+    """The texts the output processor emits token by token for prompt + output."""
+    params = SamplingParams(max_tokens=len(output), skip_special_tokens=skip)
+    group = RequestGroup("r", None, list(prompt), params, arrival=0)
+    seq = Sequence(seq_id=0, group=group, index=0, token_ids=list(prompt),
+                   num_prompt_tokens=len(prompt), seed=0)  # fmt: skip
+    processor, pieces = OutputProcessor(tok), []
+    for t in output:
+        seq.token_ids.append(t)
+        processor.process(seq)
+        pieces.append(processor.text(seq)[len("".join(pieces)) :])
+    return pieces
 
 
 def test_incremental_decode_never_emits_half_a_character():
@@ -13,12 +30,27 @@ def test_incremental_decode_never_emits_half_a_character():
     ids = tok.encode(text, add_special_tokens=False)
     # Byte-level BPE: some character is split over several tokens.
     assert any("\ufffd" in tok.decode([i]) for i in ids)
-    out, prefix, read = "", 0, 0
-    for n in range(1, len(ids) + 1):
-        delta, prefix, read = tok.decode_incremental(ids[:n], prefix, read)
-        assert "\ufffd" not in delta
-        out += delta
-    assert out == text
+    pieces = _stream(tok, [5], ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+
+
+def test_the_decode_stream_gives_the_texts_of_whole_decodes():
+    """DecodeStream (what the engine uses) against the definition: the text of the prompt's
+    last tokens plus the output, less the text of those prompt tokens; random ids, special
+    tokens skipped or not. Only a character whose bytes have not all arrived may be missing,
+    at the very end."""
+    tok = Tokenizer(build_tokenizer())
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        prompt = rng.integers(0, tok.vocab_size, 10).tolist()
+        output = rng.integers(0, tok.vocab_size, 30).tolist()
+        skip = bool(trial % 2)
+        streamed = "".join(_stream(tok, prompt, output, skip))
+        context = prompt[-5:]
+        full = tok.decode(context + output, skip)[len(tok.decode(context, skip)) :]
+        assert full.startswith(streamed), trial
+        assert full[len(streamed) :] in ("", "\ufffd"), trial
 
 
 @pytest.fixture
