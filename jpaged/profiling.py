@@ -55,10 +55,10 @@ class StepTimer:
         if timing is not None and timing.done_time is None and not step.out[0].is_ready():
             timing.busy_time = time.perf_counter()
 
-    def dispatch(self, plan, prev_plan=None):
+    def dispatch(self, plan, prev_plan=None, token_bitmask=None, **kwargs):
         self._poll()
         t0 = time.perf_counter()
-        step = self.runner.dispatch(plan, prev_plan)
+        step = self.runner.dispatch(plan, prev_plan, token_bitmask, **kwargs)
         self._timings[id(step)] = _Timing(t0, t0)
         self._latest = step
         return step
