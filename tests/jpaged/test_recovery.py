@@ -16,9 +16,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_checkpoints):
+def llm(demo_model_dir):
     return LLM(
-        str(tiny_checkpoints["llama"]),
+        str(demo_model_dir),
         max_num_seqs=4,
         max_model_len=64,
         max_num_batched_tokens=64,
