@@ -145,8 +145,38 @@ def _inverse_cdf(scaled: jax.Array, key_data: jax.Array, num_generated: jax.Arra
     return jnp.minimum(index, vocab - 1).astype(jnp.int32)
 
 
+def _argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax(x, axis=-1) of float32[S, V]: the first maximum, or the first NaN if a row
+    has one. XLA's CPU argmax is a variadic (value, index) reduction, several times slower
+    than this: a max, then one float min over indices (exact below 2**24) where NaNs count
+    from -V so that the first of them wins."""
+    vocab = x.shape[-1]
+    if vocab >= 1 << 24:
+        return jnp.argmax(x, axis=-1)
+    iota = jax.lax.broadcasted_iota(jnp.float32, x.shape, 1)
+    at_max = x == jnp.max(x, axis=-1, keepdims=True)
+    key = jnp.where(jnp.isnan(x), iota - vocab, jnp.where(at_max, iota, jnp.inf))
+    first = jnp.min(key, axis=-1)
+    first = jnp.where(first < 0, first + vocab, first)
+    return jnp.minimum(first, vocab - 1).astype(jnp.int32)
+
+
+def _log_softmax_at(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """jax.nn.log_softmax(logits)[row, tokens[row]] without the [S, V] result: the same
+    operations (x - max, then minus log(sum(exp(x - max)))) on the one entry per row."""
+    x_max = jnp.max(logits, axis=-1, initial=-np.inf, keepdims=True)
+    lse = jnp.log(jnp.sum(jnp.exp(logits - jax.lax.stop_gradient(x_max)), axis=-1, keepdims=True))
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)
+    return ((picked - jax.lax.stop_gradient(x_max)) - lse)[:, 0]
+
+
 def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> SamplerOutput:
-    """logits float32[S, V] -> one token per row (and log-probabilities)."""
+    """logits float32[S, V] -> one token per row (and log-probabilities).
+
+    Cost on a CPU (the vocabulary pass is what matters): an all-greedy step makes no
+    temperature, filter or draw pass (they sit in the non-greedy branch of a cond), and the
+    full [S, V] log-probabilities are made only when top log-probabilities are asked for.
+    """
     vocab = logits.shape[-1]
     if inputs.token_bitmask is not None:
         logits = jax.lax.cond(
@@ -155,37 +185,40 @@ def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> S
             lambda x: x,
             logits,
         )
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    model_logits = logits  # log-probabilities are taken here (masked by the grammar only)
     if inputs.bias_ids is not None:
         logits = apply_logit_bias(logits, inputs.bias_ids, inputs.bias_values)
     rows = jnp.arange(logits.shape[0])
     banned_idx = jnp.where(inputs.banned >= 0, inputs.banned, vocab)
-    ban = jnp.zeros(logits.shape, bool).at[rows[:, None], banned_idx].set(True, mode="drop")
-    logits = jnp.where(ban, _NEG_INF, logits)
+    logits = logits.at[rows[:, None], banned_idx].set(_NEG_INF, mode="drop")
     if inputs.penalties is not None:
         logits = apply_penalties(logits, inputs.penalties)
 
     greedy = inputs.temperature <= 0.0
-    scaled = logits / jnp.where(greedy, 1.0, inputs.temperature)[:, None]
-    needs_filter = jnp.any((inputs.top_k > 0) | (inputs.top_p < 1.0) | (inputs.min_p > 0.0))
-    scaled = jax.lax.cond(
-        needs_filter,
-        lambda x: _filter(x, inputs.top_k, inputs.top_p, inputs.min_p),
-        lambda x: x,
-        scaled,
-    )
+
+    def draw(logits):
+        scaled = logits / jnp.where(greedy, 1.0, inputs.temperature)[:, None]
+        needs_filter = jnp.any((inputs.top_k > 0) | (inputs.top_p < 1.0) | (inputs.min_p > 0.0))
+        scaled = jax.lax.cond(
+            needs_filter,
+            lambda x: _filter(x, inputs.top_k, inputs.top_p, inputs.min_p),
+            lambda x: x,
+            scaled,
+        )
+        return _inverse_cdf(scaled, inputs.key_data, inputs.num_generated)
 
     sampled = jax.lax.cond(
-        jnp.all(greedy),
-        lambda: jnp.zeros(logits.shape[0], jnp.int32),
-        lambda: _inverse_cdf(scaled, inputs.key_data, inputs.num_generated),
+        jnp.all(greedy), lambda x: jnp.zeros(x.shape[0], jnp.int32), draw, logits
     )
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
-    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    tokens = jnp.where(greedy, _argmax(logits), sampled).astype(jnp.int32)
     top_ids = top_lp = None
     if num_logprobs > 0:
+        raw_logprobs = jax.nn.log_softmax(model_logits, axis=-1)
+        chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
         top_ids = top_ids.astype(jnp.int32)
+    else:
+        chosen = _log_softmax_at(model_logits, tokens)
     return SamplerOutput(tokens, chosen, top_ids, top_lp)
 
 

@@ -54,15 +54,39 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """x [T, H, Dh] rotated by positions [T] (Hugging Face rotate-half layout)."""
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [T, 1, Dh] of positions [T] (Hugging Face rotate-half layout)."""
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, Dh]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, H, Dh] rotated by rope_cos_sin's tables."""
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x [T, H, Dh] rotated by positions [T] (Hugging Face rotate-half layout)."""
+    return rotate(x, *rope_cos_sin(positions, inv_freq))
+
+
+def _computed_once(*tables: jax.Array) -> tuple[jax.Array, ...]:
+    """The tables [..., n], materialised once. XLA on CPU fuses an elementwise producer such
+    as cos(positions * inv_freq) into each consumer, so every layer's rotation of q and k
+    would evaluate cos and sin again for each head's elements (a third of a prefill step's
+    non-matmul time on SmolLM2). A dot is never fused into its consumers, and a dot with the
+    identity is exact (one product by 1, the rest by 0, of finite values). Elsewhere the
+    tables pass through."""
+    if jax.default_backend() != "cpu":
+        return tables
+    eye = jnp.eye(tables[0].shape[-1], dtype=jnp.float32)
+    return tuple(
+        jnp.einsum("...d,de->...e", t, eye, precision=jax.lax.Precision.HIGHEST) for t in tables
+    )
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -105,7 +129,7 @@ def forward(
         sliding_window=cfg.sliding_window,
         **_ATTENTION_BACKENDS[attention_backend],
     )
-    inv_freq = rope_inv_freq(cfg)
+    cos, sin = _computed_once(*rope_cos_sin(positions, rope_inv_freq(cfg)))
     x = _embed(params["embed"], cfg, token_ids, tp_axis)  # [T, D]
     new_caches = []
     for layer, (k_pages, v_pages) in zip(params["layers"], kv_caches, strict=True):
@@ -118,8 +142,8 @@ def forward(
         if cfg.qk_norm:
             q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q = rotate(q, cos, sin)
+        k = rotate(k, cos, sin)
         k_pages = _write_kv(k_pages, k, slot_mapping)
         v_pages = _write_kv(v_pages, v, slot_mapping)
         if decode_only:
@@ -187,23 +211,23 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float
 
     layers = []
     for _ in range(cfg.num_layers):
-        layer = dict(
-            input_norm=ones(d),
-            post_attn_norm=ones(d),
-            wq=w(d, hq, dh),
-            wk=w(d, hkv, dh),
-            wv=w(d, hkv, dh),
-            wo=w(hq, dh, d),
-            w_gate=w(d, f),
-            w_up=w(d, f),
-            w_down=w(f, d),
-        )
+        layer = {
+            "input_norm": ones(d),
+            "post_attn_norm": ones(d),
+            "wq": w(d, hq, dh),
+            "wk": w(d, hkv, dh),
+            "wv": w(d, hkv, dh),
+            "wo": w(hq, dh, d),
+            "w_gate": w(d, f),
+            "w_up": w(d, f),
+            "w_down": w(f, d),
+        }
         if cfg.attention_bias:
             layer.update(bq=w(hq, dh), bk=w(hkv, dh), bv=w(hkv, dh))
         if cfg.qk_norm:
             layer.update(q_norm=ones(dh), k_norm=ones(dh))
         layers.append(layer)
-    params = dict(embed=w(cfg.vocab_size, d), layers=layers, final_norm=ones(d))
+    params = {"embed": w(cfg.vocab_size, d), "layers": layers, "final_norm": ones(d)}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = w(d, cfg.vocab_size)
     return params

@@ -8,6 +8,13 @@ Layouts (shared by every kernel in this package):
 Masking is exact even when unused slots hold garbage or NaN: scores are masked with `where`
 (not by adding a bias), probabilities of masked slots are zeroed, and masked V rows are zeroed
 before the weighted sum, so 0 * NaN never happens. A query with no visible key gives zeros.
+
+How it runs (what makes it usable as the CPU path): query tokens go in blocks of
+_TOKEN_BLOCK; a block attends over its context _KEY_BLOCK keys at a time with an online
+softmax, and only over the key blocks its tokens can see (so a prompt's first tokens do not
+pay for the page table's full width). Keys are gathered once per sequence when the block's
+tokens belong to one or two sequences (prefill), once per token otherwise (decode), and pages
+a row does not need are read as the null page.
 """
 
 from __future__ import annotations
@@ -24,43 +31,92 @@ _FULL = jax.lax.Precision.HIGHEST
 
 # Query tokens processed at once by the reference; bounds the gathered-KV temporary.
 _TOKEN_BLOCK = 128
+# Keys per step of a block's loop over its context (rounded down to whole pages, and at most
+# the page table's width).
+_KEY_BLOCK = 256
 
 
-def _probs(s, visible, *, sm_scale, soft_cap):
-    """Scores [T, Hkv, G, L] -> unnormalised probabilities (exactly 0 where not visible) and
-    their row sums."""
+def _online_step(carry, s, visible, pv, *, sm_scale, soft_cap):
+    """One key block of an online softmax.
+
+    carry: (m, l, acc), the running max and sum [T, Hkv, G, 1] and output [T, Hkv, G, D];
+    s: raw scores [T, Hkv, G, C]; visible: bool[T, C]; pv(p): p [T, Hkv, G, C] times the
+    block's V (whose rows that hold no value are zeroed). Masked probabilities are exactly 0,
+    and a block with nothing visible leaves the carry as it was.
+    """
+    m, l, acc = carry
     s = s * sm_scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     mask = visible[:, None, None, :]
     s = jnp.where(mask, s, MASK_VALUE)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.where(mask, jnp.exp(s - m), 0.0)
-    return p, jnp.sum(p, axis=-1, keepdims=True)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    alpha = jnp.exp(m - m_new)  # 0 at the first visible block (m was MASK_VALUE)
+    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+    return m_new, l * alpha + jnp.sum(p, axis=-1, keepdims=True), acc * alpha + pv(p)
 
 
-def _attend(q, k, v, visible, *, sm_scale, soft_cap):
-    """q [T, Hkv, G, D]; k, v [Hkv, T, L, D]; visible bool[T, L] -> [T, Hkv, G, D] (f32)."""
-    s = jnp.einsum("tkgd,ktld->tkgl", q.astype(jnp.float32), k.astype(jnp.float32),
-                   precision=_FULL)
-    p, denom = _probs(s, visible, sm_scale=sm_scale, soft_cap=soft_cap)
-    v = jnp.where(visible[None, :, :, None], v.astype(jnp.float32), 0.0)
-    o = jnp.einsum("tkgl,ktld->tkgd", p, v, precision=_FULL)
-    return o / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
+def _attend_block(q, k_pages, v_pages, rows, row_lens, which, pos, kv_len, *, page_size,
+                  key_block_pages, key_range, sm_scale, soft_cap, sliding_window):
+    """One block of query tokens over the keys [lo, hi) of their context.
 
+    q [T, Hkv, G, D]; rows int32[R, P]: the page-table rows read, either one per token
+    (which None, R = T) or the block's sequences (R in (1, 2); which int32[T] in [0, R) says
+    whose token t is); row_lens int32[R]: tokens written in each row's pages (slots past it
+    are zeroed in V); pos, kv_len int32[T]: each token's position and its sequence's length
+    (0: padding, sees nothing); key_range: int32 (lo, hi) holding every key a token of the
+    block sees. Returns [T, Hkv, G, D] float32.
+    """
+    t, hkv, g, d = q.shape
+    r, width = rows.shape
+    block = key_block_pages * page_size
+    qf = q.astype(jnp.float32)
 
-def _attend_pair(q, k, v, which, visible, *, sm_scale, soft_cap):
-    """Tokens of at most two sequences, whose keys are gathered once per sequence, not once
-    per token: q [T, Hkv, G, D]; k, v [Hkv, 2, L, D] with rows past each sequence's length
-    already zeroed in v; which int32[T] in {0, 1}; visible bool[T, L] -> [T, Hkv, G, D]."""
-    s2 = jnp.einsum("tkgd,ksld->tkgsl", q.astype(jnp.float32), k.astype(jnp.float32),
-                    precision=_FULL)
-    pick = which[:, None, None, None]
-    s = jnp.where(pick == 0, s2[:, :, :, 0], s2[:, :, :, 1])
-    p, denom = _probs(s, visible, sm_scale=sm_scale, soft_cap=soft_cap)
-    o2 = jnp.einsum("tkgl,ksld->tkgsd", p, v.astype(jnp.float32), precision=_FULL)
-    o = jnp.where(pick == 0, o2[:, :, :, 0], o2[:, :, :, 1])
-    return o / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
+    def gather(pool, pages):  # [Hkv, R, block, D], float32
+        return pool[:, pages].reshape(hkv, r, block, d).astype(jnp.float32)
+
+    def step(i, carry):
+        cols = i * key_block_pages + jnp.arange(key_block_pages, dtype=jnp.int32)
+        kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)
+        visible = (kv_pos[None, :] <= pos[:, None]) & (kv_pos[None, :] < kv_len[:, None])
+        if sliding_window is not None:
+            visible = visible & (kv_pos[None, :] > pos[:, None] - sliding_window)
+        written = kv_pos[None, :] < row_lens[:, None]  # [R, block]
+        # A page no slot of which is written (past the row's length, or a column past the
+        # table's width) is read as the null page: masked anyway, and cheap to read again.
+        needed = (cols[None, :] < width) & (cols[None, :] * page_size < row_lens[:, None])
+        pages = jnp.where(needed, rows[:, jnp.minimum(cols, width - 1)], 0)
+        k = gather(k_pages, pages)
+        v = jnp.where(written[None, :, :, None], gather(v_pages, pages), 0.0)
+        if which is None:  # row t is token t's
+            s = jnp.einsum("tkgd,ktld->tkgl", qf, k, precision=_FULL)
+
+            def pv(p):
+                return jnp.einsum("tkgl,ktld->tkgd", p, v, precision=_FULL)
+        elif r == 1:
+            s = jnp.einsum("tkgd,kld->tkgl", qf, k[:, 0], precision=_FULL)
+
+            def pv(p):
+                return jnp.einsum("tkgl,kld->tkgd", p, v[:, 0], precision=_FULL)
+        else:  # scores against both sequences' keys, each token's own picked
+            pick = which[:, None, None, None] == 0
+            s2 = jnp.einsum("tkgd,ksld->tkgsl", qf, k, precision=_FULL)
+            s = jnp.where(pick, s2[:, :, :, 0], s2[:, :, :, 1])
+
+            def pv(p):
+                o2 = jnp.einsum("tkgl,ksld->tkgsd", p, v, precision=_FULL)
+                return jnp.where(pick, o2[:, :, :, 0], o2[:, :, :, 1])
+
+        return _online_step(carry, s, visible, pv, sm_scale=sm_scale, soft_cap=soft_cap)
+
+    init = (
+        jnp.full((t, hkv, g, 1), MASK_VALUE, jnp.float32),
+        jnp.zeros((t, hkv, g, 1), jnp.float32),
+        jnp.zeros((t, hkv, g, d), jnp.float32),
+    )
+    lo, hi = key_range
+    _, l, acc = jax.lax.fori_loop(lo // block, (hi + block - 1) // block, step, init)
+    return acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)
 
 
 def paged_prefill_attention(
@@ -90,7 +146,7 @@ def paged_prefill_attention(
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_seqs, pages_per_seq = page_table.shape
     group = num_q_heads // num_kv_heads
-    max_len = pages_per_seq * page_size
+    key_block_pages = max(1, min(pages_per_seq, _KEY_BLOCK // page_size))
 
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jnp.searchsorted(query_start[1:], t, side="right").astype(jnp.int32)
@@ -102,33 +158,38 @@ def paged_prefill_attention(
 
     def block(args):
         qb, seqb, posb, lenb = args
-        kv_pos = jnp.arange(max_len, dtype=jnp.int32)[None, :]
-        visible = (kv_pos <= posb[:, None]) & (kv_pos < lenb[:, None])
-        if sliding_window is not None:
-            visible = visible & (kv_pos > posb[:, None] - sliding_window)
         qg = qb.reshape(-1, num_kv_heads, group, head_dim)
+        seen = lenb > 0  # tokens that see anything (padding does not)
+        hi = jnp.max(jnp.where(seen, posb + 1, 0))
+        lo = jnp.int32(0)
+        if sliding_window is not None:
+            lo = jnp.min(jnp.where(seen, jnp.maximum(posb - sliding_window + 1, 0), hi))
+        kw = {"page_size": page_size, "key_block_pages": key_block_pages,
+              "key_range": (lo, hi), "sm_scale": sm_scale, "soft_cap": soft_cap,
+              "sliding_window": sliding_window}
+        first, last = seqb[0], seqb[-1]  # tokens are in sequence order
+        zeros = jnp.zeros(seqb.shape, jnp.int32)
 
-        def per_token(_):  # decode-like blocks: every token its own sequence's pages
-            pages = page_table[seqb]  # [B, P]
-            k = k_pages[:, pages].reshape(num_kv_heads, -1, max_len, head_dim)
-            v = v_pages[:, pages].reshape(num_kv_heads, -1, max_len, head_dim)
-            return _attend(qg, k, v, visible, sm_scale=sm_scale, soft_cap=soft_cap)
+        def one(_):  # every token of one sequence: its keys gathered once
+            rows = page_table[first][None]
+            return _attend_block(qg, k_pages, v_pages, rows, context_lens[first][None], zeros,
+                                 posb, lenb, **kw)
 
-        def per_pair(_):  # prefill-like blocks: one or two sequences' pages, gathered once
-            pair = jnp.stack([seqb[0], seqb[-1]])
-            pages = page_table[pair]  # [2, P]
-            k = k_pages[:, pages].reshape(num_kv_heads, 2, max_len, head_dim)
-            v = v_pages[:, pages].reshape(num_kv_heads, 2, max_len, head_dim)
-            # Rows at or past a sequence's length may hold garbage (even NaN): zero them, so
-            # a zero probability never multiplies a NaN. Earlier rows were written this step
-            # or before and are finite.
-            written = kv_pos < context_lens[pair][:, None]  # [2, L]
-            v = jnp.where(written[None, :, :, None], v, 0.0)
-            which = (seqb != seqb[0]).astype(jnp.int32)
-            return _attend_pair(qg, k, v, which, visible, sm_scale=sm_scale, soft_cap=soft_cap)
+        def two(_):  # tokens of two sequences: each one's keys gathered once
+            pair = jnp.stack([first, last])
+            which = (seqb != first).astype(jnp.int32)
+            return _attend_block(qg, k_pages, v_pages, page_table[pair], context_lens[pair],
+                                 which, posb, lenb, **kw)
 
-        at_most_two = jnp.all((seqb == seqb[0]) | (seqb == seqb[-1]))
-        return jax.lax.cond(at_most_two, per_pair, per_token, None)
+        def per_token(_):  # decode-like blocks: every token its own sequence's keys
+            return _attend_block(qg, k_pages, v_pages, page_table[seqb], lenb, None, posb,
+                                 lenb, **kw)
+
+        if qg.shape[0] == 1:  # one token: its own sequence
+            return one(None)
+        at_most_two = jnp.all((seqb == first) | (seqb == last))
+        branch = jnp.where(first == last, 0, jnp.where(at_most_two, 1, 2))
+        return jax.lax.switch(branch, (one, two, per_token), None)
 
     if num_tokens > _TOKEN_BLOCK and num_tokens % _TOKEN_BLOCK == 0:
         nb = num_tokens // _TOKEN_BLOCK

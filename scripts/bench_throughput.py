@@ -3,11 +3,14 @@
     python scripts/bench_throughput.py                           # CPU: 64 x 128 prompt x 64 new
     python scripts/bench_throughput.py --workload W1 --preset cpu-small --scale 8
     python scripts/bench_throughput.py --workload W1 --preset llama-3.2-1b   # accelerator
+    python scripts/bench_throughput.py --preset smollm2          # the real SmolLM2-135M, 32 x 128 x 64
+    python scripts/bench_throughput.py --preset smollm2 --workload W2 --scale 32 --skip-startup
     python scripts/bench_throughput.py --preset cpu-tp --tensor-parallel-size 4 \
         --simulate-cpu-devices 8 --skip-transformers             # sharded, simulated CPU devices
 
 Workloads (issue 8; greedy, EOS ignored, all requests submitted at once):
-  custom  --num-requests x --prompt-len prompt x --output-len new tokens (default 64 x 128 x 64)
+  custom  --num-requests x --prompt-len prompt x --output-len new tokens (default 64 x 128 x 64;
+          32 x 128 x 64 for the smollm2 preset)
   W1      128 requests, 256-token prompts, 128 new tokens each
   W2      1,000 requests, prompt lengths uniform in [32, 1024], new tokens uniform in [32, 512]
   W3      512 requests sharing a 1,024-token prefix + 64 unique tokens, 128 new tokens; jpaged
@@ -17,7 +20,9 @@ synchronously (the host plans step N+1 only after step N's tokens are back).
 
 The checkpoint is a random Llama of the preset's shape made from --seed and written with
 save_pretrained into --checkpoint-dir (with numpy, models.demo, where torch is not installed),
-where later runs find and reuse it. Every phase runs in its own process, in order of value, so
+where later runs find and reuse it; the `smollm2` preset is the real SmolLM2-135M-Instruct
+instead (its Q4_1 GGUF from models.demo.ensure_smollm2(), dequantized at load by both
+engines: jpaged's loader and transformers' `from_pretrained(dir, gguf_file=...)`). Every phase runs in its own process, in order of value, so
 that jax and torch never hold accelerator memory at the same time and a phase that runs out of
 time loses only itself:
   1. jpaged (--jpaged-worker): the device copy bandwidth, a warm-up run of the same shapes
@@ -101,6 +106,10 @@ PRESETS = {
         "tied": False,
     },
 }
+# Real models (not random checkpoints): preset -> the function that returns the model's path.
+REAL_MODELS = {"smollm2": "ensure_smollm2"}
+# custom workload's request count per preset (default 64).
+_CUSTOM_REQUESTS = {"smollm2": 32}
 WORKLOADS = ("custom", "W1", "W2", "W3")
 # transformers on one H200 (bf16, torch 2.11, transformers 5.17), measured in an earlier
 # device session (issue 17): used, and labelled "(known)", when a run does not reach them.
@@ -176,6 +185,23 @@ def shifted(workload: Workload, vocab: int) -> Workload:
 
 
 # -- checkpoint ------------------------------------------------------------------------------
+def real_model(preset: str) -> Path:
+    """The path of a real model preset (fetched once into jpaged's cache)."""
+    import models.demo
+
+    return Path(getattr(models.demo, REAL_MODELS[preset])())
+
+
+def vocab_size(model: str) -> int:
+    """The vocabulary of a Hugging Face directory (config.json) or a GGUF (its metadata)."""
+    config = Path(model) / "config.json"
+    if config.exists():
+        return json.loads(config.read_text())["vocab_size"]
+    from models.loader import read_config
+
+    return read_config(model).vocab_size
+
+
 def ensure_checkpoint(root: Path, preset: str, dtype: str, seed: int) -> Path:
     """A random Llama of the preset's shape in the Hugging Face layout, made once per
     (preset, dtype, seed) and reused: the directory is renamed into place only when complete."""
@@ -489,7 +515,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="custom", choices=WORKLOADS)
     p.add_argument("--scale", type=float, default=1.0, help="divide request counts by this")
-    p.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="cpu-small", choices=sorted([*PRESETS, *REAL_MODELS]))
     p.add_argument("--model", default=None, help="existing HF checkpoint (default: from --preset)")
     p.add_argument(
         "--checkpoint-dir",
@@ -499,7 +525,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     p.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on accelerators")
-    p.add_argument("--num-requests", type=int, default=64, help="custom workload")
+    p.add_argument(
+        "--num-requests", type=int, default=None, help="custom workload (default 64; smollm2 32)"
+    )
     p.add_argument("--prompt-len", type=int, default=128, help="custom workload")
     p.add_argument("--output-len", type=int, default=64, help="custom workload")
     p.add_argument(
@@ -575,7 +603,11 @@ def main() -> None:
         return run_jpaged_worker(args)
     if args.startup_worker:
         return run_startup(args)
-    if args.model is None:
+    if args.model is None and args.preset in REAL_MODELS:
+        t0 = time.perf_counter()
+        args.model = str(real_model(args.preset))
+        checkpoint_s = time.perf_counter() - t0
+    elif args.model is None:
         from models.demo import cache_root
 
         root = Path(args.checkpoint_dir or cache_root() / "checkpoints")
@@ -584,7 +616,9 @@ def main() -> None:
         checkpoint_s = time.perf_counter() - t0
     else:
         checkpoint_s = 0.0
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    vocab = vocab_size(args.model)
+    if args.num_requests is None:
+        args.num_requests = _CUSTOM_REQUESTS.get(args.preset, 64)
     workload = make_workload(args, vocab)
     if args.max_num_seqs is None:
         args.max_num_seqs = min(_MAX_NUM_SEQS[args.workload], len(workload.prompts))
@@ -702,7 +736,7 @@ def run_jpaged_worker(args) -> None:
     name = "W3" if args.workload == "W3" else "workload"
     workload = Workload(name, wl["prompts"], wl["output_lens"],
                         1024 if args.workload == "W3" else 0)
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    vocab = vocab_size(args.model)
     out = {
         "hardware": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
         "num_devices": len(jax.devices()),

@@ -3,6 +3,8 @@
     python scripts/bench_transformers_worker.py --model DIR --dtype bfloat16 \
         --workload-file W.json [--result-file PARTIAL.json] [--hf-batch-size 128]
 
+--model is a Hugging Face directory or a .gguf file (loaded with gguf_file=, dequantized).
+
 Padded generate (sdpa; on GPU also a compiled static cache) and generate_batch, each warmed
 up first, on the prompts and output lengths of the workload file ({"prompts": [[ids]],
 "output_lens": [n]}). What is measured so far is rewritten to --result-file after each mode
@@ -28,8 +30,11 @@ def run_transformers(args) -> None:
     device = "cuda" if cuda else "cpu"
 
     def load():
+        path, kwargs = Path(args.model), {}
+        if path.suffix == ".gguf":  # dequantized at load into dtype (needs the gguf package)
+            path, kwargs = path.parent, {"gguf_file": path.name}
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            args.model, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
+            path, dtype=getattr(torch, args.dtype), attn_implementation="sdpa", **kwargs
         ).to(device)
         model.eval()
         model.generation_config.eos_token_id = None  # ignore EOS: requests run to their length
