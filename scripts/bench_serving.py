@@ -284,6 +284,7 @@ async def bench(args, server_pid: int | None) -> list[dict]:
                 pages_cached_after=stats.pages_cached,
                 num_preemptions_total=stats.num_preemptions,
                 server_rss_mib_after=rss_mib(server_pid),
+                compiles_total=await compiles_total(args),
             )
             runs.append(result)
             print(json.dumps(result), flush=True)
@@ -295,6 +296,20 @@ async def bench(args, server_pid: int | None) -> list[dict]:
 def auth_headers(args) -> dict[str, str]:
     key = args.api_key or os.environ.get("JPAGED_API_KEY")
     return {"authorization": f"Bearer {key}"} if key else {}
+
+
+async def compiles_total(args) -> float | None:
+    """jpaged_compiles_total from the HTTP port's /metrics (None without an HTTP API): new
+    programs explain steps in RSS."""
+    try:
+        async with httpx.AsyncClient() as client:
+            r = await client.get(f"http://{args.host}:{args.http_port}/metrics", timeout=10)
+    except httpx.HTTPError:
+        return None
+    for line in r.text.splitlines():
+        if line.startswith("jpaged_compiles_total "):
+            return float(line.split()[1])
+    return None
 
 
 async def wait_serving(channel, metadata, timeout: float = 600) -> None:
