@@ -96,6 +96,9 @@ class RequestHandle:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.prompt_token_ids: list[int] | None = None
+        # prompt_logprobs=N: [None, {id: logprob} per prompt token after the first], once the
+        # engine computed them all (it sends them in one output).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.accepted = False  # the engine took the request
         self.finished = False
         self.aborted = False  # by Abort or by the server's drain; the stream ends as "abort"
@@ -109,6 +112,8 @@ class RequestHandle:
         self.prompt_token_ids = out.prompt_token_ids
         self.num_prompt_tokens = len(out.prompt_token_ids)
         self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         for d in out.outputs:
             c = self.choices[d.index]
             c.text += d.text

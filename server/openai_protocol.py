@@ -8,8 +8,11 @@ three places, and every refusal is an APIError in OpenAI's shape, `param` naming
      option this server lacks hears so rather than getting different output), and so are
      NaN and infinities.
   2. to_sampling_params: the values, by SamplingParams itself (the checks and messages of
-     gRPC and the offline API), plus what only HTTP has: logit_bias, response_format, the
-     server's n limit, echo with logprobs, stream_options without stream.
+     gRPC and the offline API), plus what only HTTP has: logit_bias ids against the
+     vocabulary, the constraint's several spellings (response_format, vLLM's
+     structured_outputs and guided_*: at most one; a bad schema, regex or grammar is refused
+     here, before anything streams), the server's n limit, stream_options without stream.
+     echo with logprobs asks the engine for prompt_logprobs.
   3. On the engine thread (PromptPlan.prepare): the prompt's tokens, and max_tokens fitted to
      max_model_len; prompt + max_tokens past it is a 400 context_length_exceeded stating both
      numbers. Unset max_tokens means "up to max_model_len - prompt" (as vLLM), capped by
@@ -18,12 +21,14 @@ three places, and every refusal is an APIError in OpenAI's shape, `param` naming
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jpaged.sampling_params import SamplingParams
+from jpaged.structured_output import StructuredOutputsParams
 
 MAX_LOGIT_BIAS = 100.0
 
@@ -76,9 +81,19 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema; `strict` is accepted (the output always follows
+    the schema here)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingRequest(_Strict):
@@ -98,6 +113,13 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's constraints: structured_outputs (StructuredOutputsParams' fields) and the older
+    # guided_* spellings; at most one constraint per request, response_format included.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # vLLM's extra sampling fields
     top_k: int | None = None
     min_p: float | None = None
@@ -210,6 +232,13 @@ def to_sampling_params(
     num_logprobs = req.num_logprobs()
     if num_logprobs is not None:
         given["logprobs"] = num_logprobs
+        if isinstance(req, CompletionRequest) and req.echo:
+            given["prompt_logprobs"] = num_logprobs  # the echoed prompt carries logprobs
+    if req.logit_bias:
+        given["logit_bias"] = {int(k): v for k, v in req.logit_bias.items() if v}
+    constraint = structured_outputs_of(req)
+    if constraint is not None:
+        given["structured_outputs"] = constraint
     max_tokens, _ = req.requested_max_tokens()
     kwargs = {**defaults, **given, "max_tokens": max_tokens}
     try:
@@ -233,13 +262,6 @@ def _check_http_only_fields(req: _SamplingRequest, vocab_size: int) -> None:
         raise APIError(
             400, "stream_options is only allowed with stream=true", param="stream_options"
         )
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        raise APIError(
-            400,
-            f"response_format {fmt.type} is not supported yet (only text)",
-            param="response_format",
-        )
     for key, bias in (req.logit_bias or {}).items():
         try:
             token = int(key)
@@ -259,14 +281,6 @@ def _check_http_only_fields(req: _SamplingRequest, vocab_size: int) -> None:
                 f"logit_bias values must be in [-100, 100], got {bias} for token {token}",
                 param="logit_bias",
             )
-    if req.logit_bias and any(req.logit_bias.values()):
-        raise APIError(400, "logit_bias is not supported yet", param="logit_bias")
-    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
-        raise APIError(
-            400,
-            "echo with logprobs is not supported yet (prompt logprobs are not available)",
-            param="echo",
-        )
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -277,6 +291,69 @@ def _check_http_only_fields(req: _SamplingRequest, vocab_size: int) -> None:
                     f"chat_template_kwargs may not set {key!r}",
                     param="chat_template_kwargs",
                 )
+
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def structured_outputs_of(req: _SamplingRequest) -> StructuredOutputsParams | None:
+    """The request's one constraint, from whichever field spells it; APIError(400) for two
+    spellings, an unknown key in structured_outputs, or a constraint llguidance refuses
+    (param names the request's field: guided_regex, structured_outputs.json,
+    response_format.json_schema.schema ...)."""
+    given: list[tuple[str, dict[str, Any]]] = []  # (request field, StructuredOutputsParams kwargs)
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise APIError(
+                400,
+                "response_format.json_schema: field required for type json_schema",
+                param="response_format.json_schema",
+            )
+        given.append(("response_format.json_schema.schema", {"json": fmt.json_schema.schema_}))
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", dict(req.structured_outputs)))
+    for name in _GUIDED:
+        value = getattr(req, name)
+        if value is not None:
+            given.append((name, {name.removeprefix("guided_"): value}))
+    if not given:
+        return None
+    if len(given) > 1:
+        names = [field.split(".")[0] for field, _ in given]
+        raise APIError(
+            400,
+            "set at most one constraint (response_format json_object or json_schema, "
+            f"structured_outputs, guided_*), got {' and '.join(names)}",
+            param=names[1],
+        )
+    field, kwargs = given[0]
+    if field == "structured_outputs":
+        for key in kwargs:
+            if key not in _CONSTRAINT_FIELDS:
+                raise APIError(
+                    400,
+                    f"unknown field 'structured_outputs.{key}': this server does not support it",
+                    param=f"structured_outputs.{key}",
+                )
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as e:
+        message = str(e)
+        # "structured_outputs.regex: invalid regex: ..." -> this request's field
+        m = re.match(r"structured_outputs(\.\w+)?", message)
+        if field == "structured_outputs":
+            param = m.group(0) if m else field
+            raise APIError(400, message, param=param) from None
+        rest = message[m.end() :] if m else ": " + message
+        raise APIError(400, field + rest, param=field) from None
+
+
+_CONSTRAINT_FIELDS = frozenset(
+    f.name for f in dataclasses.fields(StructuredOutputsParams) if f.init
+)
 
 
 def prompts_of(req: CompletionRequest) -> list[str | list[int]]:

@@ -6,7 +6,10 @@ each choice's finish_reason is reported exactly once, on its last delta (a choic
 an abort reports "abort"). Streaming sends the role first (chat), then one chunk per choice
 that progressed, then, when asked, a usage chunk with no choices, then `data: [DONE]`; a
 non-streamed response is the same deltas taken once at the end. Token texts for logprobs
-are decoded by the caller (on the engine thread) and passed in.
+are decoded by the caller (on the engine thread) and passed in. A completion that echoes its
+prompt with logprobs holds the echo back until the engine's prompt logprobs arrived (they
+come with the first token), so the echoed tokens carry them as OpenAI's do: the first prompt
+token's logprob and top_logprobs are null.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ class Delta:
     logprobs: list[dict[int, float]]
     finish_reason: str | None  # set on the choice's last delta only
     stop_reason: int | str | None
+    # echo with logprobs, on the delta that carries the echo: the prompt's token ids and
+    # their logprobs ([None, {id: logprob} ...]; all None if the request ended before them)
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclasses.dataclass
@@ -80,6 +87,7 @@ class Assembler:
             for c in h.choices
         ]
         self._object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self._echo_logprobs = kind == "completion" and num_logprobs is not None
 
     @property
     def done(self) -> bool:
@@ -91,25 +99,46 @@ class Assembler:
         for cur in self._cursors:
             if cur.done:
                 continue
-            text, ids, logprobs = cur.state.take()
             reason = cur.state.finish_reason
             if reason is None and cur.handle.aborted:
                 reason = "abort"
+            echo_logprobs = cur.echo is not None and self._echo_logprobs
+            if echo_logprobs and cur.handle.prompt_logprobs is None and reason is None:
+                continue  # the echo waits for the prompt's logprobs
+            text, ids, logprobs = cur.state.take()
+            prompt_ids = prompt_logprobs = None
+            if echo_logprobs:
+                prompt_ids = list(cur.handle.prompt_token_ids or [])
+                prompt_logprobs = cur.handle.prompt_logprobs or [None] * len(prompt_ids)
             if cur.echo is not None:
                 text, cur.echo = cur.echo + text, None
             if not (text or ids or reason):
                 continue
             cur.done = reason is not None
-            deltas.append(Delta(cur.index, text, ids, logprobs, reason, cur.state.stop_reason))
+            deltas.append(
+                Delta(
+                    cur.index,
+                    text,
+                    ids,
+                    logprobs,
+                    reason,
+                    cur.state.stop_reason,
+                    prompt_ids,
+                    prompt_logprobs,
+                )
+            )
         return deltas
 
     def ids_to_decode(self, deltas: list[Delta]) -> set[int]:
         """Token ids whose text the logprobs of deltas name (none without logprobs)."""
         if self.num_logprobs is None:
             return set()
-        return {t for d in deltas for position in d.logprobs for t in position} | {
-            t for d in deltas for t in d.token_ids
-        }
+        ids = set()
+        for d in deltas:
+            ids.update(d.token_ids, d.prompt_ids or ())
+            for position in [*d.logprobs, *(d.prompt_logprobs or ())]:
+                ids.update(position or ())
+        return ids
 
     # ---- streaming ----------------------------------------------------------------------
 
@@ -214,16 +243,23 @@ class Assembler:
                 "content": [self._chat_entry(t, p, texts) for t, p in zip(d.token_ids, d.logprobs)]
             }
         cur = next(c for c in self._cursors if c.index == d.index)
+        # the echoed prompt's tokens first (echo with logprobs), then the choice's own
+        token_ids = [*(d.prompt_ids or ()), *d.token_ids]
+        positions = [*(d.prompt_logprobs or ()), *d.logprobs]
         tokens, offsets = [], []
-        for t in d.token_ids:
+        for t in token_ids:
             tokens.append(texts[t])
             offsets.append(cur.text_offset)
             cur.text_offset += len(texts[t])
         return {
             "tokens": tokens,
-            "token_logprobs": [p.get(t) for t, p in zip(d.token_ids, d.logprobs)],
+            "token_logprobs": [
+                None if p is None else p.get(t) for t, p in zip(token_ids, positions)
+            ],
             # the chosen token and the num_logprobs most likely, as OpenAI's completions do
-            "top_logprobs": [{texts[k]: v for k, v in _best(p, len(p))} for p in d.logprobs],
+            "top_logprobs": [
+                None if p is None else {texts[k]: v for k, v in _best(p, len(p))} for p in positions
+            ],
             "text_offset": offsets,
         }
 

@@ -13,6 +13,7 @@ from fake_engine import FakeEngine, offline_generate
 from serving_helpers import openai_client, sse_events
 
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
+from jpaged.structured_output import StructuredOutputsParams
 
 USER_T5 = [{"role": "user", "content": "t5"}]
 
@@ -220,6 +221,7 @@ def test_every_sampling_field_reaches_the_engine(make_server):
         "seed": 123,
         "max_tokens": 5,
         "stop": ["a", "bc"],
+        "logit_bias": {"5": 3, "7": 0},
     }
     extras = {
         "top_k": 40,
@@ -238,14 +240,26 @@ def test_every_sampling_field_reaches_the_engine(make_server):
     (params, salt) = engine.received.popitem()[1]
     del extras["cache_salt"]
     delta = RequestOutputKind.DELTA
+    fields["logit_bias"] = {5: 3.0}  # keys are ids; zero biases change nothing and are left out
     assert params == SamplingParams(**fields, **extras, logprobs=3, output_kind=delta)
     assert salt == "salty"
     c.chat.completions.create(
-        model="fake", messages=USER_T5, max_completion_tokens=4, logprobs=True, top_logprobs=2
+        model="fake",
+        messages=USER_T5,
+        max_completion_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"guided_choice": ["yes", "no"]},
     )
     (params, salt) = engine.received.popitem()[1]
-    assert params == SamplingParams(max_tokens=4, logprobs=2, output_kind=delta)
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    want = SamplingParams(max_tokens=4, logprobs=2, structured_outputs=choice, output_kind=delta)
+    assert params == want
     assert salt is None
+    # echo with logprobs asks for the prompt's logprobs too
+    c.completions.create(model="fake", prompt=[1, 2], max_tokens=2, logprobs=1, echo=True)
+    (params, _) = engine.received.popitem()[1]
+    assert (params.logprobs, params.prompt_logprobs) == (1, 1)
 
 
 def test_unset_max_tokens_fills_the_context(make_server):
