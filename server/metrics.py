@@ -2,9 +2,9 @@
 
 Request metrics are recorded by the gRPC and HTTP handlers when a call ends (record_request,
 which also writes the request's log line); engine metrics (queues, KV pages, prefix cache,
-preemptions, compilations) are copied from the engine's stats() by the step thread after
-every step. prometheus-client metrics are thread-safe, so both sides write directly. The
-registry is served on --metrics-port and on the HTTP API's /metrics; prometheus-client's
+preemptions, compilations, speculative decoding) are copied from the engine's stats() by the
+step thread after every step. prometheus-client metrics are thread-safe, so both sides write
+directly. The registry is served on --metrics-port and on the HTTP API's /metrics; prometheus-client's
 `*_created` series are off (they doubled the page and say nothing here).
 """
 
@@ -51,6 +51,13 @@ _COUNTED = {
     "num_compiles": "compiles",
     "compile_seconds": "compile_seconds",
     "num_recompiles": "recompiles",
+}
+# Speculative decoding: stats key -> help; exported as vLLM's spec_decode counters,
+# jpaged_spec_decode_num_drafts_total and so on.
+_SPEC_DECODE = {
+    "spec_num_drafts": "Speculative proposals (one per sequence that proposed in a step)",
+    "spec_num_draft_tokens": "Tokens proposed for verification",
+    "spec_num_accepted_tokens": "Proposed tokens the target model accepted",
 }
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -133,7 +140,13 @@ class Metrics:
             "Step programs compiled after --precompile compiled every bucket (should stay 0)",
             registry=r,
         )
-        self._last = dict.fromkeys(_COUNTED, 0)
+        self.spec_decode = {
+            key: Counter("jpaged_spec_decode_" + key.removeprefix("spec_"), doc, registry=r)
+            for key, doc in _SPEC_DECODE.items()
+        }
+        # engine stats key -> the counter that follows it
+        self._counters = {k: getattr(self, a) for k, a in _COUNTED.items()} | self.spec_decode
+        self._last = dict.fromkeys(self._counters, 0)
         self._http: WSGIServer | None = None
 
     def observe_engine(self, stats: dict) -> None:
@@ -146,11 +159,12 @@ class Metrics:
         self.pages_cached.set(stats["pages_cached"])
         query, hit = stats["prefix_cache_query_tokens"], stats["prefix_cache_hit_tokens"]
         self.prefix_hit_rate.set(hit / query if query else 0.0)
-        for key, name in _COUNTED.items():
-            value = stats.get(key, 0)  # an engine without swap or compile counts reports 0
+        for key, counter in self._counters.items():
+            # an engine without swap, compile or speculation counts reports 0
+            value = stats.get(key, 0)
             delta = value - self._last[key]
             if delta > 0:
-                getattr(self, name).inc(delta)
+                counter.inc(delta)
             self._last[key] = value
 
     def observe_request(

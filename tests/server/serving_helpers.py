@@ -1,5 +1,5 @@
 """Helpers for the server tests: a real grpc.aio server on 127.0.0.1 in a background thread,
-and a client-side view of a Generate stream.
+`jpaged serve` as a process (ServeProcess), and a client-side view of a Generate stream.
 
 The server runs its own event loop in a thread, so tests are plain synchronous pytest
 functions that talk to it with ordinary (sync) grpc stubs.
@@ -8,6 +8,12 @@ functions that talk to it with ordinary (sync) grpc stubs.
 from __future__ import annotations
 
 import asyncio
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -69,6 +75,43 @@ class RunningServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+class ServeProcess:
+    """`python -m server serve --model MODEL_DIR FLAGS...`, ports picked by the OS (metrics
+    only on the HTTP port)."""
+
+    def __init__(self, model_dir: pathlib.Path, flags: list[str]) -> None:
+        cmd = [sys.executable, "-m", "server", "serve", "--model", str(model_dir), *flags]
+        cmd += ["--port", "0", "--http-port", "0", "--metrics-port", "off"]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="")  # jax probes platforms
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(600):
+            self.proc.kill()
+            raise AssertionError("server did not start:\n" + "\n".join(self.lines))
+        self.url = f"http://127.0.0.1:{self.http_port}"
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+            m = re.search(r"msg=serving .* port=(\d+) http_port=(\d+)", line)
+            if m:
+                self.port, self.http_port = int(m.group(1)), int(m.group(2))
+                self._ready.set()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
 
 
 class Collected:

@@ -51,6 +51,20 @@ def test_stats_to_gauges_and_counters():
     assert value(registry, "jpaged_preemptions_total") == 4
 
 
+def test_speculative_decoding_counters():
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    m.observe_engine(stats())  # an engine without speculation: the counters exist, at 0
+    names = [
+        f"jpaged_spec_decode_num_{k}_total" for k in ("drafts", "draft_tokens", "accepted_tokens")
+    ]
+    assert [value(registry, n) for n in names] == [0, 0, 0]
+    spec = {"spec_num_drafts": 4, "spec_num_draft_tokens": 12, "spec_num_accepted_tokens": 7}
+    m.observe_engine(stats(**spec, spec_mean_acceptance_length=2.75))
+    m.observe_engine(stats(**{**spec, "spec_num_drafts": 6, "spec_num_draft_tokens": 15}))
+    assert [value(registry, n) for n in names] == [6, 15, 7]
+
+
 def test_engine_without_swap_counts_reports_zero():
     registry = CollectorRegistry()
     m = Metrics(registry)

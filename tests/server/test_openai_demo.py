@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import pathlib
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 
 import grpc
@@ -25,7 +20,7 @@ import httpx
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from serving_helpers import RunningServer, collect, request, scrape
+from serving_helpers import RunningServer, ServeProcess, collect, request, scrape
 
 from jpaged import LLM, SamplingParams
 from server.proto.jpaged.v1 import generation_pb2_grpc as pb_grpc
@@ -39,41 +34,6 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 HELLO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-
-
-class ServeProcess:
-    """`python -m server serve` on the demo model, ports picked by the OS."""
-
-    def __init__(self, model_dir: pathlib.Path, template: pathlib.Path) -> None:
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
-        cmd = [sys.executable, "-m", "server", "serve", "--model", str(model_dir), *flags]
-        cmd += ["--port", "0", "--http-port", "0", "--metrics-port", "off", "--api-key", KEY]
-        cmd += ["--served-model-name", NAME, "--chat-template", str(template)]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="")  # jax probes platforms
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(600):
-            self.proc.kill()
-            raise AssertionError("server did not start:\n" + "\n".join(self.lines))
-        self.url = f"http://127.0.0.1:{self.http_port}"
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip())
-            m = re.search(r"msg=serving .* port=(\d+) http_port=(\d+)", line)
-            if m:
-                self.port, self.http_port = int(m.group(1)), int(m.group(2))
-                self._ready.set()
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +66,9 @@ def refs(llm) -> dict:
 def served(refs, demo_model_dir, tmp_path_factory):
     template = tmp_path_factory.mktemp("chat") / "template.jinja"
     template.write_text(TEMPLATE)
-    proc = ServeProcess(demo_model_dir, template)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+    flags += ["--api-key", KEY, "--served-model-name", NAME, "--chat-template", str(template)]
+    proc = ServeProcess(demo_model_dir, flags)
     yield proc
     assert proc.stop() == 0
     assert "msg=stopped" in "\n".join(proc.lines)
