@@ -99,6 +99,7 @@ class RequestHandle:
         # prompt_logprobs=N: [None, {id: logprob} per prompt token after the first], once the
         # engine computed them all (it sends them in one output).
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_logprobs_sent = False  # gRPC: they go out in one message
         self.accepted = False  # the engine took the request
         self.finished = False
         self.aborted = False  # by Abort or by the server's drain; the stream ends as "abort"

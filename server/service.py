@@ -16,6 +16,7 @@ import time
 import grpc
 
 from jpaged.sampling_params import SamplingParams
+from jpaged.structured_output import StructuredOutputsParams
 from server import wire
 from server.engine_loop import (
     Draining,
@@ -104,7 +105,7 @@ class GenerationService:
                     outcome = "abort" if handle.aborted else outcome_of([handle])
                     yield message
                     return
-                if message.choices:
+                if message.choices or message.prompt_logprobs:
                     yield message
         finally:
             self._loop.release(handle)
@@ -149,6 +150,9 @@ class GenerationService:
                 raise ValueError(
                     f"stop_token_ids[{i}] = {t} is out of range [0, {self._vocab_size})"
                 )
+        for t in params.logit_bias or {}:
+            if t >= self._vocab_size:
+                raise ValueError(f"logit_bias token id {t} is out of range [0, {self._vocab_size})")
         salt = None
         if request.HasField("cache_salt"):
             if not request.cache_salt:
@@ -226,7 +230,13 @@ def sampling_params_from_proto(
     """
     kwargs = dict(defaults or {})
     for f in msg.DESCRIPTOR.fields:
-        if f.is_repeated:
+        if f.name == "logit_bias":  # a map: {token id: bias}
+            if msg.logit_bias:
+                kwargs["logit_bias"] = dict(msg.logit_bias)
+        elif f.name == "structured_outputs":
+            if msg.HasField("structured_outputs"):
+                kwargs["structured_outputs"] = structured_outputs_from_proto(msg.structured_outputs)
+        elif f.is_repeated:
             values = list(getattr(msg, f.name))
             if values:
                 kwargs[f.name] = values
@@ -235,18 +245,46 @@ def sampling_params_from_proto(
     return SamplingParams(**kwargs)
 
 
+def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
+    """The constraint; a ValueError naming the field when none is set or it does not compile
+    ("structured_outputs.json_schema: invalid JSON schema: ...")."""
+    which = msg.WhichOneof("constraint")
+    if which is None:
+        raise ValueError(
+            "structured_outputs: set one of json_schema, regex, choice, grammar, json_object"
+        )
+    kwargs = {"disable_any_whitespace": msg.disable_any_whitespace}
+    if which == "json_schema":
+        kwargs["json"] = msg.json_schema
+    elif which == "choice":
+        kwargs["choice"] = list(msg.choice.choices)
+    else:
+        kwargs[which] = getattr(msg, which)
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as e:
+        if which != "json_schema":
+            raise
+        # StructuredOutputsParams calls it json; the wire calls it json_schema
+        message = str(e).replace("structured_outputs.json", "structured_outputs.json_schema", 1)
+        raise ValueError(message) from None
+
+
 def _response(handle: RequestHandle, *, final: bool) -> pb.GenerateResponse:
     """The choices' progress since the last message (the engine's deltas, as they are)."""
     msg = pb.GenerateResponse(request_id=handle.client_id, finished=final)
+    if handle.prompt_logprobs is not None and not handle.prompt_logprobs_sent:
+        handle.prompt_logprobs_sent = True
+        ids = handle.prompt_token_ids
+        for t, position in zip(ids[1:], handle.prompt_logprobs[1:], strict=True):
+            _add_logprob(msg.prompt_logprobs, t, position)
     for c in handle.choices:
         text, token_ids, logprobs = c.take()
         if not (token_ids or text or final):
             continue
         delta = msg.choices.add(index=c.index, token_ids=token_ids, text=text)
         for t, position in zip(token_ids, logprobs):
-            entry = delta.logprobs.add(token_id=t, logprob=position.get(t, math.nan))
-            for top_id, lp in sorted(position.items(), key=lambda kv: -kv[1]):
-                entry.top_logprobs.add(token_id=top_id, logprob=lp)
+            _add_logprob(delta.logprobs, t, position)
         if final:
             reason = c.finish_reason or ("abort" if handle.aborted else None)
             delta.finish_reason = _FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
@@ -261,6 +299,13 @@ def _response(handle: RequestHandle, *, final: bool) -> pb.GenerateResponse:
         msg.usage.completion_tokens = sum(c.num_tokens for c in handle.choices)
         msg.usage.cached_prompt_tokens = handle.num_cached_tokens
     return msg
+
+
+def _add_logprob(entries, token: int, position: dict[int, float]) -> None:
+    """Appends token's TokenLogprob: its logprob and the position's tokens, most likely first."""
+    entry = entries.add(token_id=token, logprob=position.get(token, math.nan))
+    for top_id, lp in sorted(position.items(), key=lambda kv: -kv[1]):
+        entry.top_logprobs.add(token_id=top_id, logprob=lp)
 
 
 def _error_status(error: Exception) -> tuple[str, grpc.StatusCode]:

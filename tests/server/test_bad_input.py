@@ -36,6 +36,22 @@ def unknown_sampling_field() -> bytes:
     return pb.GenerateRequest(text="t1").SerializeToString() + bytes([0x22, len(inner)]) + inner
 
 
+def two_constraints() -> bytes:
+    # Concatenated StructuredOutputs merge: regex AND grammar in the one oneof.
+    inner = (
+        pb.StructuredOutputs(regex="a+").SerializeToString()
+        + pb.StructuredOutputs(grammar="start: /b+/").SerializeToString()
+    )
+    sampling = bytes([0xA2, 0x01, len(inner)]) + inner  # field 20, length-delimited
+    return (
+        pb.GenerateRequest(text="t1").SerializeToString() + bytes([0x22, len(sampling)]) + sampling
+    )
+
+
+def constrained(**constraint) -> pb.GenerateRequest:
+    return request([1], structured_outputs=pb.StructuredOutputs(**constraint))
+
+
 CASES = [
     # (name, request, code, text the message must contain)
     ("empty request", pb.GenerateRequest(), INVALID, "prompt"),
@@ -71,6 +87,67 @@ CASES = [
     ("empty stop string", request([1], stop=["ok", ""]), INVALID, "stop"),
     ("negative stop token", request([1], stop_token_ids=[-4]), INVALID, "stop_token_ids"),
     ("stop token past vocab", request([1], stop_token_ids=[5000]), INVALID, "stop_token_ids[0]"),
+    (
+        "logit_bias id past vocab",
+        request([1], logit_bias={5000: 1.0}),
+        INVALID,
+        "logit_bias token id 5000 is out of range [0, 1000)",
+    ),
+    (
+        "logit_bias value",
+        request([1], logit_bias={3: 150.0}),
+        INVALID,
+        "logit_bias[3] must be in [-100, 100], got 150.0",
+    ),
+    (
+        "prompt_logprobs > 20",
+        request([1], prompt_logprobs=21),
+        INVALID,
+        "prompt_logprobs must be in [0, 20], got 21",
+    ),
+    (
+        "a bad JSON schema",
+        constrained(json_schema='{"type": "objekt"}'),
+        INVALID,
+        "structured_outputs.json_schema: invalid JSON schema: Invalid type: objekt",
+    ),
+    (
+        "JSON schema text that is not JSON",
+        constrained(json_schema='{"type": '),
+        INVALID,
+        "structured_outputs.json_schema: invalid JSON: ",
+    ),
+    ("a bad regex", constrained(regex="[a-"), INVALID, "structured_outputs.regex: invalid regex"),
+    (
+        "a bad grammar",
+        constrained(grammar="start: foo"),
+        INVALID,
+        "structured_outputs.grammar: invalid grammar",
+    ),
+    (
+        "no choices",
+        constrained(choice=pb.Choices()),
+        INVALID,
+        "structured_outputs.choice must be a non-empty list of strings",
+    ),
+    (
+        "json_object false",
+        constrained(json_object=False),
+        INVALID,
+        "structured_outputs: exactly one of json, regex, choice, grammar, json_object must be set",
+    ),
+    (
+        "no constraint",
+        constrained(),
+        INVALID,
+        "structured_outputs: set one of json_schema, regex, choice, grammar, json_object",
+    ),
+    (
+        "two constraints",
+        raw(two_constraints()),
+        INVALID,
+        "sampling.structured_outputs: set only one of regex and grammar (constraint)",
+    ),
     ("empty request_id", request([1], request_id=""), INVALID, "request_id"),
     ("empty cache_salt", request([1], cache_salt=""), INVALID, "cache_salt"),
 ]

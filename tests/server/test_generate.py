@@ -3,12 +3,14 @@ logprobs, seeds, usage, and every sampling field reaches the engine unchanged.""
 
 from __future__ import annotations
 
+import json
 import threading
 
 from fake_engine import FakeEngine, offline_generate
 from serving_helpers import Collected, collect, request
 
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
+from jpaged.structured_output import StructuredOutputsParams
 from server.proto.jpaged.v1 import generation_pb2 as pb
 
 STOP, LENGTH = pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH
@@ -165,16 +167,45 @@ def test_every_sampling_field_reaches_the_engine(make_server):
         "include_stop_str_in_output": True,
         "skip_special_tokens": False,
     }
-    collect(s.stub, request([1, 2], request_id="all-fields", cache_salt="salty", **fields))
+    wire = {
+        "logit_bias": {5: 2.5, 7: -100.0},
+        "prompt_logprobs": 2,
+        "structured_outputs": pb.StructuredOutputs(choice=pb.Choices(choices=["a", "bc"])),
+    }
+    collect(s.stub, request([1, 2], request_id="all-fields", cache_salt="salty", **fields, **wire))
     ((params, salt),) = [v for k, v in engine.received.items() if k.startswith("all-fields#")]
     # The server asks for deltas (it forwards the engine's outputs as they are).
     delta = RequestOutputKind.DELTA
-    assert params == SamplingParams(**fields, output_kind=delta)
+    assert params == SamplingParams(
+        **fields,
+        logit_bias={5: 2.5, 7: -100.0},
+        prompt_logprobs=2,
+        structured_outputs=StructuredOutputsParams(choice=["a", "bc"]),
+        output_kind=delta,
+    )
     assert salt == "salty"
     # Unset fields keep the offline defaults.
     collect(s.stub, request([1, 2], request_id="defaults"))
     ((params, salt),) = [v for k, v in engine.received.items() if k.startswith("defaults#")]
     assert params == SamplingParams(output_kind=delta) and salt is None
+    # Each constraint kind, json_schema as JSON text.
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    kinds = {
+        "json": pb.StructuredOutputs(json_schema=json.dumps(schema), disable_any_whitespace=True),
+        "regex": pb.StructuredOutputs(regex="[0-9]+"),
+        "grammar": pb.StructuredOutputs(grammar="start: /x+/"),
+        "json_object": pb.StructuredOutputs(json_object=True),
+    }
+    want = {
+        "json": StructuredOutputsParams(json=json.dumps(schema), disable_any_whitespace=True),
+        "regex": StructuredOutputsParams(regex="[0-9]+"),
+        "grammar": StructuredOutputsParams(grammar="start: /x+/"),
+        "json_object": StructuredOutputsParams(json_object=True),
+    }
+    for kind, constraint in kinds.items():
+        collect(s.stub, request([1], request_id=kind, structured_outputs=constraint))
+        ((params, _),) = [v for k, v in engine.received.items() if k.startswith(kind + "#")]
+        assert params.structured_outputs == want[kind], kind
 
 
 def test_cached_prompt_tokens_and_salt(server):

@@ -45,14 +45,30 @@ def test_stubs_import_and_describe_the_service():
     }
     assert hasattr(pb_grpc, "GenerationStub")
     # Every SamplingParams field a client sets is in the proto, with presence for the scalar
-    # ones (output_kind is the server's: it streams deltas). logit_bias, prompt_logprobs and
-    # structured_outputs reach the engine through the HTTP API only, so far.
+    # ones (output_kind is the server's: it streams deltas).
     import dataclasses
 
     from jpaged.sampling_params import SamplingParams
+    from jpaged.structured_output import KINDS, StructuredOutputsParams
 
     fields = pb.SamplingParameters.DESCRIPTOR.fields_by_name
-    http_only = {"output_kind", "logit_bias", "prompt_logprobs", "structured_outputs"}
-    assert set(fields) == {f.name for f in dataclasses.fields(SamplingParams)} - http_only
+    assert set(fields) == {f.name for f in dataclasses.fields(SamplingParams)} - {"output_kind"}
     for f in fields.values():
         assert f.is_repeated or f.has_presence, f.name
+    bias = fields["logit_bias"].message_type
+    assert bias.GetOptions().map_entry
+    assert [bias.fields_by_name[k].cpp_type for k in ("key", "value")] == [
+        bias.fields_by_name["key"].CPPTYPE_INT32,
+        bias.fields_by_name["value"].CPPTYPE_FLOAT,
+    ]
+    # Every constraint kind is one member of the oneof (json as json_schema, JSON text), and
+    # every other StructuredOutputsParams field is a field of its own.
+    constraint = pb.StructuredOutputs.DESCRIPTOR
+    members = [f.name for f in constraint.oneofs_by_name["constraint"].fields]
+    assert members == ["json_schema", *KINDS[1:]]
+    params = {f.name for f in dataclasses.fields(StructuredOutputsParams) if f.init}
+    assert set(constraint.fields_by_name) == params - {"json"} | {"json_schema"}
+    # The response carries the prompt's logprobs.
+    assert pb.GenerateResponse.DESCRIPTOR.fields_by_name["prompt_logprobs"].message_type == (
+        pb.TokenLogprob.DESCRIPTOR
+    )
