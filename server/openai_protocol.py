@@ -28,6 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jpaged.sampling_params import SamplingParams
+from jpaged.structured_output import KINDS as CONSTRAINT_KINDS
 from jpaged.structured_output import StructuredOutputsParams
 
 MAX_LOGIT_BIAS = 100.0
@@ -300,7 +301,8 @@ def structured_outputs_of(req: _SamplingRequest) -> StructuredOutputsParams | No
     """The request's one constraint, from whichever field spells it; APIError(400) for two
     spellings, an unknown key in structured_outputs, or a constraint llguidance refuses
     (param names the request's field: guided_regex, structured_outputs.json,
-    response_format.json_schema.schema ...)."""
+    response_format.json_schema.schema ...). structured_outputs' options
+    (disable_any_whitespace) apply whichever field holds the constraint, as in vLLM."""
     given: list[tuple[str, dict[str, Any]]] = []  # (request field, StructuredOutputsParams kwargs)
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -313,13 +315,31 @@ def structured_outputs_of(req: _SamplingRequest) -> StructuredOutputsParams | No
                 param="response_format.json_schema",
             )
         given.append(("response_format.json_schema.schema", {"json": fmt.json_schema.schema_}))
+    options: dict[str, Any] = {}  # disable_any_whitespace: applies to any spelling (vLLM)
     if req.structured_outputs is not None:
-        given.append(("structured_outputs", dict(req.structured_outputs)))
+        kinds = dict(req.structured_outputs)
+        for key in kinds:
+            if key not in _CONSTRAINT_FIELDS:
+                raise APIError(
+                    400,
+                    f"unknown field 'structured_outputs.{key}': this server does not support it",
+                    param=f"structured_outputs.{key}",
+                )
+        options = {k: kinds.pop(k) for k in list(kinds) if k not in CONSTRAINT_KINDS}
+        if kinds:
+            given.append(("structured_outputs", kinds))
     for name in _GUIDED:
         value = getattr(req, name)
         if value is not None:
             given.append((name, {name.removeprefix("guided_"): value}))
     if not given:
+        if options:
+            raise APIError(
+                400,
+                "structured_outputs: set a constraint (json, regex, choice, grammar, "
+                "json_object) here or in response_format or guided_*",
+                param="structured_outputs",
+            )
         return None
     if len(given) > 1:
         names = [field.split(".")[0] for field, _ in given]
@@ -330,16 +350,8 @@ def structured_outputs_of(req: _SamplingRequest) -> StructuredOutputsParams | No
             param=names[1],
         )
     field, kwargs = given[0]
-    if field == "structured_outputs":
-        for key in kwargs:
-            if key not in _CONSTRAINT_FIELDS:
-                raise APIError(
-                    400,
-                    f"unknown field 'structured_outputs.{key}': this server does not support it",
-                    param=f"structured_outputs.{key}",
-                )
     try:
-        return StructuredOutputsParams(**kwargs)
+        return StructuredOutputsParams(**kwargs, **options)
     except ValueError as e:
         message = str(e)
         # "structured_outputs.regex: invalid regex: ..." -> this request's field

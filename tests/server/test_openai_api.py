@@ -256,6 +256,26 @@ def test_every_sampling_field_reaches_the_engine(make_server):
     want = SamplingParams(max_tokens=4, logprobs=2, structured_outputs=choice, output_kind=delta)
     assert params == want
     assert salt is None
+    # response_format, with structured_outputs' options (vLLM merges them the same way)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    formats = {
+        "json_schema": (
+            {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+            {"structured_outputs": {"disable_any_whitespace": True}},
+            StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+        ),
+        "json_object": (
+            {"type": "json_object"},
+            {},
+            StructuredOutputsParams(json_object=True),
+        ),
+    }
+    for fmt, extra, want in formats.values():
+        c.chat.completions.create(
+            model="fake", messages=USER_T5, max_tokens=2, response_format=fmt, extra_body=extra
+        )
+        (params, _) = engine.received.popitem()[1]
+        assert params.structured_outputs == want
     # echo with logprobs asks for the prompt's logprobs too
     c.completions.create(model="fake", prompt=[1, 2], max_tokens=2, logprobs=1, echo=True)
     (params, _) = engine.received.popitem()[1]

@@ -10,6 +10,7 @@ LLM's engine then serves in-process for the failed-step test, which needs to rea
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import pathlib
 import re
@@ -17,12 +18,15 @@ import time
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving_helpers import RunningServer, ServeProcess, collect, request, scrape
 
 from jpaged import LLM, SamplingParams
+from jpaged.structured_output import StructuredOutputsParams
+from server.proto.jpaged.v1 import generation_pb2 as pb
 from server.proto.jpaged.v1 import generation_pb2_grpc as pb_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -34,6 +38,15 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 HELLO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "sunny": {"type": "boolean"}},
+    "required": ["city", "sunny"],
+    "additionalProperties": False,
+}
+CHOICES = ["red", "green", "blue"]
+REGEX = r"[a-z]{3}-[0-9]{2}"
+BIASED = 1234  # a token the demo model does not pick after "The weather was"
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +65,9 @@ def refs(llm) -> dict:
     chat = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10, logprobs=2)
     numbers = llm.generate(["Numbers are"], greedy(16))[0].outputs[0].text
     stop = numbers[len(numbers) // 2 : len(numbers) // 2 + 2]  # two characters of its middle
+    compact_json = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    choice = StructuredOutputsParams(choice=CHOICES)
+    regex = StructuredOutputsParams(regex=REGEX)
     return {
         "weather": llm.generate(["The weather was"], greedy(12, logprobs=2))[0],
         "chat_ids": ids,
@@ -59,6 +75,11 @@ def refs(llm) -> dict:
         "numbers": numbers,
         "stop": stop,
         "stopped": llm.generate(["Numbers are"], greedy(16, stop=[stop]))[0],
+        # The demo model's random weights would fill flexible JSON with whitespace.
+        "json": llm.generate([ids], greedy(64, structured_outputs=compact_json))[0],
+        "choice": llm.generate(["Pick a colour:"], greedy(8, structured_outputs=choice))[0],
+        "regex": llm.generate(["Code:"], greedy(16, structured_outputs=regex))[0],
+        "echo": llm.generate(["The weather was"], greedy(2, logprobs=2, prompt_logprobs=2))[0],
     }
 
 
@@ -232,6 +253,137 @@ def test_64_concurrent_streamed_chats(served, llm):
         assert usage.total_tokens == prompt + 3 + i % 4
         assert chunks[0].choices[0].delta.role == "assistant"
         assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_json_schema_response_format(served, refs):
+    want = refs["json"].outputs[0]
+    r = client(served).chat.completions.create(
+        model=NAME,
+        messages=HELLO,
+        max_tokens=64,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True},
+        },
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}},
+    )
+    (choice,) = r.choices
+    assert choice.finish_reason == "stop" and choice.message.content == want.text
+    value = json.loads(choice.message.content)
+    jsonschema.validate(value, SCHEMA)
+    assert set(value) == {"city", "sunny"} and isinstance(value["sunny"], bool)
+
+
+def test_guided_choice_and_regex(served, refs):
+    c = client(served)
+    r = c.completions.create(
+        model=NAME,
+        prompt="Pick a colour:",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"guided_choice": CHOICES},
+    )
+    assert r.choices[0].text == refs["choice"].outputs[0].text
+    assert r.choices[0].text in CHOICES and r.choices[0].finish_reason == "stop"
+    chunks = c.completions.create(
+        model=NAME,
+        prompt="Code:",
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        extra_body={"structured_outputs": {"regex": REGEX}},
+    )
+    text = "".join(ch.choices[0].text for ch in chunks)
+    assert text == refs["regex"].outputs[0].text and re.fullmatch(REGEX, text)
+    # The same over gRPC.
+    with grpc.insecure_channel(f"127.0.0.1:{served.port}") as ch:
+        choice = pb.StructuredOutputs(choice=pb.Choices(choices=CHOICES))
+        got = collect(
+            pb_grpc.GenerationStub(ch),
+            request("Pick a colour:", temperature=0, max_tokens=8, structured_outputs=choice),
+            metadata=(("authorization", f"Bearer {KEY}"),),
+        )
+    assert got.text == {0: refs["choice"].outputs[0].text}
+    assert got.finish_reason == {0: pb.FINISH_REASON_STOP}
+
+
+def test_bad_constraints_are_400s_before_any_stream(served):
+    c = client(served)
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(
+            model=NAME, messages=HELLO, response_format=bad_schema, stream=True
+        )
+    assert err.value.body["param"] == "response_format.json_schema.schema"
+    assert "invalid JSON schema: Invalid type: objekt" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(
+            model=NAME, prompt="x", stream=True, extra_body={"guided_regex": "[0-9"}
+        )
+    assert err.value.body["param"] == "guided_regex"
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(
+            model=NAME,
+            prompt="x",
+            extra_body={"response_format": {"type": "json_object"}, "guided_choice": CHOICES},
+        )
+    assert err.value.body["param"] == "guided_choice"
+    assert "got response_format and guided_choice" in err.value.body["message"]
+
+
+def test_logit_bias_picks_the_first_token(served, refs):
+    assert refs["weather"].outputs[0].token_ids[0] != BIASED
+    r = client(served).completions.create(
+        model=NAME,
+        prompt="The weather was",
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(BIASED): 100},
+        extra_body={"return_token_ids": True},
+    )
+    assert r.choices[0].model_extra["token_ids"] == [BIASED] * 3
+    with grpc.insecure_channel(f"127.0.0.1:{served.port}") as ch:
+        got = collect(
+            pb_grpc.GenerationStub(ch),
+            request("The weather was", temperature=0, max_tokens=3, logit_bias={BIASED: 100.0}),
+            metadata=(("authorization", f"Bearer {KEY}"),),
+        )
+    assert got.token_ids == {0: [BIASED] * 3}
+
+
+def test_echo_with_logprobs_carries_the_prompts_logprobs(served, llm, refs):
+    want = refs["echo"]
+    prompt, generated = want.prompt_token_ids, want.outputs[0]
+    c = client(served)
+    common = {"model": NAME, "prompt": "The weather was", "max_tokens": 2, "temperature": 0}
+    r = c.completions.create(**common, echo=True, logprobs=2)
+    (choice,) = r.choices
+    assert choice.text == "The weather was" + generated.text
+    lp = choice.logprobs
+    ids = prompt + generated.token_ids
+    assert lp.tokens == [token_text(llm, t) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # as OpenAI's
+    positions = want.prompt_logprobs[1:] + generated.logprobs
+    for i, (t, position) in enumerate(zip(ids[1:], positions, strict=True), start=1):
+        assert math.isclose(lp.token_logprobs[i], position[t], abs_tol=1e-5)
+        by_text = {token_text(llm, k): v for k, v in position.items()}
+        assert lp.top_logprobs[i] == pytest.approx(by_text, abs=1e-5)
+    streamed = list(c.completions.create(**common, echo=True, logprobs=2, stream=True))
+    assert [t for ch in streamed for t in ch.choices[0].logprobs.tokens] == lp.tokens
+    # gRPC: the prompt's logprobs in one message, one entry per prompt token after the first.
+    with grpc.insecure_channel(f"127.0.0.1:{served.port}") as ch:
+        got = collect(
+            pb_grpc.GenerationStub(ch),
+            request("The weather was", temperature=0, max_tokens=2, prompt_logprobs=2),
+            metadata=(("authorization", f"Bearer {KEY}"),),
+        )
+    (entries,) = [list(m.prompt_logprobs) for m in got.messages if m.prompt_logprobs]
+    assert [e.token_id for e in entries] == prompt[1:]
+    for e, position in zip(entries, want.prompt_logprobs[1:], strict=True):
+        assert math.isclose(e.logprob, position[e.token_id], abs_tol=1e-5)
+        best = sorted(position.items(), key=lambda kv: -kv[1])
+        assert [x.token_id for x in e.top_logprobs] == [t for t, _ in best]
 
 
 @pytest.fixture

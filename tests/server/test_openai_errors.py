@@ -170,6 +170,14 @@ CASES = [
         "unknown field 'structured_outputs.backend'",
     ),
     (
+        "structured_outputs with options only",
+        CHAT,
+        {"messages": USER, "structured_outputs": {"disable_any_whitespace": True}},
+        400,
+        "structured_outputs",
+        "structured_outputs: set a constraint",
+    ),
+    (
         "response_format and guided_regex",
         CHAT,
         {"messages": USER, "response_format": {"type": "json_object"}, "guided_regex": "a+"},
