@@ -38,6 +38,7 @@ from jpaged.step_inputs import (
     pad_rows,
     step_key,
     update_capacity,
+    warm_up_keys,
 )
 from jpaged.step_plan import StepPlan, empty_plan
 from models.config import ModelConfig
@@ -107,9 +108,15 @@ class ModelRunner:
         """Programs the engine can need: every step key, the prelude (and swap copies)."""
         return len(bucket_keys(self.config)) + 1 + (2 if self.swap_space is not None else 0)
 
-    def precompile(self) -> float:
+    def warm_up_keys(self, context_len: int) -> list[StepKey]:
+        """The step keys short requests (up to context_len tokens) meet first."""
+        return warm_up_keys(self.config, context_len)
+
+    def precompile(self, keys: list[StepKey] | None = None) -> float:
+        """Compiles the step programs of keys (default: every bucket), the prelude and the
+        swap copies; returns the seconds it took."""
         t0 = time.perf_counter()
-        for key in bucket_keys(self.config):
+        for key in bucket_keys(self.config) if keys is None else keys:
             self.programs.step(
                 key, self.params, self.state, self.dummy_inputs(key), self.last_tokens
             )

@@ -115,6 +115,38 @@ def bucket_keys(config: EngineConfig) -> list[StepKey]:
     return keys
 
 
+def warm_up_keys(config: EngineConfig, context_len: int) -> list[StepKey]:
+    """The step shapes short requests meet first: one request's prompt of up to context_len
+    tokens (every token bucket up to its own, the smallest sequence bucket), and decode steps
+    of every sequence bucket, each at every page-column bucket up to context_len's. With
+    speculative decoding, the ragged steps that verify proposals too. A subset of
+    bucket_keys(config)."""
+    c = config
+    context_len = max(1, min(context_len, c.scheduler.max_model_len))
+    cols = bucket(c.page_buckets, -(-context_len // c.cache.page_size))
+    tokens = bucket(c.token_buckets, min(context_len, c.scheduler.max_num_batched_tokens))
+    pages = [p for p in c.page_buckets if p <= cols]
+    keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in pages]
+    spec = c.speculative
+    drafted = spec is not None and spec.method == "draft_model"
+    keys += [
+        StepKey(t, c.seq_buckets[0], p, False)
+        for t in c.token_buckets
+        if t <= tokens
+        for p in pages
+    ]
+    k = c.num_speculative_tokens
+    if k > 0:  # decoding rows verify k proposals each: s * (k + 1) tokens
+        most = c.scheduler.max_num_batched_tokens
+        keys += [
+            StepKey(bucket(c.token_buckets, min(s * (k + 1), most)), s, p, False, spec_k=k,
+                    spec_draft=drafted)
+            for s in c.seq_buckets
+            for p in pages
+        ]
+    return keys
+
+
 def update_capacity(key: StepKey, page_size: int) -> int:
     """Page-table updates a step of this key carries (more go through the prelude first)."""
     n = 2 * key.num_seqs + key.num_tokens // page_size
