@@ -93,3 +93,85 @@ def test_logit_bias_picks_the_biased_token_and_keeps_the_models_logprobs(demo_ll
         demo_llm.generate(["x"], greedy(logit_bias={999999: 1.0}))
     with pytest.raises(ValueError, match=r"logit_bias\[3\] must be in \[-100, 100\]"):
         SamplingParams(logit_bias={3: 101.0})
+
+
+RICH_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99},
+        "score": {"type": "number", "minimum": -1, "maximum": 1},
+        "kind": {"enum": ["cat", "dog", "fish"]},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]$"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3},
+                 "minItems": 1, "maxItems": 2},
+        "owner": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}},
+                  "required": ["name"], "additionalProperties": False},
+        "note": {"type": "string", "maxLength": 3},
+    },
+    "required": ["id", "score", "kind", "code", "tags", "owner"],
+    "additionalProperties": False,
+}  # fmt: skip
+REGEX = r"[a-c]{2,4}-(x|yy)[0-9]?"
+CHOICES = ["red", "green", "blue", "cyan"]
+GRAMMAR = 'start: item ("+" item)*\nitem: NUM | "(" start ")"\nNUM: /[0-9]/'
+
+
+def parses_as_grammar(text: str) -> bool:
+    """text in GRAMMAR's language: innermost "(sum)" groups reduce to a digit until one sum
+    of digits is left."""
+    flat = r"[0-9](\+[0-9])*"
+    while True:
+        reduced = re.sub(r"\(" + flat + r"\)", "0", text)
+        if reduced == text:
+            return re.fullmatch(flat, text) is not None
+        text = reduced
+
+
+def test_grammar_checker():
+    assert parses_as_grammar("1+(2+(3))+4") and parses_as_grammar("7")
+    assert not any(map(parses_as_grammar, ["", "1+", "(1", "()", "1(2)", "12"]))
+
+
+def test_32_sampled_requests_of_each_kind_hold_their_constraint_beside_free_ones(demo_model_dir):
+    """Temperature 1, a seed each, all in one batch with unconstrained requests whose tokens
+    equal a run without the constrained ones; every output is complete and valid."""
+    import jsonschema
+
+    from jpaged import LLM
+
+    llm = LLM(str(demo_model_dir), max_num_seqs=64, max_model_len=512,
+              max_num_batched_tokens=512, page_size=16, num_pages=1024)  # fmt: skip
+    kinds = {
+        "json": Constraint(json=RICH_SCHEMA, disable_any_whitespace=True),
+        "regex": Constraint(regex=REGEX),
+        "choice": Constraint(choice=CHOICES),
+        "grammar": Constraint(grammar=GRAMMAR),
+    }
+    free = [SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=12, ignore_eos=True)
+            for i in range(8)]  # fmt: skip
+    free_prompts = [f"free {i}" for i in range(8)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(free_prompts, free)]
+    prompts, params = [], []
+    for name, constraint in kinds.items():
+        for i in range(32):
+            prompts.append(f"{name} {i}")
+            params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=200,
+                                         structured_outputs=constraint))  # fmt: skip
+    outs = llm.generate(prompts + free_prompts, params + free)
+    for out, prompt in zip(outs, prompts, strict=False):
+        (c,) = out.outputs
+        assert c.finish_reason == "stop", (prompt, c.text)
+        kind = prompt.split()[0]
+        if kind == "json":
+            jsonschema.validate(json.loads(c.text), RICH_SCHEMA)
+        elif kind == "regex":
+            assert re.fullmatch(REGEX, c.text), c.text
+        elif kind == "choice":
+            assert c.text in CHOICES
+        else:
+            assert parses_as_grammar(c.text), c.text
+    # Sampled: not every request of a kind says the same thing.
+    for i, name in enumerate(kinds):
+        assert len({o.outputs[0].text for o in outs[32 * i : 32 * i + 32]}) > 1, name
+    assert [o.outputs[0].token_ids for o in outs[-8:]] == alone
+    assert llm.stats()["pages_used"] == 0

@@ -9,13 +9,13 @@ the constraint, checked by an independent parser (json, re, ast).
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import re
 from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
+import jsonschema
 import llguidance.numpy
 import numpy as np
 import pytest
@@ -147,10 +147,7 @@ def test_json_schema_walks_parse_and_validate(manager, demo_tokenizer, disable_a
     for text in texts:
         obj = json.loads(text)
         check_schema_by_hand(obj)
-        if importlib.util.find_spec("jsonschema") is not None:
-            import jsonschema
-
-            jsonschema.validate(obj, SCHEMA)
+        jsonschema.validate(obj, SCHEMA)
         outside_strings = re.sub(r'"(\\.|[^"\\])*"', '""', text)
         assert bool(re.search(r"\s", outside_strings)) <= (not disable_any_whitespace), text
 

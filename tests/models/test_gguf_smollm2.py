@@ -8,6 +8,8 @@ dequantized weight, the Q/K un-permutation, the config and the tokenizer are rig
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch  # the reference runs transformers (tests/needs_torch.py reads this import)
 
@@ -178,3 +180,38 @@ def test_chat_answers_the_capital_of_france(smol_llm, hf_smollm2_tokenizer):
         smol_llm.chat([question, []], greedy)
     (again,) = smol_llm.chat(question, greedy)
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_json_extraction_gives_valid_json_with_the_prompts_values(smol_llm):
+    """A JSON schema on the real model: the output parses, fits the schema, and its strings
+    are the prompt's (the 135M model copies names and cities; its ages are not the prompt's,
+    so only their type is checked)."""
+    import jsonschema
+
+    from jpaged import SamplingParams
+    from jpaged.structured_output import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "city": {"type": "string"},
+        },
+        "required": ["name", "age", "city"],
+        "additionalProperties": False,
+    }
+    texts = {
+        ("Maria Lopez", "Madrid"): "Extract the person's name, age and city as JSON: "
+        "Maria Lopez is 34 years old and lives in Madrid.",
+        ("Tom Baker", "Boston"): "Extract name, age and city as JSON from this text: "
+        "Last week Tom Baker, 52, moved to Boston.",
+    }
+    constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0, max_tokens=64, structured_outputs=constraint)
+    outs = smol_llm.chat([[{"role": "user", "content": t}] for t in texts.values()], params)
+    for (name, city), out in zip(texts, outs, strict=True):
+        assert out.outputs[0].finish_reason == "stop"
+        value = json.loads(out.outputs[0].text)
+        jsonschema.validate(value, schema)
+        assert (value["name"], value["city"]) == (name, city)
