@@ -1,16 +1,15 @@
-"""What structured outputs and speculative decoding cost or win, measured on one engine.
+"""What structured outputs cost the batch, measured on one engine.
 
     python scripts/bench_features.py constrained [--model M] [--num-requests 32]
-    python scripts/bench_features.py speculative [--model M] [--num-requests 16]
+    python scripts/bench_features.py constrained --num-requests 64 --counts 0,64   # issue 14
 
-constrained: a batch of greedy requests, none constrained, then the same batch with 1 and then
-8 of them constrained by a JSON schema (compact JSON): output tokens/s of the whole batch and
-the mean step time, so the cost a constrained request puts on the others shows.
+constrained: a batch of greedy requests, none constrained, then the same batch with --counts
+of them (default 1, then 8) constrained by a JSON schema (compact JSON): output tokens/s of
+the whole batch and its decode steps, so the cost a constrained request puts on the others
+shows. Constrained requests stop when their JSON is complete; the others run to
+--max-tokens.
 
-speculative: n-gram speculation (prompt lookup, k = 4) against none, greedy, on a workload
-that copies from its prompt ("repeat this list") and on one that does not (short open
-prompts), reporting tokens/s, steps and the acceptance (proposed, accepted, mean acceptance
-length). The outputs of the two engines must be the same tokens; the script checks it.
+Speculative decoding is measured by scripts/bench_speculative.py.
 
 The model defaults to the built-in SmolLM2-135M-Instruct. Each configuration runs once to
 warm up (compiles) and then --repeats times; the table shows the median and the spread.
@@ -41,7 +40,6 @@ SCHEMA = {
     "required": ["name", "age", "city"],
     "additionalProperties": False,
 }
-WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india"]
 
 
 def timed(llm: LLM, prompts, params, repeats: int) -> dict:
@@ -75,7 +73,7 @@ def constrained(args) -> dict:
         structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
     )
     rows = {}
-    for num in (0, 1, 8):
+    for num in [min(int(c), args.num_requests) for c in args.counts.split(",")]:
         params = [json_params] * num + [plain] * (args.num_requests - num)
         res = timed(llm, prompts, params, args.repeats)
         for o in res["outputs"][:num]:
@@ -91,58 +89,18 @@ def constrained(args) -> dict:
     return rows
 
 
-def speculative(args) -> dict:
-    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-             "prompt_lookup_min": 2}  # fmt: skip
-    engines = {
-        "off": LLM(args.model, max_num_seqs=args.num_requests, max_model_len=1024),
-        "ngram": LLM(
-            args.model, max_num_seqs=args.num_requests, max_model_len=1024, speculative_config=ngram
-        ),  # fmt: skip
-    }
-    copy = [
-        "Repeat this list exactly, one item per line:\n"
-        + "\n".join(f"{WORDS[(i + j) % len(WORDS)]} {j}" for j in range(12))
-        + "\nList:\n"
-        for i in range(args.num_requests)
-    ]
-    open_ended = [f"Tell me a fact about the number {i}." for i in range(args.num_requests)]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    rows = {}
-    for name, prompts in (("copying", copy), ("open-ended", open_ended)):
-        res = {k: timed(llm, prompts, params, args.repeats) for k, llm in engines.items()}
-        same = [o.outputs[0].token_ids for o in res["off"]["outputs"]] == [
-            o.outputs[0].token_ids for o in res["ngram"]["outputs"]
-        ]
-        s = res["ngram"]["stats"]
-        rows[name] = {
-            "off_tokens_per_s": res["off"]["tokens_per_s"],
-            "ngram_tokens_per_s": res["ngram"]["tokens_per_s"],
-            "speedup": res["ngram"]["tokens_per_s"] / res["off"]["tokens_per_s"],
-            "spread_off": res["off"]["spread"],
-            "spread_ngram": res["ngram"]["spread"],
-            "same_tokens": same,
-            "proposed": s["spec_num_draft_tokens"],
-            "accepted": s["spec_num_accepted_tokens"],
-            "mean_acceptance_length": s["spec_mean_acceptance_length"],
-        }
-        r = rows[name]
-        print(f"{name:>10}: off {r['off_tokens_per_s']:7.1f}, ngram {r['ngram_tokens_per_s']:7.1f} "
-              f"tokens/s ({r['speedup']:.2f}x), accepted {r['accepted']}/{r['proposed']}, "
-              f"mean acceptance length {r['mean_acceptance_length']:.2f}, same tokens {same}",
-              flush=True)  # fmt: skip
-    return rows
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("constrained", "speculative"))
+    parser.add_argument("what", choices=("constrained",))
     parser.add_argument("--model", default=None, help="(default: SmolLM2-135M-Instruct)")
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--counts", default="0,1,8", help="constrained: how many requests are constrained, per run"
+    )
     args = parser.parse_args()
-    rows = constrained(args) if args.what == "constrained" else speculative(args)
+    rows = constrained(args)
     print("RESULT_JSON " + json.dumps({"args": vars(args), "rows": rows}))
     return 0
 

@@ -1,0 +1,155 @@
+"""What n-gram speculative decoding wins or costs, at batch 1 and batch 8 (issue 15).
+
+    python scripts/bench_speculative.py                      # SmolLM2-135M-Instruct, float32
+    python scripts/bench_speculative.py --batch-sizes 1 --repeats 3 --max-tokens 96
+
+Two engines on the same model, one without speculation and one with n-gram (prompt lookup)
+speculation (--k proposals, lookup 1 to 4 tokens), both greedy, chat-templated prompts:
+
+  code-edit  "rename this variable in this snippet" over short Python functions: the answer
+             copies most of the prompt;
+  quotes     "quote the sentences about X from this passage": the answer copies spans;
+  free       open questions: little to copy, so proposals are mostly rejected.
+
+For each workload and batch size B, the prompts run B at a time (batch 1: one request alone
+at a time) after one warm-up pass that compiles the shapes; output tokens/s is all output
+tokens over all the passes' wall time, the median of --repeats. The two engines' tokens must
+be the same (greedy speculation is exact); the script checks it and reports the acceptance:
+draft tokens proposed, accepted, and the mean acceptance length (tokens per verify step).
+Prints one line `RESULT_JSON {...}` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jpaged import LLM, SamplingParams
+
+SNIPPETS = [
+    (
+        "def total_price(items, tax):\n    subtotal = 0\n    for item in items:\n"
+        "        subtotal += item.price * item.quantity\n    return subtotal * (1 + tax)\n"
+    ),
+    (
+        "def count_words(text):\n    counts = {}\n    for word in text.split():\n"
+        "        counts[word] = counts.get(word, 0) + 1\n    return counts\n"
+    ),
+    (
+        "def moving_average(values, window):\n    result = []\n"
+        "    for i in range(len(values) - window + 1):\n"
+        "        result.append(sum(values[i:i + window]) / window)\n    return result\n"
+    ),
+    (
+        "def find_max(numbers):\n    best = numbers[0]\n    for number in numbers[1:]:\n"
+        "        if number > best:\n            best = number\n    return best\n"
+    ),
+]
+RENAMES = [("subtotal", "running_total"), ("counts", "frequency"), ("result", "averages"),
+           ("best", "largest")]  # fmt: skip
+PASSAGE = (
+    "The Eiffel Tower was built for the 1889 World's Fair in Paris. It is 330 metres tall. "
+    "The river Seine flows through Paris from east to west. The Louvre is the most visited "
+    "museum in the world. Paris has about two million inhabitants. The Seine is 777 "
+    "kilometres long and ends in the English Channel. The tower was the tallest structure in "
+    "the world until 1930."
+)
+TOPICS = ["the Seine", "the Eiffel Tower", "the tower", "Paris"]
+QUESTIONS = [
+    "Why is the sky blue?",
+    "Give me three tips for sleeping better.",
+    "What is a good name for a pet turtle?",
+    "Explain what a compiler does.",
+]
+
+
+def workloads(n: int) -> dict[str, list[list[dict]]]:
+    def user(text):
+        return [{"role": "user", "content": text}]
+
+    code = [
+        user(f"Rename the variable `{RENAMES[i % 4][0]}` to `{RENAMES[i % 4][1]}` in this "
+             f"Python function and show the whole function:\n\n{SNIPPETS[i % 4]}")
+        for i in range(n)
+    ]  # fmt: skip
+    quotes = [
+        user(f"Passage: {PASSAGE}\n\nQuote, word for word, every sentence of the passage "
+             f"about {TOPICS[i % 4]}.")
+        for i in range(n)
+    ]  # fmt: skip
+    free = [user(QUESTIONS[i % 4]) for i in range(n)]
+    return {"code-edit": code, "quotes": quotes, "free": free}
+
+
+def run(llm: LLM, conversations, params, batch: int) -> tuple[float, int, list]:
+    t0 = time.perf_counter()
+    outs = []
+    for i in range(0, len(conversations), batch):
+        outs += llm.chat(conversations[i : i + batch], params)
+    seconds = time.perf_counter() - t0
+    return seconds, sum(len(o.outputs[0].token_ids) for o in outs), outs
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="(default: SmolLM2-135M-Instruct)")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument(
+        "--num-prompts", type=int, default=8, help="per workload (batch 1: run one by one)"
+    )
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
+             "prompt_lookup_min": 1}  # fmt: skip
+    common = {"max_num_seqs": max(batches), "max_model_len": 1024}
+    engines = {"off": LLM(args.model, **common),
+               "ngram": LLM(args.model, **common, speculative_config=ngram)}  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    rows = []
+    for name, convs in workloads(args.num_prompts).items():
+        for batch in batches:
+            row = {"workload": name, "batch": batch}
+            tokens = {}
+            for label, llm in engines.items():
+                run(llm, convs[:batch], params, batch)  # warm-up: compiles the shapes
+                rates = []
+                for _ in range(args.repeats):
+                    llm.reset_stats()
+                    seconds, n, outs = run(llm, convs, params, batch)
+                    rates.append(n / seconds)
+                row[f"{label}_tokens_per_s"] = statistics.median(rates)
+                row[f"{label}_spread"] = [min(rates), max(rates)]
+                tokens[label] = [o.outputs[0].token_ids for o in outs]
+                if label == "ngram":
+                    s = llm.stats()
+                    row |= {
+                        "proposed": s["spec_num_draft_tokens"],
+                        "accepted": s["spec_num_accepted_tokens"],
+                        "acceptance_rate": s["spec_num_accepted_tokens"]
+                        / max(s["spec_num_draft_tokens"], 1),
+                        "mean_acceptance_length": s["spec_mean_acceptance_length"],
+                    }
+            row["speedup"] = row["ngram_tokens_per_s"] / row["off_tokens_per_s"]
+            row["same_tokens"] = tokens["off"] == tokens["ngram"]
+            row["mean_output_tokens"] = statistics.mean(len(t) for t in tokens["off"])
+            rows.append(row)
+            print(f"{name:>9} batch {batch}: off {row['off_tokens_per_s']:7.1f}, ngram "
+                  f"{row['ngram_tokens_per_s']:7.1f} tokens/s ({row['speedup']:.2f}x); accepted "
+                  f"{row['accepted']}/{row['proposed']} ({row['acceptance_rate']:.0%}), mean "
+                  f"acceptance length {row['mean_acceptance_length']:.2f}; same tokens "
+                  f"{row['same_tokens']}", flush=True)  # fmt: skip
+    print("RESULT_JSON " + json.dumps({"args": vars(args), "rows": rows}))
+    return 0 if all(r["same_tokens"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
