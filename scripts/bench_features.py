@@ -5,9 +5,9 @@
 
 constrained: a batch of greedy requests, none constrained, then the same batch with --counts
 of them (default 1, then 8) constrained by a JSON schema (compact JSON): output tokens/s of
-the whole batch and its decode steps, so the cost a constrained request puts on the others
-shows. Constrained requests stop when their JSON is complete; the others run to
---max-tokens.
+the whole batch, so the cost a constrained request puts on the others shows. Every request
+makes the same number of tokens in every run: the constrained requests' lengths (greedy, so
+fixed) are measured first, and an unconstrained request runs to its constrained length.
 
 Speculative decoding is measured by scripts/bench_speculative.py.
 
@@ -33,11 +33,18 @@ from jpaged.structured_output import StructuredOutputsParams
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 12},
+        "name": {"type": "string", "maxLength": 20},
         "age": {"type": "integer"},
-        "city": {"type": "string", "maxLength": 12},
+        "city": {"type": "string", "maxLength": 20},
+        "hobbies": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 16},
+            "minItems": 2,
+            "maxItems": 4,
+        },
+        "bio": {"type": "string", "maxLength": 60},
     },
-    "required": ["name", "age", "city"],
+    "required": ["name", "age", "city", "hobbies", "bio"],
     "additionalProperties": False,
 }
 
@@ -64,28 +71,35 @@ def timed(llm: LLM, prompts, params, repeats: int) -> dict:
 def constrained(args) -> dict:
     llm = LLM(args.model, max_num_seqs=args.num_requests, max_model_len=512)
     prompts = [
-        f"Describe person {i} as JSON with name, age and city:" for i in range(args.num_requests)
+        f"Describe person {i} as JSON with name, age, city, hobbies and a short bio:"
+        for i in range(args.num_requests)
     ]
-    plain = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     json_params = SamplingParams(
         temperature=0,
         max_tokens=args.max_tokens,
         structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
     )
+    # Greedy: each constrained request's length is fixed; the unconstrained requests get the
+    # same lengths (ignore_eos), so every run makes the same tokens per request.
+    lengths = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, json_params)]
+    plain = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     rows = {}
     for num in [min(int(c), args.num_requests) for c in args.counts.split(",")]:
-        params = [json_params] * num + [plain] * (args.num_requests - num)
+        params = [json_params] * num + plain[num:]
         res = timed(llm, prompts, params, args.repeats)
         for o in res["outputs"][:num]:
             json.loads(o.outputs[0].text)  # every constrained output parses
-        steps = max(len(o.outputs[0].token_ids) for o in res["outputs"])
+        assert [len(o.outputs[0].token_ids) for o in res["outputs"]] == lengths
         rows[f"{num} constrained"] = {
             "tokens_per_s": res["tokens_per_s"],
             "spread": res["spread"],
-            "decode_steps": steps,
+            "output_tokens": sum(lengths),
+            "decode_steps": max(lengths),
         }
         print(f"{num:>2} of {args.num_requests} constrained: {res['tokens_per_s']:8.1f} tokens/s "
-              f"(spread {res['spread'][0]:.1f}-{res['spread'][1]:.1f})", flush=True)  # fmt: skip
+              f"(spread {res['spread'][0]:.1f}-{res['spread'][1]:.1f}; output lengths "
+              f"{min(lengths)}-{max(lengths)}, mean {statistics.mean(lengths):.1f})",
+              flush=True)  # fmt: skip
     return rows
 
 
@@ -94,7 +108,7 @@ def main() -> int:
     parser.add_argument("what", choices=("constrained",))
     parser.add_argument("--model", default=None, help="(default: SmolLM2-135M-Instruct)")
     parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--counts", default="0,1,8", help="constrained: how many requests are constrained, per run"
