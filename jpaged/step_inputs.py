@@ -83,14 +83,14 @@ def step_key(plan: StepPlan, config: EngineConfig) -> StepKey:
             sampling.penalties.prompt_tokens.shape[1],
             sampling.penalties.output_tokens.shape[1],
         )
-    extra = dict(
-        num_logprobs=num_logprobs,
-        penalty_shape=penalty_shape,
-        bias_width=0 if sampling.bias_ids is None else sampling.bias_ids.shape[1],
-        prompt_logprobs=plan.prompt_targets is not None,
-        spec_k=config.num_speculative_tokens if plan.proposals is not None else 0,
-        spec_draft=plan.proposals is not None and config.speculative.method == "draft_model",
-    )
+    extra = {
+        "num_logprobs": num_logprobs,
+        "penalty_shape": penalty_shape,
+        "bias_width": 0 if sampling.bias_ids is None else sampling.bias_ids.shape[1],
+        "prompt_logprobs": plan.prompt_targets is not None,
+        "spec_k": config.num_speculative_tokens if plan.proposals is not None else 0,
+        "spec_draft": plan.proposals is not None and config.speculative.method == "draft_model",
+    }
     if plan.decode_only:
         return StepKey(num_seqs, num_seqs, cols, True, **extra)
     num_tokens = bucket(config.token_buckets, max(plan.num_tokens, 1))
