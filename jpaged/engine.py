@@ -279,6 +279,12 @@ class LLMEngine:
             return None
         ids = [s.seq_id for s in seqs]
         want = np.minimum(self._tracker.num_proposals(ids), caps)
+        limit = self.speculative.disable_by_batch_size
+        if limit is not None and len(seqs) > limit:
+            # A big batch: only seeded sampled rows speculate (their tokens must not depend
+            # on the batch; a greedy row's tokens are the same either way).
+            keep = [s.params.seed is not None and s.params.temperature > 0 for s in seqs]
+            want = np.where(keep, want, 0)
         if self._drafter is not None:  # slots now, the draft's tokens once pages are known
             self._proposed = dict(zip(ids, want.tolist(), strict=True))
             return {i: [0] * int(n) for i, n in zip(ids, want) if n}

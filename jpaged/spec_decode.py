@@ -40,6 +40,11 @@ class SpeculativeConfig:
     prompt_lookup_max / prompt_lookup_min: the n-gram sizes tried, longest first (ngram only;
         both default to 5, and one given alone sets the other).
     model: the draft model's checkpoint directory (draft_model only).
+    disable_by_batch_size: when more sequences than this decode in a step, greedy and
+        unseeded rows propose nothing that step (verifying extra query tokens costs more than
+        it wins in a big batch on compute-bound hardware); seeded sampled rows keep
+        speculating, so their tokens do not depend on the batch. None: never (vLLM's
+        default).
     """
 
     method: str | None = None
@@ -47,8 +52,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     model: str | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, minimum=1)
         method = self.method
         if method is None and self.model is not None:
             method = "draft_model"

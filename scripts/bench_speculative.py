@@ -106,10 +106,13 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--disable-by-batch-size", type=int, default=None, help="speculative_config's (default off)"
+    )
     args = p.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-             "prompt_lookup_min": 1}  # fmt: skip
+             "prompt_lookup_min": 1, "disable_by_batch_size": args.disable_by_batch_size}  # fmt: skip
     common = {"max_num_seqs": max(batches), "max_model_len": 1024}
     engines = {"off": LLM(args.model, **common),
                "ngram": LLM(args.model, **common, speculative_config=ngram)}  # fmt: skip

@@ -197,3 +197,25 @@ def test_a_draft_with_another_vocabulary_is_rejected(demo_model_dir, tmp_path):
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"vocabulary \(1000 tokens\) must equal the target's"):
         one_bucket(demo_model_dir, speculative_config=draft_config(other))
+
+
+def test_disable_by_batch_size_stops_greedy_proposals_in_big_batches(demo_model_dir, reference):
+    """Over the limit only seeded sampled rows propose: greedy tokens are unchanged and no
+    greedy row proposes; a seeded row's tokens equal its tokens alone (under the limit)."""
+    limited = one_bucket(demo_model_dir, num_pages=128,
+                         speculative_config={**NGRAM, "disable_by_batch_size": 2})  # fmt: skip
+    got = limited.generate(PROMPTS[:4], GREEDY)  # 4 decoding rows > 2: nothing proposed
+    assert tokens(got) == tokens(reference.generate(PROMPTS[:4], GREEDY))
+    assert limited.stats()["spec_num_draft_tokens"] == 0
+    alone = limited.generate(PROMPTS[:1], GREEDY)  # 1 row <= 2: it speculates
+    assert tokens(alone) == tokens(got)[:1] and limited.stats()["spec_num_draft_tokens"] > 0
+    seeded = SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True)
+    limited.reset_stats()
+    one = tokens(limited.generate([PROMPTS[2]], seeded))[0]
+    drafts_alone = limited.stats()["spec_num_draft_tokens"]
+    limited.reset_stats()
+    mixed = limited.generate(PROMPTS[:4], [GREEDY, GREEDY, seeded, GREEDY])
+    assert tokens(mixed)[2] == one and drafts_alone > 0
+    assert 0 < limited.stats()["spec_num_draft_tokens"]
+    with pytest.raises(ValueError, match="disable_by_batch_size must be an integer >= 1"):
+        one_bucket(demo_model_dir, speculative_config={**NGRAM, "disable_by_batch_size": 0})
