@@ -171,6 +171,11 @@ class EngineConfig:
         choices=ATTENTION_BACKENDS[1:],
     )
     precompile: bool = setting(False, "compiling every shape bucket at start-up")
+    precompile_max_len: int | None = setting(
+        None,
+        "with --precompile: compile the shapes of sequences of up to this many tokens "
+        "(default: max_model_len); longer ones compile when first met",
+    )
     generation_config: str = setting(
         "auto",
         "auto: the model's generation config supplies sampling defaults (temperature, top_p, "
@@ -213,6 +218,7 @@ class EngineConfig:
                 raise ValueError(f"speculative_config: {e}") from None
             canonical = json.dumps(dataclasses.asdict(spec), sort_keys=True)
             object.__setattr__(self, "speculative_config", canonical)
+        _positive("precompile_max_len", self.precompile_max_len, allow_none=True)
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(
                 f"generation_config must be one of {GENERATION_CONFIGS}, "

@@ -113,10 +113,13 @@ class ModelRunner:
         return warm_up_keys(self.config, context_len)
 
     def precompile(self, keys: list[StepKey] | None = None) -> float:
-        """Compiles the step programs of keys (default: every bucket), the prelude and the
-        swap copies; returns the seconds it took."""
+        """Compiles the step programs of keys (default: every bucket of sequences up to
+        config.precompile_max_len tokens), the prelude and the swap copies; returns the
+        seconds it took."""
         t0 = time.perf_counter()
-        for key in bucket_keys(self.config) if keys is None else keys:
+        if keys is None:
+            keys = bucket_keys(self.config, self.config.precompile_max_len)
+        for key in keys:
             self.programs.step(
                 key, self.params, self.state, self.dummy_inputs(key), self.last_tokens
             )

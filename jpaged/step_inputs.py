@@ -93,24 +93,47 @@ def step_key(plan: StepPlan, config: EngineConfig) -> StepKey:
     }
     if plan.decode_only:
         return StepKey(num_seqs, num_seqs, cols, True, **extra)
-    num_tokens = bucket(config.token_buckets, max(plan.num_tokens, 1))
+    # At least a token per row (forks of an n > 1 request have none; max_num_seqs <=
+    # max_num_batched_tokens), so num_tokens >= num_seqs' lower neighbour and the ragged
+    # shapes are the ones bucket_keys lists.
+    num_tokens = bucket(config.token_buckets, max(plan.num_tokens, len(plan), 1))
     return StepKey(num_tokens, num_seqs, cols, False, **extra)
 
 
-def bucket_keys(config: EngineConfig) -> list[StepKey]:
+def _page_buckets_up_to(config: EngineConfig, context_len: int) -> tuple[int, ...]:
+    """The page-column buckets of sequences of up to context_len tokens."""
+    context_len = max(1, min(context_len, config.scheduler.max_model_len))
+    cols = bucket(config.page_buckets, -(-context_len // config.cache.page_size))
+    return tuple(p for p in config.page_buckets if p <= cols)
+
+
+def _ragged_shapes(config: EngineConfig) -> list[tuple[int, int]]:
+    """(tokens, sequences) buckets of the ragged steps step_key produces: a step of s rows
+    (more than the sequence bucket below s) has at least as many tokens."""
+    shapes = []
+    below = 0  # the sequence bucket below s
+    for s in config.seq_buckets:
+        fewest = bucket(config.token_buckets, below + 1)
+        shapes += [(t, s) for t in config.token_buckets if t >= fewest]
+        below = s
+    return shapes
+
+
+def bucket_keys(config: EngineConfig, max_len: int | None = None) -> list[StepKey]:
     """Every step shape the scheduler can produce (without logprobs, penalties, logit bias
     or prompt logprobs): decode steps, ragged steps, and with speculative decoding the
-    ragged steps that verify proposals."""
+    ragged steps that verify proposals. max_len: only the shapes of sequences of up to
+    max_len tokens (page-column buckets up to its own)."""
     c = config
-    keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in c.page_buckets]
+    pages = c.page_buckets if max_len is None else _page_buckets_up_to(c, max_len)
+    keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in pages]
     spec = c.speculative
     drafted = spec is not None and spec.method == "draft_model"
     for spec_k in sorted({0, c.num_speculative_tokens}):
         keys += [
             StepKey(t, s, p, False, spec_k=spec_k, spec_draft=drafted and spec_k > 0)
-            for t in c.token_buckets
-            for s in c.seq_buckets
-            for p in c.page_buckets
+            for t, s in _ragged_shapes(c)
+            for p in pages
         ]
     return keys
 
@@ -123,9 +146,8 @@ def warm_up_keys(config: EngineConfig, context_len: int) -> list[StepKey]:
     bucket_keys(config)."""
     c = config
     context_len = max(1, min(context_len, c.scheduler.max_model_len))
-    cols = bucket(c.page_buckets, -(-context_len // c.cache.page_size))
     tokens = bucket(c.token_buckets, min(context_len, c.scheduler.max_num_batched_tokens))
-    pages = [p for p in c.page_buckets if p <= cols]
+    pages = _page_buckets_up_to(c, context_len)
     keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in pages]
     spec = c.speculative
     drafted = spec is not None and spec.method == "draft_model"

@@ -137,7 +137,8 @@ class Metrics:
         )
         self.recompiles = Counter(
             "jpaged_recompiles",
-            "Step programs compiled after --precompile compiled every bucket (should stay 0)",
+            "Step programs compiled after --precompile (0 unless a sequence outgrows "
+            "--precompile-max-len)",
             registry=r,
         )
         self.spec_decode = {

@@ -34,3 +34,21 @@ def test_a_short_request_after_warm_up_compiles_no_step_program(demo_model_dir, 
     assert set(programs.step_keys()) == set(keys)
     if speculative is not None:
         assert llm.stats()["spec_num_draft_tokens"] > 0
+
+
+def test_precompile_up_to_max_len_compiles_those_buckets_and_nothing_later(demo_model_dir):
+    llm = LLM(str(demo_model_dir), max_num_seqs=8, max_model_len=256,
+              max_num_batched_tokens=64, page_size=16, num_pages=64,
+              precompile=True, precompile_max_len=64)
+    engine = llm.llm_engine
+    programs = engine.runner.programs
+    keys = bucket_keys(engine.config, 64)
+    assert {k.num_page_cols for k in keys} == {4}  # 64 tokens: 4 pages
+    assert set(programs.step_keys()) == set(keys)
+    prompts = [[3 + i] * (5 + 7 * i) for i in range(8)]  # 5..54 tokens, up to 64 in all
+    params = [SamplingParams(temperature=0.0, max_tokens=64 - len(p), ignore_eos=True)
+              for p in prompts]
+    out = llm.generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in out] == [64 - len(p) for p in prompts]
+    assert set(programs.step_keys()) == set(keys)
+    assert llm.stats()["num_recompiles"] == 0

@@ -138,3 +138,42 @@ def test_penalty_rows_carry_their_token_histories():
     inputs = pack(plan, key, scratch_row=SCRATCH, page_size=4, mask_words=2)
     assert inputs.sampling.penalties.prompt_tokens.shape == (4, 16)
     assert inputs.sampling.penalties.presence.tolist() == [0.5, 0.0, 0.0, 0.0]
+
+
+def test_forks_pad_the_tokens_to_the_rows_so_every_key_is_a_bucket_key():
+    config = EngineConfig(
+        cache=CacheConfig(page_size=4, num_pages=64),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=64, max_model_len=32),
+    )
+    sched = Scheduler(config, PageAllocator(64), eos_token_ids=(0,))
+    add(sched, "a", [11, 12, 13], temperature=1.0, n=20, max_tokens=2)
+    plan = sched.schedule()
+    assert plan.num_tokens == 3 and len(plan) == 20  # the parent's 3 tokens; 19 forks
+    key = step_key(plan, config)
+    assert key == StepKey(num_tokens=32, num_seqs=32, num_page_cols=4, decode_only=False)
+    assert key in bucket_keys(config)
+
+
+def test_bucket_keys_are_the_reachable_shapes_up_to_max_len():
+    config = EngineConfig(
+        cache=CacheConfig(page_size=16, num_pages=64),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256),
+    )
+    assert config.seq_buckets == (4, 8, 16) and config.token_buckets == (16, 32, 64)
+    assert config.page_buckets == (4, 8, 16)
+    ragged = {(k.num_tokens, k.num_seqs) for k in bucket_keys(config) if not k.decode_only}
+    # 9..16 rows carry at least 9 tokens, which the smallest token bucket (16) holds
+    assert ragged == {(16, 4), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8), (16, 16),
+                      (32, 16), (64, 16)}
+    assert len(bucket_keys(config)) == 3 * 3 + 9 * 3
+    short = bucket_keys(config, max_len=100)  # 7 pages: page buckets 4 and 8
+    assert {k.num_page_cols for k in short} == {4, 8}
+    assert len(short) == 3 * 2 + 9 * 2
+    assert set(short) < set(bucket_keys(config))
+    big = EngineConfig(
+        cache=CacheConfig(page_size=16, num_pages=64),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=64, max_model_len=64),
+    )
+    # 33..64 rows: at least 33 tokens, so the 64-token bucket only
+    assert {k.num_tokens for k in bucket_keys(big) if k.num_seqs == 64} == {64}
+    assert {k.num_tokens for k in bucket_keys(big) if k.num_seqs == 32} == {32, 64}
