@@ -490,15 +490,18 @@ class LLMEngine:
         if current is None:
             return self._take_early_outputs()
         if self._can_overlap(current.plan):
-            self._in_flight = self._dispatch(current.plan)
+            # With speculation on, only a step that proposes nothing overlaps (see
+            # _proposes_nothing_after): its proposals would need the tokens still on the device.
+            self._in_flight = self._dispatch(current.plan, speculate=self._tracker is None)
         outputs = self._collect(current)
         if not self._groups:  # whatever is on the device belongs to finished requests
             self._in_flight = None
         return outputs
 
-    def _dispatch(self, prev: StepPlan | None) -> InFlightStep | None:
-        """Schedules and dispatches a step; prev: the plan still on the device, if any."""
-        plan = self._schedule()
+    def _dispatch(self, prev: StepPlan | None, *, speculate: bool = True) -> InFlightStep | None:
+        """Schedules and dispatches a step; prev: the plan still on the device, if any;
+        speculate: whether decoding rows may propose."""
+        plan = self._schedule(speculate=speculate)
         if not len(plan):
             return None
         bitmask = self._bitmask(plan) if plan.sampling.constrained is not None else None
@@ -546,8 +549,23 @@ class LLMEngine:
         return (
             self.config.async_scheduling
             and self.runner.broadcast is None
-            and self._tracker is None  # proposals need the committed tokens
+            and (self._tracker is None or self._proposes_nothing_after(plan))
             and not np.any(sync & plan.keep_sample)
+        )
+
+    def _proposes_nothing_after(self, plan: StepPlan) -> bool:
+        """Speculation on: whether the step after plan may skip proposals, so it can be made
+        before plan's tokens are known (proposals and verified lengths need them). So when
+        plan verified nothing and the batch is over disable_by_batch_size with no seeded
+        sampled row (those always keep their proposals, see _proposals): skipping changes no
+        greedy token, and only a batch that shrinks to the limit in this step loses a step's
+        proposals. n-gram only (a draft model replays each committed step first)."""
+        limit = self.speculative.disable_by_batch_size
+        if limit is None or self._drafter is not None or plan.proposals is not None:
+            return False
+        running = self.scheduler.running
+        return len(running) > limit and not any(
+            s.params.seed is not None and s.params.temperature > 0 for s in running
         )
 
     def _collect(self, step: InFlightStep) -> list[RequestOutput]:

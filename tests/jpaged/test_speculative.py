@@ -9,6 +9,7 @@ import pytest
 from jpaged import LLM, SamplingParams
 from jpaged.engine import LLMEngine
 from jpaged.engine_args import engine_config_from_args
+from jpaged.step_plan import PLACEHOLDER
 
 NGRAM = {
     "method": "ngram",
@@ -53,6 +54,21 @@ def reference(demo_model_dir):
 @pytest.fixture(scope="module")
 def speculative(demo_model_dir):
     return one_bucket(demo_model_dir, num_pages=128, speculative_config=NGRAM)
+
+
+def count_overlapped(engine: LLMEngine) -> list[int]:
+    """Counts, in the returned list, the steps dispatched while the step before them was
+    still on the device (their decode tokens read there)."""
+    counter = [0]
+    dispatch = engine.runner.dispatch
+
+    def counting(plan, prev_plan=None, token_bitmask=None, **kwargs):
+        if prev_plan is not None and np.any(plan.token_ids == PLACEHOLDER):
+            counter[0] += 1
+        return dispatch(plan, prev_plan, token_bitmask, **kwargs)
+
+    engine.runner.dispatch = counting
+    return counter
 
 
 def tokens(outs):
@@ -201,21 +217,27 @@ def test_a_draft_with_another_vocabulary_is_rejected(demo_model_dir, tmp_path):
 
 def test_disable_by_batch_size_stops_greedy_proposals_in_big_batches(demo_model_dir, reference):
     """Over the limit only seeded sampled rows propose: greedy tokens are unchanged and no
-    greedy row proposes; a seeded row's tokens equal its tokens alone (under the limit)."""
+    greedy row proposes, and those steps overlap the host's work with the device's (async
+    scheduling, as without speculation); a seeded row's tokens equal its tokens alone (under
+    the limit), and while it runs no step overlaps."""
     limited = one_bucket(demo_model_dir, num_pages=128,
                          speculative_config={**NGRAM, "disable_by_batch_size": 2})  # fmt: skip
+    overlapped = count_overlapped(limited.llm_engine)
     got = limited.generate(PROMPTS[:4], GREEDY)  # 4 decoding rows > 2: nothing proposed
     assert tokens(got) == tokens(reference.generate(PROMPTS[:4], GREEDY))
     assert limited.stats()["spec_num_draft_tokens"] == 0
+    assert overlapped[0] >= 30  # 40 tokens each: every decode step after the first two
     alone = limited.generate(PROMPTS[:1], GREEDY)  # 1 row <= 2: it speculates
     assert tokens(alone) == tokens(got)[:1] and limited.stats()["spec_num_draft_tokens"] > 0
-    seeded = SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=11, max_tokens=40, ignore_eos=True)
     limited.reset_stats()
     one = tokens(limited.generate([PROMPTS[2]], seeded))[0]
     drafts_alone = limited.stats()["spec_num_draft_tokens"]
     limited.reset_stats()
+    overlapped[0] = 0
     mixed = limited.generate(PROMPTS[:4], [GREEDY, GREEDY, seeded, GREEDY])
     assert tokens(mixed)[2] == one and drafts_alone > 0
     assert 0 < limited.stats()["spec_num_draft_tokens"]
+    assert overlapped[0] == 0  # the seeded row runs to the end with the others
     with pytest.raises(ValueError, match="disable_by_batch_size must be an integer >= 1"):
         one_bucket(demo_model_dir, speculative_config={**NGRAM, "disable_by_batch_size": 0})
