@@ -44,7 +44,8 @@ from jpaged.sampler import SamplerOutput
 from jpaged.sampling_params import SamplingParams
 from jpaged.scheduler import Scheduler
 from jpaged.sequence import RequestGroup, SeqStatus, Sequence
-from jpaged.spec_decode import AcceptanceTracker
+from jpaged.spec_decode import AcceptanceTracker, CostGovernor
+from jpaged.step_inputs import bucket
 from jpaged.step_plan import StepPlan
 from jpaged.structured_output import StructuredOutputManager
 from jpaged.tokenizer import Tokenizer
@@ -238,10 +239,17 @@ class LLMEngine:
         """The proposer (n-gram) or draft model and the per-sequence acceptance tracker
         (speculative decoding on); their state is per sequence, dropped when it finishes."""
         self.speculative = spec = self.config.speculative
-        self._proposer = self._tracker = None
+        self._proposer = self._tracker = self._governor = None
         self._proposed: dict[int, int] = {}  # seq_id -> proposals of the step in flight
+        # The governor's measurements: when the last step was collected (None after an idle
+        # engine) and (sequence bucket, tokens per row or None) of the decode step collected.
+        self._step_end: float | None = None
+        self._decode_step: tuple[int, float | None] | None = None
+        self._clock = time.perf_counter  # tests script it
         if spec is None:
             return
+        if spec.cost_aware:
+            self._governor = CostGovernor()
         if spec.method == "draft_model":
             spec.check_draft_vocab(self.model_config.vocab_size, self._drafter.vocab_size)
             self._drafter.reset()
@@ -279,10 +287,9 @@ class LLMEngine:
             return None
         ids = [s.seq_id for s in seqs]
         want = np.minimum(self._tracker.num_proposals(ids), caps)
-        limit = self.speculative.disable_by_batch_size
-        if limit is not None and len(seqs) > limit:
-            # A big batch: only seeded sampled rows speculate (their tokens must not depend
-            # on the batch; a greedy row's tokens are the same either way).
+        if self._speculation_off(len(seqs)):
+            # A big batch, or verification loses: only seeded sampled rows speculate (their
+            # tokens must not depend on the batch; a greedy row's tokens are the same either way).
             keep = [s.params.seed is not None and s.params.temperature > 0 for s in seqs]
             want = np.where(keep, want, 0)
         if self._drafter is not None:  # slots now, the draft's tokens once pages are known
@@ -293,6 +300,44 @@ class LLMEngine:
         )
         self._proposed = dict(zip(ids, num.tolist(), strict=True))  # for the tracker
         return {i: proposals[j, :n].tolist() for j, (i, n) in enumerate(zip(ids, num)) if n}
+
+    def _speculation_off(self, num_decoding: int) -> bool:
+        """Whether greedy and unseeded rows of a batch of num_decoding decoding sequences
+        propose nothing: over disable_by_batch_size, or where the cost governor measured
+        that verifying steps lose to plain ones."""
+        limit = self.speculative.disable_by_batch_size
+        if limit is not None and num_decoding > limit:
+            return True
+        governor = self._governor
+        if governor is None or num_decoding == 0:
+            return False
+        return not governor.speculates(bucket(self.config.seq_buckets, num_decoding))
+
+    def _note_decode_step(self, plan: StepPlan, out: SamplerOutput) -> None:
+        """For the cost governor: the step's sequence bucket and tokens per row when every
+        row decoded (one token, or one plus its proposals), else None."""
+        self._decode_step = None
+        if self._governor is None or not len(plan):
+            return
+        proposed = plan.num_proposed
+        if proposed is None:
+            if plan.decode_only:
+                self._decode_step = (bucket(self.config.seq_buckets, len(plan)), None)
+            return
+        if not np.array_equal(plan.num_new_tokens, proposed + 1):
+            return
+        accepted = np.minimum(out.num_accepted[: len(plan)], proposed)
+        tokens = float(np.mean(accepted + 1))
+        self._decode_step = (bucket(self.config.seq_buckets, len(plan)), tokens)
+
+    def _time_step(self) -> None:
+        """Gives the governor the seconds since the previous step was collected, for a decode
+        step collected just now right after another."""
+        now = self._clock()
+        if self._step_end is not None and self._decode_step is not None:
+            seq_bucket, tokens = self._decode_step
+            self._governor.record(seq_bucket, now - self._step_end, tokens)
+        self._step_end = now if self._groups else None
 
     def _record_acceptance(self, plan: StepPlan, out: SamplerOutput) -> None:
         """Tells the tracker what every decoding sequence proposed and had accepted."""
@@ -488,12 +533,15 @@ class LLMEngine:
         current = self._in_flight or self._dispatch(None)
         self._in_flight = None
         if current is None:
+            self._step_end = None
             return self._take_early_outputs()
         if self._can_overlap(current.plan):
             # With speculation on, only a step that proposes nothing overlaps (see
             # _proposes_nothing_after): its proposals would need the tokens still on the device.
             self._in_flight = self._dispatch(current.plan, speculate=self._tracker is None)
         outputs = self._collect(current)
+        if self._governor is not None:
+            self._time_step()
         if not self._groups:  # whatever is on the device belongs to finished requests
             self._in_flight = None
         return outputs
@@ -560,11 +608,10 @@ class LLMEngine:
         sampled row (those always keep their proposals, see _proposals): skipping changes no
         greedy token, and only a batch that shrinks to the limit in this step loses a step's
         proposals. n-gram only (a draft model replays each committed step first)."""
-        limit = self.speculative.disable_by_batch_size
-        if limit is None or self._drafter is not None or plan.proposals is not None:
+        if self._drafter is not None or plan.proposals is not None:
             return False
         running = self.scheduler.running
-        return len(running) > limit and not any(
+        return self._speculation_off(len(running)) and not any(
             s.params.seed is not None and s.params.temperature > 0 for s in running
         )
 
@@ -574,6 +621,7 @@ class LLMEngine:
             self._record_prompt_logprobs(step.plan, out)
         if self._tracker is not None:
             self._record_acceptance(step.plan, out)
+            self._note_decode_step(step.plan, out)
         seqs = self.scheduler.commit(step.plan, out)
         if self._drafter is not None:
             self._drafter.committed(step.plan, out, self.scheduler.sequence)

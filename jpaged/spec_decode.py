@@ -45,6 +45,10 @@ class SpeculativeConfig:
         it wins in a big batch on compute-bound hardware); seeded sampled rows keep
         speculating, so their tokens do not depend on the batch. None: never (vLLM's
         default).
+    cost_aware: greedy and unseeded rows stop proposing in a batch size where measured
+        verifying steps give fewer tokens per second than plain ones (CostGovernor; each
+        mode is re-measured every 16 steps). False: propose whenever the per-sequence
+        acceptance tracker says so (vLLM's behaviour).
     """
 
     method: str | None = None
@@ -53,8 +57,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     model: str | None = None
     disable_by_batch_size: int | None = None
+    cost_aware: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cost_aware, bool):
+            raise ValueError(f"cost_aware must be true or false, got {self.cost_aware!r}")
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, minimum=1)
         method = self.method
@@ -251,3 +258,72 @@ class AcceptanceTracker:
                 1.0 + self.num_accepted_tokens / drafts if drafts else 0.0
             ),
         }
+
+
+@dataclasses.dataclass
+class _BucketCost:
+    plain_s: float | None = None  # seconds per decode step without proposals
+    verify_s: float | None = None  # seconds per decode step verifying proposals
+    verify_tokens: float = 1.0  # tokens a verifying step gives each row
+    since_plain: int = 0  # verifying steps since the last plain one
+    since_verify: int = 0  # plain steps since the last verifying one
+
+
+class CostGovernor:
+    """Whether a batch's greedy and unseeded rows propose, from what steps measurably cost.
+
+    Per sequence bucket it keeps moving averages of the seconds per decode step without
+    proposals (plain) and per decode step that verifies proposals, and of the tokens a
+    verifying step gives each row. Speculating pays when verify_tokens / verify_s >=
+    1 / plain_s. A bucket first speculates, then runs one plain step to measure it, then the
+    better mode, with one step of the other mode every probe_interval steps so a change in
+    acceptance or load is seen. On an accelerator a small batch verifies almost for free and
+    the governor keeps speculating; on a compute-bound CPU it stops where verification loses.
+
+    Decisions depend on timing, so they apply only to rows whose tokens do not depend on
+    them: greedy rows (speculation is exact) and unseeded sampled rows. Seeded sampled rows
+    keep their proposals (the engine sees to it).
+    """
+
+    def __init__(self, *, decay: float = 0.7, probe_interval: int = 16) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        _check_int("probe_interval", probe_interval, minimum=1)
+        self.decay = decay
+        self.probe_interval = probe_interval
+        self._buckets: dict[int, _BucketCost] = {}
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1.0 - self.decay) * new
+
+    def speculates(self, bucket: int) -> bool:
+        """Whether a decode step of this sequence bucket should propose."""
+        c = self._buckets.get(bucket)
+        if c is None or c.verify_s is None:
+            return True
+        if c.plain_s is None:
+            return False
+        if c.verify_tokens / c.verify_s >= 1.0 / c.plain_s:
+            return c.since_plain < self.probe_interval
+        return c.since_verify >= self.probe_interval
+
+    def record(self, bucket: int, seconds: float, tokens_per_row: float | None) -> None:
+        """A decode step of this bucket took seconds; tokens_per_row: what a verifying step
+        gave each row on average (None: a plain step)."""
+        c = self._buckets.setdefault(bucket, _BucketCost())
+        if tokens_per_row is None:
+            c.plain_s = self._average(c.plain_s, seconds)
+            c.since_plain = 0
+            c.since_verify += 1
+        else:
+            first = c.verify_s is None
+            c.verify_s = self._average(c.verify_s, seconds)
+            c.verify_tokens = (
+                tokens_per_row if first else self._average(c.verify_tokens, tokens_per_row)
+            )
+            c.since_verify = 0
+            c.since_plain += 1
+
+    def costs(self) -> dict[int, tuple[float | None, float | None, float]]:
+        """bucket -> (plain seconds, verify seconds, verify tokens per row)."""
+        return {b: (c.plain_s, c.verify_s, c.verify_tokens) for b, c in self._buckets.items()}

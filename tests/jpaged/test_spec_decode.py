@@ -1,13 +1,14 @@
-"""SpeculativeConfig (vLLM's names, defaults and errors) and AcceptanceTracker (the adaptive
+"""SpeculativeConfig (vLLM's names, defaults and errors), AcceptanceTracker (the adaptive
 proposal count: full at first, fewer as proposals are rejected, none when they do not pay,
-probed again later, back to full when they are accepted)."""
+probed again later, back to full when they are accepted) and CostGovernor (speculate in a
+batch size only where measured verifying steps give more tokens per second)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from jpaged.spec_decode import AcceptanceTracker, SpeculativeConfig
+from jpaged.spec_decode import AcceptanceTracker, CostGovernor, SpeculativeConfig
 
 
 def test_config_defaults_follow_vllm():
@@ -67,6 +68,7 @@ def test_config_from_dict_and_json():
             "prompt_lookup_min",
         ),
         ({"method": "ngram", "num_speculative_tokens": 3, "model": "/ckpt"}, "model"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "cost_aware": "yes"}, "cost_aware"),
         ({"method": "draft_model", "num_speculative_tokens": 3}, "model"),
         ({"method": "draft_model", "num_speculative_tokens": 3, "model": ""}, "model"),
         (
@@ -186,3 +188,28 @@ def test_tracker_stats_and_errors():
         AcceptanceTracker(3, min_gain=1.0)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         AcceptanceTracker(0)
+
+
+def test_governor_measures_both_modes_then_keeps_the_faster_and_probes_the_other():
+    g = CostGovernor(decay=0.5, probe_interval=3)
+    assert g.speculates(8)  # nothing measured: speculate first
+    g.record(8, 0.30, 2.0)  # a verifying step: 2 tokens a row in 0.3 s
+    assert not g.speculates(8)  # plain not measured yet: one plain step
+    g.record(8, 0.10, None)  # plain: 1 token a row in 0.1 s beats 2 in 0.3 s
+    assert g.costs() == {8: (0.10, 0.30, 2.0)}
+    assert [g.speculates(8) for _ in range(2)] == [False, False]  # peeking changes nothing
+    g.record(8, 0.10, None)
+    g.record(8, 0.10, None)
+    assert g.speculates(8)  # 3 plain steps since the last verification: probe it
+    g.record(8, 0.12, 3.0)  # acceptance rose: (2+3)/2 = 2.5 tokens in (0.3+0.12)/2 = 0.21 s
+    plain_s, verify_s, per_row = g.costs()[8]
+    assert (plain_s, round(verify_s, 6), per_row) == (0.10, 0.21, 2.5)
+    assert g.speculates(8)  # 2.5 / 0.21 > 1 / 0.1
+    g.record(8, 0.21, 2.5)
+    g.record(8, 0.21, 2.5)
+    assert not g.speculates(8)  # 3 verifications since the last plain step: probe plain
+    assert g.speculates(16)  # buckets are measured apart
+    with pytest.raises(ValueError, match="probe_interval must be an integer >= 1"):
+        CostGovernor(probe_interval=0)
+    with pytest.raises(ValueError, match="decay must be in"):
+        CostGovernor(decay=1.0)

@@ -241,3 +241,53 @@ def test_disable_by_batch_size_stops_greedy_proposals_in_big_batches(demo_model_
     assert overlapped[0] == 0  # the seeded row runs to the end with the others
     with pytest.raises(ValueError, match="disable_by_batch_size must be an integer >= 1"):
         one_bucket(demo_model_dir, speculative_config={**NGRAM, "disable_by_batch_size": 0})
+
+
+def scripted_costs(engine: LLMEngine, *, plain: float, verify: float) -> None:
+    """The engine's step clock advances by `plain` seconds as each step without proposals is
+    fetched and by `verify` as each that verifies some is: the governor's measurements
+    become exact and reproducible."""
+    now = [0.0]
+    fetch = engine.runner.fetch
+
+    def timed(step):
+        now[0] += plain if step.plan.proposals is None else verify
+        return fetch(step)
+
+    engine.runner.fetch = timed
+    engine._clock = lambda: now[0]
+
+
+@pytest.mark.parametrize("verify_cost", [1.0, 8.0], ids=["verifying-pays", "verifying-loses"])
+def test_the_cost_governor_keeps_speculating_only_where_verifying_pays(
+    demo_model_dir, reference, verify_cost
+):
+    """Where a verifying step costs as much as a plain one, the batch keeps speculating (one
+    plain probe every 16 steps); where it costs 8 plain steps (more than any acceptance here
+    wins) greedy rows stop proposing after one plain probe and their steps overlap, with a
+    verifying probe every 16 steps. Greedy tokens are the same either way."""
+    llm = one_bucket(demo_model_dir, num_pages=128, speculative_config=NGRAM)
+    engine = llm.llm_engine
+    scripted_costs(engine, plain=1.0, verify=verify_cost)
+    overlapped = count_overlapped(engine)
+    got = llm.generate(PROMPTS[:4], GREEDY)
+    assert tokens(got) == tokens(reference.generate(PROMPTS[:4], GREEDY))
+    stats = llm.stats()
+    plain_s, verify_s, per_row = engine._governor.costs()[4]
+    assert (plain_s, verify_s) == (1.0, verify_cost) and per_row >= 1.0
+    if verify_cost == 1.0:
+        assert per_row / verify_s >= 1 / plain_s
+        assert stats["spec_num_drafts"] >= 4 * 5 and overlapped[0] <= 4
+    else:
+        assert per_row / verify_s < 1 / plain_s
+        # the first step, then one probe each 16 steps: 4 rows each
+        assert stats["spec_num_drafts"] <= 4 * 3 and overlapped[0] >= 20
+
+
+def test_seeded_rows_keep_proposing_when_the_governor_stops_the_batch(demo_model_dir):
+    llm = one_bucket(demo_model_dir, num_pages=128, speculative_config=NGRAM)
+    seeded = SamplingParams(temperature=0.9, seed=11, max_tokens=40, ignore_eos=True)
+    one = tokens(llm.generate([PROMPTS[2]], seeded))[0]
+    scripted_costs(llm.llm_engine, plain=1.0, verify=8.0)
+    mixed = llm.generate(PROMPTS[:4], [GREEDY, GREEDY, seeded, GREEDY])
+    assert tokens(mixed)[2] == one
