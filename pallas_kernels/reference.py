@@ -31,6 +31,9 @@ _FULL = jax.lax.Precision.HIGHEST
 
 # Query tokens processed at once by the reference; bounds the gathered-KV temporary.
 _TOKEN_BLOCK = 128
+# Decode-like token blocks larger than this are sorted by context length and attended in
+# sub-blocks of this many tokens, each over only the keys its longest token sees.
+_DECODE_SUB_BLOCK = 8
 # Keys per step of a block's loop over its context (rounded down to whole pages, and at most
 # the page table's width).
 _KEY_BLOCK = 256
@@ -182,8 +185,35 @@ def paged_prefill_attention(
                                  which, posb, lenb, **kw)
 
         def per_token(_):  # decode-like blocks: every token its own sequence's keys
-            return _attend_block(qg, k_pages, v_pages, page_table[seqb], lenb, None, posb,
-                                 lenb, **kw)
+            n = qg.shape[0]
+            if n <= _DECODE_SUB_BLOCK or n % _DECODE_SUB_BLOCK:
+                return _attend_block(qg, k_pages, v_pages, page_table[seqb], lenb, None, posb,
+                                     lenb, **kw)
+            # Tokens sorted by context length in sub-blocks, each looping only over the key
+            # blocks its own longest token sees: a batch of mixed lengths does not pay the
+            # longest context for every token (a key block a token does not see leaves its
+            # carry exactly as it was, so only the products' shapes change).
+            order = jnp.argsort(lenb)
+            sub = n // _DECODE_SUB_BLOCK
+
+            def split(x):
+                return x[order].reshape(sub, _DECODE_SUB_BLOCK, *x.shape[1:])
+
+            def attend(args):
+                q_s, seq_s, pos_s, len_s = args
+                seen_s = len_s > 0
+                hi_s = jnp.max(jnp.where(seen_s, pos_s + 1, 0))
+                lo_s = jnp.int32(0)
+                if sliding_window is not None:
+                    lo_s = jnp.min(
+                        jnp.where(seen_s, jnp.maximum(pos_s - sliding_window + 1, 0), hi_s)
+                    )
+                return _attend_block(q_s, k_pages, v_pages, page_table[seq_s], len_s, None,
+                                     pos_s, len_s, **{**kw, "key_range": (lo_s, hi_s)})
+
+            out = jax.lax.map(attend, (split(qg), split(seqb), split(posb), split(lenb)))
+            out = out.reshape(n, *out.shape[2:])
+            return out[jnp.argsort(order)]
 
         if qg.shape[0] == 1:  # one token: its own sequence
             return one(None)

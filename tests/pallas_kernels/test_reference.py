@@ -116,3 +116,26 @@ def test_wide_table_reads_only_what_rows_see(small_blocks):
     case = decode_case(4, lengths=[3, 9, 1], num_kv_heads=1, group=2, page_size=4,
                        head_dim=8, dtype="float32", pages_per_seq=16)
     assert_matches(case)
+
+
+@pytest.mark.parametrize("blocks", ["default", "small"])
+def test_decode_sub_blocks_sorted_by_length_match_dense_and_the_unsorted_path(
+    request, blocks, monkeypatch
+):
+    """32 decode rows of mixed lengths (padding rows of length 0 among them) go in sub-blocks
+    of 8 sorted by length, each over only its own longest context's key blocks: the same
+    values as the dense oracle, and the same as one block over the longest up to float32
+    rounding (the products run in other shapes; skipped key blocks change nothing)."""
+    if blocks == "small":
+        request.getfixturevalue("small_blocks")
+    lengths = [1, 0, 17, 64, 5, 33, 48, 2, 90, 3, 0, 7, 61, 12, 1, 29,
+               44, 8, 100, 0, 15, 6, 77, 21, 2, 38, 9, 55, 4, 0, 70, 11]  # fmt: skip
+    case = decode_case(5, lengths=lengths, num_kv_heads=2, group=2, page_size=4,
+                       head_dim=16, dtype="float32")
+    for kwargs in ({}, {"sliding_window": 6}):
+        assert_matches(case, **kwargs)
+        sorted_out = np.asarray(run(case, **kwargs))
+        monkeypatch.setattr(reference, "_DECODE_SUB_BLOCK", 1 << 20)  # one block, unsorted
+        np.testing.assert_allclose(sorted_out, np.asarray(run(case, **kwargs)), rtol=1e-6,
+                                   atol=1e-6)
+        monkeypatch.setattr(reference, "_DECODE_SUB_BLOCK", 8)
