@@ -109,10 +109,15 @@ def main() -> int:
     p.add_argument(
         "--disable-by-batch-size", type=int, default=None, help="speculative_config's (default off)"
     )
+    p.add_argument(
+        "--no-cost-aware", action="store_true",
+        help="speculative_config cost_aware false: no cost governor (vLLM's behaviour)",
+    )
     args = p.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-             "prompt_lookup_min": 1, "disable_by_batch_size": args.disable_by_batch_size}  # fmt: skip
+             "prompt_lookup_min": 1, "disable_by_batch_size": args.disable_by_batch_size,
+             "cost_aware": not args.no_cost_aware}  # fmt: skip
     common = {"max_num_seqs": max(batches), "max_model_len": 1024}
     engines = {"off": LLM(args.model, **common),
                "ngram": LLM(args.model, **common, speculative_config=ngram)}  # fmt: skip
