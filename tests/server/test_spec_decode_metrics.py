@@ -14,6 +14,7 @@ SPEC = {
     "num_speculative_tokens": 3,
     "prompt_lookup_max": 3,
     "prompt_lookup_min": 1,
+    "cost_aware": False,  # every step proposes: the counts below do not depend on timing
 }
 NAMES = [f"jpaged_spec_decode_num_{k}_total" for k in ("drafts", "draft_tokens", "accepted_tokens")]
 
