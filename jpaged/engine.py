@@ -127,6 +127,12 @@ def model_display_name(model: str | None) -> str:
     return model
 
 
+def _keeps_proposals(seq: Sequence) -> bool:
+    """A seeded sampled row speculates whatever the batch or the step costs: its tokens must
+    not depend on them (a greedy row's tokens are the same either way)."""
+    return seq.params.seed is not None and seq.params.temperature > 0
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, loaded=None) -> None:
         t0 = time.perf_counter()
@@ -290,7 +296,7 @@ class LLMEngine:
         if self._speculation_off(len(seqs)):
             # A big batch, or verification loses: only seeded sampled rows speculate (their
             # tokens must not depend on the batch; a greedy row's tokens are the same either way).
-            keep = [s.params.seed is not None and s.params.temperature > 0 for s in seqs]
+            keep = [_keeps_proposals(s) for s in seqs]
             want = np.where(keep, want, 0)
         if self._drafter is not None:  # slots now, the draft's tokens once pages are known
             self._proposed = dict(zip(ids, want.tolist(), strict=True))
@@ -611,9 +617,7 @@ class LLMEngine:
         if self._drafter is not None or plan.proposals is not None:
             return False
         running = self.scheduler.running
-        return self._speculation_off(len(running)) and not any(
-            s.params.seed is not None and s.params.temperature > 0 for s in running
-        )
+        return self._speculation_off(len(running)) and not any(map(_keeps_proposals, running))
 
     def _collect(self, step: InFlightStep) -> list[RequestOutput]:
         out = self.runner.fetch(step)

@@ -162,13 +162,16 @@ def paged_prefill_attention(
     def block(args):
         qb, seqb, posb, lenb = args
         qg = qb.reshape(-1, num_kv_heads, group, head_dim)
-        seen = lenb > 0  # tokens that see anything (padding does not)
-        hi = jnp.max(jnp.where(seen, posb + 1, 0))
-        lo = jnp.int32(0)
-        if sliding_window is not None:
-            lo = jnp.min(jnp.where(seen, jnp.maximum(posb - sliding_window + 1, 0), hi))
+        def key_range(pos_b, len_b):  # int32 (lo, hi) holding every key the tokens see
+            seen = len_b > 0  # tokens that see anything (padding does not)
+            hi = jnp.max(jnp.where(seen, pos_b + 1, 0))
+            lo = jnp.int32(0)
+            if sliding_window is not None:
+                lo = jnp.min(jnp.where(seen, jnp.maximum(pos_b - sliding_window + 1, 0), hi))
+            return lo, hi
+
         kw = {"page_size": page_size, "key_block_pages": key_block_pages,
-              "key_range": (lo, hi), "sm_scale": sm_scale, "soft_cap": soft_cap,
+              "key_range": key_range(posb, lenb), "sm_scale": sm_scale, "soft_cap": soft_cap,
               "sliding_window": sliding_window}
         first, last = seqb[0], seqb[-1]  # tokens are in sequence order
         zeros = jnp.zeros(seqb.shape, jnp.int32)
@@ -201,15 +204,8 @@ def paged_prefill_attention(
 
             def attend(args):
                 q_s, seq_s, pos_s, len_s = args
-                seen_s = len_s > 0
-                hi_s = jnp.max(jnp.where(seen_s, pos_s + 1, 0))
-                lo_s = jnp.int32(0)
-                if sliding_window is not None:
-                    lo_s = jnp.min(
-                        jnp.where(seen_s, jnp.maximum(pos_s - sliding_window + 1, 0), hi_s)
-                    )
                 return _attend_block(q_s, k_pages, v_pages, page_table[seq_s], len_s, None,
-                                     pos_s, len_s, **{**kw, "key_range": (lo_s, hi_s)})
+                                     pos_s, len_s, **{**kw, "key_range": key_range(pos_s, len_s)})
 
             out = jax.lax.map(attend, (split(qg), split(seqb), split(posb), split(lenb)))
             out = out.reshape(n, *out.shape[2:])

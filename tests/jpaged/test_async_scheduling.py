@@ -11,13 +11,13 @@ import dataclasses
 
 import numpy as np
 import pytest
+from engine_probes import count_overlapped
 
 from jpaged import SamplingParams
 from jpaged.engine import LLMEngine
 from jpaged.engine_args import engine_config_from_args
 from jpaged.model_loading import load_for_config
 from jpaged.sampling_params import RequestOutputKind
-from jpaged.step_plan import PLACEHOLDER
 
 # Tokens the tiny checkpoint's greedy decoding reaches from the prompts below (see PROMPTS):
 # the EOS these engines are given, a stop token id and a stop string.
@@ -103,20 +103,6 @@ def run(engine: LLMEngine, script) -> dict:
     stats = engine.stats()
     assert (stats["pages_used"], stats["num_running"], stats["num_waiting"]) == (0, 0, 0)
     return streams
-
-
-def count_overlapped(engine: LLMEngine) -> list[int]:
-    """Counts, in the returned list, the steps dispatched with tokens read on the device."""
-    counter = [0]
-    dispatch = engine.runner.dispatch
-
-    def counting(plan, prev_plan=None, token_bitmask=None, **kwargs):
-        if prev_plan is not None and np.any(plan.token_ids == PLACEHOLDER):
-            counter[0] += 1
-        return dispatch(plan, prev_plan, token_bitmask, **kwargs)
-
-    engine.runner.dispatch = counting
-    return counter
 
 
 def at_once_script():

@@ -5,11 +5,11 @@ import dataclasses
 
 import numpy as np
 import pytest
+from engine_probes import count_overlapped
 
 from jpaged import LLM, SamplingParams
 from jpaged.engine import LLMEngine
 from jpaged.engine_args import engine_config_from_args
-from jpaged.step_plan import PLACEHOLDER
 
 NGRAM = {
     "method": "ngram",
@@ -54,21 +54,6 @@ def reference(demo_model_dir):
 @pytest.fixture(scope="module")
 def speculative(demo_model_dir):
     return one_bucket(demo_model_dir, num_pages=128, speculative_config=NGRAM)
-
-
-def count_overlapped(engine: LLMEngine) -> list[int]:
-    """Counts, in the returned list, the steps dispatched while the step before them was
-    still on the device (their decode tokens read there)."""
-    counter = [0]
-    dispatch = engine.runner.dispatch
-
-    def counting(plan, prev_plan=None, token_bitmask=None, **kwargs):
-        if prev_plan is not None and np.any(plan.token_ids == PLACEHOLDER):
-            counter[0] += 1
-        return dispatch(plan, prev_plan, token_bitmask, **kwargs)
-
-    engine.runner.dispatch = counting
-    return counter
 
 
 def tokens(outs):
