@@ -24,6 +24,7 @@ anything about them is stored, so the engine stays usable.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -192,6 +193,9 @@ class LLMEngine:
             self._drafter = DraftModel(config, draft, self.num_pages, self.eos_token_ids)
         self._init_speculation()
         self.num_recoveries = 0  # failed steps the engine rebuilt its state after
+        # One thread steps an engine at a time (a server's engine loop, or the caller of
+        # LLM.generate); a second one is refused instead of corrupting the step in flight.
+        self._stepping = threading.Lock()
         self._rng = np.random.default_rng(config.seed)
         self.peak_pages_used = 0
         self.load_seconds = time.perf_counter() - t0
@@ -529,11 +533,19 @@ class LLMEngine:
         Raises:
           EngineStepError: the step failed; every request the engine held is dropped (their
             ids are on the error) and the engine is ready for new requests.
+          RuntimeError: another thread is in step() (nothing is changed).
         """
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError(
+                "LLMEngine.step() was called while another thread is stepping this engine; "
+                "one thread owns an engine (a server's engine loop, or LLM.generate's caller)"
+            )
         try:
             return self._step()
         except Exception as e:
             raise self._recover(e) from e
+        finally:
+            self._stepping.release()
 
     def _step(self) -> list[RequestOutput]:
         current = self._in_flight or self._dispatch(None)

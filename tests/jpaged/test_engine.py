@@ -148,3 +148,37 @@ def test_pool_from_free_device_memory_counts_each_device_share(monkeypatch, tp, 
     per_page = 2 * 2 * 4 * 16 * 8 * 4  # K and V, layers, kv heads, page, head_dim, f32
     # 0.5 x 8 MB free on each device; each device holds 1/shards of a page.
     assert resolve_num_pages(cache, config, cfg, 4) == 4_000_000 // (per_page // shards) + 1
+
+
+def test_a_second_thread_stepping_the_engine_is_refused(llm, monkeypatch):
+    """While one thread is inside step(), another's step() raises and changes nothing: the
+    first step's request finishes with the tokens it makes alone."""
+    import threading
+
+    engine = llm.llm_engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = llm.generate(["hello"], greedy)[0].outputs[0].token_ids
+    fetch = engine.runner.fetch
+    inside, go_on = threading.Event(), threading.Event()
+
+    def held_fetch(step):
+        inside.set()
+        assert go_on.wait(60)
+        return fetch(step)
+
+    monkeypatch.setattr(engine.runner, "fetch", held_fetch)
+    engine.add_request("owner", "hello", greedy)
+    outputs = []
+    owner = threading.Thread(target=lambda: outputs.extend(engine.step()))
+    owner.start()
+    assert inside.wait(60)
+    with pytest.raises(RuntimeError, match="another thread is stepping this engine"):
+        engine.step()
+    go_on.set()
+    owner.join(60)
+    monkeypatch.setattr(engine.runner, "fetch", fetch)
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    final = [o for o in outputs if o.finished]
+    assert [o.request_id for o in final] == ["owner"]
+    assert final[0].outputs[0].token_ids == want
