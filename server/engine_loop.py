@@ -15,12 +15,17 @@ Invariants:
   - A request's fate is known before the step that follows its add: the step thread posts
     each batch of adds' acceptances and rejections before it steps, so a handler can answer
     "bad request" (or start a stream) without waiting for a device step.
+  - Each time the engine goes idle, the step thread hands the C heap's free pages back to the
+    OS (glibc's malloc_trim) before it posts the last results: the many threads' malloc
+    arenas otherwise keep freed step buffers, and the RSS creeps up by fragmentation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
+import functools
 import itertools
 import logging
 import queue
@@ -38,6 +43,15 @@ logger = logging.getLogger("jpaged.server")
 
 # Seconds the idle step thread waits for a command before refreshing its stats.
 _IDLE_POLL_S = 0.2
+
+
+def heap_trimmer() -> Callable[[], Any] | None:
+    """glibc's malloc_trim(0), which returns the free pages of every malloc arena to the OS;
+    None where the C library has no such call (macOS, musl)."""
+    try:
+        return functools.partial(ctypes.CDLL(None).malloc_trim, 0)
+    except (OSError, AttributeError):
+        return None
 
 
 def new_request_id() -> str:
@@ -166,6 +180,7 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle = asyncio.Event()
         self.stats: dict[str, int] = dict(engine.stats(), num_running=0, num_waiting=0)
+        self._trim_heap = heap_trimmer()  # called on the step thread when the engine goes idle
 
     # ---- event-loop side ----------------------------------------------------------------
 
@@ -303,9 +318,18 @@ class EngineLoop:
             if accepted or errors:  # before the step: handlers learn at once
                 self._post(self._deliver, [], errors, accepted)
                 errors = []
-            updates = [] if stopping else self._step(errors)
+            stepped = not stopping and self.engine.has_unfinished_requests()
+            updates = self._step(errors) if stepped else []
             if stopping and self._active:
                 errors += self._abort_active(Draining("the server shut down"))
+            if (
+                stepped
+                and self._trim_heap is not None
+                and not self.engine.has_unfinished_requests()
+            ):
+                # The engine went idle: trimmed before the stats say so, so that whoever waits
+                # for an idle server reads the trimmed RSS.
+                self._trim_heap()
             self._refresh_stats(sum(cmd[0] == "add" for cmd in commands))
             if updates or errors:
                 self._post(self._deliver, updates, errors)

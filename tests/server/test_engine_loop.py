@@ -103,3 +103,34 @@ def test_engine_error_fails_in_flight_requests_and_the_server_goes_on(make_serve
     assert collect(s.stub, request([4], temperature=0, max_tokens=3)).token_ids == {0: [4, 5, 6]}
     st = s.wait_until(lambda st: st.num_running == 0)
     assert st.pages_used == 0
+
+
+def test_the_heap_is_trimmed_each_time_the_engine_goes_idle():
+    """glibc's malloc_trim runs once per busy-to-idle change of the engine, never while it
+    has requests, and not while it idles."""
+    from server.engine_loop import heap_trimmer
+
+    trim = heap_trimmer()
+    assert trim is not None and trim() in (0, 1)  # this Linux's glibc has malloc_trim
+
+    async def scenario():
+        engine = RecordingEngine(step_delay_s=0.005)
+        loop = EngineLoop(engine)
+        trims = []
+        loop._trim_heap = lambda: trims.append(engine.has_unfinished_requests())
+        loop.start()
+        counts = []
+        for i, max_tokens in enumerate([1, 6]):  # finished in its first step, then in six
+            h = loop.submit(
+                f"r{i}", [1], SamplingParams(temperature=0, max_tokens=max_tokens), None
+            )
+            while not h.finished:
+                await h.wait()
+            await wait_engine_idle(engine)
+            await asyncio.sleep(0.5)  # idle polls (0.2 s each) trim nothing more
+            counts.append(len(trims))
+        await loop.stop()
+        return trims, counts
+
+    trims, counts = asyncio.run(scenario())
+    assert counts == [1, 2] and trims == [False, False]
