@@ -255,6 +255,7 @@ class LLMEngine:
         # engine) and (sequence bucket, tokens per row or None) of the decode step collected.
         self._step_end: float | None = None
         self._decode_step: tuple[int, float | None] | None = None
+        self._compiles_at_end = 0  # the runner's compile count when _step_end was taken
         self._clock = time.perf_counter  # tests script it
         if spec is None:
             return
@@ -342,12 +343,20 @@ class LLMEngine:
 
     def _time_step(self) -> None:
         """Gives the governor the seconds since the previous step was collected, for a decode
-        step collected just now right after another."""
+        step collected just now right after another, unless a program was compiled (or loaded
+        from the compilation cache) meanwhile: one such outlier would hold a moving average
+        off for many probes."""
         now = self._clock()
-        if self._step_end is not None and self._decode_step is not None:
+        compiles = self.runner.programs.num_compiles
+        if (
+            self._step_end is not None
+            and self._decode_step is not None
+            and compiles == self._compiles_at_end
+        ):
             seq_bucket, tokens = self._decode_step
             self._governor.record(seq_bucket, now - self._step_end, tokens)
         self._step_end = now if self._groups else None
+        self._compiles_at_end = compiles
 
     def _record_acceptance(self, plan: StepPlan, out: SamplerOutput) -> None:
         """Tells the tracker what every decoding sequence proposed and had accepted."""

@@ -276,3 +276,32 @@ def test_seeded_rows_keep_proposing_when_the_governor_stops_the_batch(demo_model
     scripted_costs(llm.llm_engine, plain=1.0, verify=8.0)
     mixed = llm.generate(PROMPTS[:4], [GREEDY, GREEDY, seeded, GREEDY])
     assert tokens(mixed)[2] == one
+
+
+def test_a_step_that_compiled_is_not_timed(demo_model_dir):
+    """A compile inside a step's interval (here: a plain step that takes 100 s and counts a
+    compile) leaves the governor's averages alone: plain steps still cost 1 s to it, and
+    verifying, at 8 s, still loses."""
+    llm = one_bucket(demo_model_dir, num_pages=128, speculative_config=NGRAM)
+    engine = llm.llm_engine
+    llm.generate(PROMPTS[:4], GREEDY)  # every program this test meets is compiled
+    engine._governor = type(engine._governor)()  # without the real-clock samples of that run
+    scripted_costs(engine, plain=1.0, verify=8.0)
+    fetch, programs, plain_steps = engine.runner.fetch, engine.runner.programs, [0]
+    scripted_clock, offset = engine._clock, [0.0]
+    engine._clock = lambda: scripted_clock() + offset[0]
+
+    def one_slow_compiling_step(step):
+        out = fetch(step)
+        if step.plan.proposals is None and step.plan.decode_only:
+            plain_steps[0] += 1
+            if plain_steps[0] == 3:
+                programs.num_compiles += 1
+                offset[0] += 100.0  # this step's interval: 101 s
+        return out
+
+    engine.runner.fetch = one_slow_compiling_step
+    llm.generate(PROMPTS[:4], GREEDY)
+    assert plain_steps[0] > 3
+    plain_s, verify_s, _ = engine._governor.costs()[4]
+    assert (plain_s, verify_s) == (1.0, 8.0)
