@@ -23,6 +23,7 @@ anything about them is stored, so the engine stays usable.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -542,17 +543,24 @@ class LLMEngine:
         Raises:
           EngineStepError: the step failed; every request the engine held is dropped (their
             ids are on the error) and the engine is ready for new requests.
-          RuntimeError: another thread is in step() (nothing is changed).
+          RuntimeError: another thread is in step() or step_unsampled() (nothing is changed).
         """
+        with self._sole_stepper():
+            try:
+                return self._step()
+            except Exception as e:
+                raise self._recover(e) from e
+
+    @contextlib.contextmanager
+    def _sole_stepper(self):
+        """Holds the engine's step lock for one step; refuses a second thread meanwhile."""
         if not self._stepping.acquire(blocking=False):
             raise RuntimeError(
-                "LLMEngine.step() was called while another thread is stepping this engine; "
-                "one thread owns an engine (a server's engine loop, or LLM.generate's caller)"
+                "the engine was stepped while another thread is stepping this engine; one "
+                "thread owns an engine (a server's engine loop, or LLM.generate's caller)"
             )
         try:
-            return self._step()
-        except Exception as e:
-            raise self._recover(e) from e
+            yield
         finally:
             self._stepping.release()
 
@@ -744,18 +752,22 @@ class LLMEngine:
         Returns (request_id, seq_id, out, row) for every running sequence whose tokens are
         all computed (out.top_ids[row], out.top_logprobs[row] are its next-token candidates),
         or None when nothing could run.
+
+        Raises:
+          RuntimeError: another thread is in step() or step_unsampled() (nothing is changed).
         """
-        try:
-            if self._in_flight is not None:  # its outputs go out with the next step()
-                self._early_outputs = self._collect(self._in_flight)
-                self._in_flight = None
-            plan = self._schedule(speculate=False)
-            if not len(plan):
-                return None
-            out = self.runner.execute(plan)
-        except Exception as e:
-            raise self._recover(e) from e
-        sampled = self.scheduler.mark_computed(plan)
+        with self._sole_stepper():
+            try:
+                if self._in_flight is not None:  # its outputs go out with the next step()
+                    self._early_outputs = self._collect(self._in_flight)
+                    self._in_flight = None
+                plan = self._schedule(speculate=False)
+                if not len(plan):
+                    return None
+                out = self.runner.execute(plan)
+            except Exception as e:
+                raise self._recover(e) from e
+            sampled = self.scheduler.mark_computed(plan)
         return [
             (seq.group.request_id, seq.seq_id, out, row)
             for row, seq in enumerate(sampled)
