@@ -379,8 +379,7 @@ class EngineLoop:
         return kind == "stop"
 
     def _step(self, errors: list) -> list[RequestOutput]:
-        if not self.engine.has_unfinished_requests():
-            return []
+        """One engine step (the caller checked that the engine has requests)."""
         try:
             outputs = self.engine.step()
         except Exception as e:

@@ -1,5 +1,7 @@
 """Engine behaviour on the demo model: bounded compilation, validation, seeds, stops, n."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -153,8 +155,6 @@ def test_pool_from_free_device_memory_counts_each_device_share(monkeypatch, tp, 
 def test_a_second_thread_stepping_the_engine_is_refused(llm, monkeypatch):
     """While one thread is inside step(), another's step() raises and changes nothing: the
     first step's request finishes with the tokens it makes alone."""
-    import threading
-
     engine = llm.llm_engine
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     want = llm.generate(["hello"], greedy)[0].outputs[0].token_ids
