@@ -847,3 +847,5 @@ class LLMEngine:
         self.scheduler.num_preemptions = 0
         self.scheduler.num_swaps_out = 0
         self.scheduler.num_swaps_in = 0
+        if self._tracker is not None:
+            self._tracker.reset_totals()

@@ -241,6 +241,12 @@ class AcceptanceTracker:
         """Forgets a finished (or aborted) sequence."""
         self._seqs.pop(seq_id, None)
 
+    def reset_totals(self) -> None:
+        """Restarts the counts that stats() reports (the engine's reset_stats); the running
+        sequences' acceptance estimates stay."""
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos[:] = 0
+
     def stats(self) -> dict[str, float | int | list[int]]:
         """vLLM's speculative-decoding metrics: drafts, draft tokens, accepted tokens, the
         acceptance rate and the mean acceptance length (tokens per verification, the target's

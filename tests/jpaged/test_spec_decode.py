@@ -180,6 +180,13 @@ def test_tracker_stats_and_errors():
     assert s["spec_accepted_per_pos"] == [2, 1, 0]
     assert s["spec_acceptance_rate"] == pytest.approx(3 / 5)
     assert s["spec_mean_acceptance_length"] == pytest.approx(1 + 3 / 2)
+    t.reset_totals()  # the counts restart; each sequence's acceptance estimate stays
+    assert t.stats()["spec_num_drafts"] == t.stats()["spec_num_draft_tokens"] == 0
+    assert t.stats()["spec_accepted_per_pos"] == [0, 0, 0]
+    assert t.stats()["spec_mean_acceptance_length"] == 0.0
+    assert t.acceptance_rate(2) == 1.0 and t.acceptance_rate(1) == pytest.approx(1.8 / 2.8)
+    t.record([1], np.array([2]), np.array([2]))
+    assert t.stats()["spec_num_accepted_tokens"] == 2 and t.stats()["spec_num_drafts"] == 1
     with pytest.raises(ValueError, match="num_accepted"):
         t.record([1], [2], [3])
     with pytest.raises(ValueError, match="num_proposed"):

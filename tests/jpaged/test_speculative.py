@@ -63,7 +63,9 @@ def tokens(outs):
 def test_greedy_tokens_are_exactly_the_non_speculative_ones(reference, speculative):
     ref = reference.generate(PROMPTS, GREEDY)
     want = tokens(ref)
-    speculative.llm_engine.reset_stats()
+    speculative.generate(PROMPTS[:1], GREEDY)
+    speculative.llm_engine.reset_stats()  # the speculation counts restart too
+    assert speculative.stats()["spec_num_draft_tokens"] == 0
     got = speculative.generate(PROMPTS, GREEDY)
     assert tokens(got) == want
     # several tokens per step reach the text too
