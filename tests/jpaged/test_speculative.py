@@ -216,7 +216,8 @@ def test_disable_by_batch_size_stops_greedy_proposals_in_big_batches(demo_model_
     assert overlapped[0] >= 30  # 40 tokens each: every decode step after the first two
     alone = limited.generate(PROMPTS[:1], GREEDY)  # 1 row <= 2: it speculates
     assert tokens(alone) == tokens(got)[:1] and limited.stats()["spec_num_draft_tokens"] > 0
-    seeded = SamplingParams(temperature=0.9, seed=11, max_tokens=40, ignore_eos=True)
+    # low temperature: the random model repeats itself, so prompt lookup finds proposals
+    seeded = SamplingParams(temperature=0.2, seed=11, max_tokens=40, ignore_eos=True)
     limited.reset_stats()
     one = tokens(limited.generate([PROMPTS[2]], seeded))[0]
     drafts_alone = limited.stats()["spec_num_draft_tokens"]
@@ -273,7 +274,8 @@ def test_the_cost_governor_keeps_speculating_only_where_verifying_pays(
 
 def test_seeded_rows_keep_proposing_when_the_governor_stops_the_batch(demo_model_dir):
     llm = one_bucket(demo_model_dir, num_pages=128, speculative_config=NGRAM)
-    seeded = SamplingParams(temperature=0.9, seed=11, max_tokens=40, ignore_eos=True)
+    # low temperature: the random model repeats itself, so prompt lookup finds proposals
+    seeded = SamplingParams(temperature=0.2, seed=11, max_tokens=40, ignore_eos=True)
     one = tokens(llm.generate([PROMPTS[2]], seeded))[0]
     scripted_costs(llm.llm_engine, plain=1.0, verify=8.0)
     mixed = llm.generate(PROMPTS[:4], [GREEDY, GREEDY, seeded, GREEDY])
