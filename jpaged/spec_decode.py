@@ -273,6 +273,8 @@ class _BucketCost:
     verify_tokens: float = 1.0  # tokens a verifying step gives each row
     since_plain: int = 0  # verifying steps since the last plain one
     since_verify: int = 0  # plain steps since the last verifying one
+    interval: int = 16  # steps of the faster mode between probes of the slower one
+    verify_faster: bool | None = None  # the decision after the last step (None: unmeasured)
 
 
 class CostGovernor:
@@ -283,20 +285,27 @@ class CostGovernor:
     verifying step gives each row. Speculating pays when verify_tokens / verify_s >=
     1 / plain_s. A bucket first speculates, then runs one plain step to measure it, then the
     better mode, with one step of the other mode every probe_interval steps so a change in
-    acceptance or load is seen. On an accelerator a small batch verifies almost for free and
-    the governor keeps speculating; on a compute-bound CPU it stops where verification loses.
+    acceptance or load is seen. Each probe that confirms the decision doubles the bucket's
+    interval (up to max_probe_interval: a probe of a mode that loses by 2x costs a whole step),
+    and a changed decision restores probe_interval. On an accelerator a small batch verifies
+    almost for free and the governor keeps speculating; on a compute-bound CPU it stops where
+    verification loses.
 
     Decisions depend on timing, so they apply only to rows whose tokens do not depend on
     them: greedy rows (speculation is exact) and unseeded sampled rows. Seeded sampled rows
     keep their proposals (the engine sees to it).
     """
 
-    def __init__(self, *, decay: float = 0.7, probe_interval: int = 16) -> None:
+    def __init__(
+        self, *, decay: float = 0.7, probe_interval: int = 16, max_probe_interval: int = 128
+    ) -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay!r}")
         _check_int("probe_interval", probe_interval, minimum=1)
+        _check_int("max_probe_interval", max_probe_interval, minimum=probe_interval)
         self.decay = decay
         self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
         self._buckets: dict[int, _BucketCost] = {}
 
     def _average(self, old: float | None, new: float) -> float:
@@ -309,14 +318,18 @@ class CostGovernor:
             return True
         if c.plain_s is None:
             return False
-        if c.verify_tokens / c.verify_s >= 1.0 / c.plain_s:
-            return c.since_plain < self.probe_interval
-        return c.since_verify >= self.probe_interval
+        if c.verify_faster:
+            return c.since_plain < c.interval
+        return c.since_verify >= c.interval
 
     def record(self, bucket: int, seconds: float, tokens_per_row: float | None) -> None:
         """A decode step of this bucket took seconds; tokens_per_row: what a verifying step
         gave each row on average (None: a plain step)."""
-        c = self._buckets.setdefault(bucket, _BucketCost())
+        c = self._buckets.get(bucket)
+        if c is None:
+            c = self._buckets[bucket] = _BucketCost(interval=self.probe_interval)
+        was = c.verify_faster
+        probe = was is not None and was == (tokens_per_row is None)  # the slower mode's step
         if tokens_per_row is None:
             c.plain_s = self._average(c.plain_s, seconds)
             c.since_plain = 0
@@ -329,6 +342,13 @@ class CostGovernor:
             )
             c.since_verify = 0
             c.since_plain += 1
+        if c.plain_s is None or c.verify_s is None:
+            return
+        c.verify_faster = c.verify_tokens / c.verify_s >= 1.0 / c.plain_s
+        if c.verify_faster != was:
+            c.interval = self.probe_interval
+        elif probe:
+            c.interval = min(2 * c.interval, self.max_probe_interval)
 
     def costs(self) -> dict[int, tuple[float | None, float | None, float]]:
         """bucket -> (plain seconds, verify seconds, verify tokens per row)."""

@@ -220,3 +220,33 @@ def test_governor_measures_both_modes_then_keeps_the_faster_and_probes_the_other
         CostGovernor(probe_interval=0)
     with pytest.raises(ValueError, match="decay must be in"):
         CostGovernor(decay=1.0)
+
+
+def test_governor_probes_a_mode_that_keeps_losing_less_and_less_often():
+    g = CostGovernor(decay=0.5, probe_interval=2, max_probe_interval=8)
+    g.record(4, 0.30, 1.5)  # verifying: 1.5 tokens a row in 0.3 s
+    g.record(4, 0.10, None)  # plain: 1 in 0.1 s, faster
+
+    def plain_steps_until_probe() -> int:
+        n = 0
+        while not g.speculates(4):
+            g.record(4, 0.10, None)
+            n += 1
+        g.record(4, 0.30, 1.5)  # the probe confirms: verifying still loses
+        return n
+
+    # the first gap counts the measuring plain step; each confirming probe doubles it, to 8
+    assert [plain_steps_until_probe() for _ in range(5)] == [1, 4, 8, 8, 8]
+    # Acceptance rose: a probe wins ((1.5+3)/2 tokens in (0.3+0.01)/2 s against 1 in 0.1 s),
+    # the bucket switches over and the interval restarts at 2, now between plain probes (two
+    # verifying steps since the last plain one: probe plain now).
+    g.record(4, 0.01, 3.0)
+    assert not g.speculates(4)
+    g.record(4, 0.10, None)  # the plain probe confirms: the interval doubles to 4
+    verifying = 0
+    while g.speculates(4):
+        g.record(4, 0.01, 3.0)
+        verifying += 1
+    assert verifying == 4
+    with pytest.raises(ValueError, match="max_probe_interval must be an integer >= 4"):
+        CostGovernor(probe_interval=4, max_probe_interval=2)
