@@ -20,11 +20,13 @@ reported (they should be 0). The two engines' tokens must
 be the same (greedy speculation is exact); the script checks it and reports the acceptance:
 draft tokens proposed, accepted, and the mean acceptance length (tokens per verify step).
 
-What the model wrote bounds what any prompt lookup can win, whatever the engine: the copy
-ceiling is the tokens per step of a greedy run in which every step were proposed the best
---k tokens copied from anywhere in its context (prompt and output so far), with verification
-free; the speed-up at batch 1 can approach it but not pass it. It is computed from the
-outputs of the engine without speculation.
+What the model wrote bounds what speculation can win, whatever the engine. Two ceilings,
+in tokens per step with verification free, computed from the outputs of the engine without
+speculation: the lookup ceiling, if every step proposed --k tokens by the n-gram rule the
+engine uses (jpaged/ngram_proposer.py, with this script's lookup sizes); and the copy
+ceiling, if every step were proposed the best --k tokens copied from anywhere in its
+context (prompt and output so far: no proposer that copies can do better). The speed-up at
+batch 1 can approach the lookup ceiling, not pass it.
 Prints one line `RESULT_JSON {...}` at the end.
 """
 
@@ -42,7 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 
 from jpaged import LLM, SamplingParams
+from jpaged.ngram_proposer import ngram_propose
 
+LOOKUP = (1, 4)  # prompt_lookup_min, prompt_lookup_max
 SNIPPETS = [
     (
         "def total_price(items, tax):\n    subtotal = 0\n    for item in items:\n"
@@ -117,6 +121,25 @@ def copy_ceiling(context: list[int], output: list[int], k: int) -> tuple[int, in
     return len(output), steps
 
 
+def lookup_ceiling(context: list[int], output: list[int], k: int) -> tuple[int, int]:
+    """(tokens, steps) of output if each step proposed k tokens by prompt lookup (sizes LOOKUP,
+    as the engine under test) and accepted the matching prefix plus the target's token."""
+    seq = np.array([*context, *output], np.int32)[None]
+    pos = steps = 0
+    while pos < len(output):
+        proposal, n = ngram_propose(
+            seq, np.array([len(context) + pos]), np.array([k]), prompt_lookup_min=LOOKUP[0],
+            prompt_lookup_max=LOOKUP[1],
+        )  # fmt: skip
+        want = output[pos : pos + int(n[0])]
+        accepted = 0
+        while accepted < len(want) and proposal[0, accepted] == want[accepted]:
+            accepted += 1
+        pos += accepted + 1
+        steps += 1
+    return len(output), steps
+
+
 def run(llm: LLM, conversations, params, batch: int) -> tuple[float, int, list]:
     t0 = time.perf_counter()
     outs = []
@@ -137,7 +160,10 @@ def main() -> int:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument(
-        "--max-warmups", type=int, default=4, help="warm-up passes at most (until one compiles none)"
+        "--max-warmups",
+        type=int,
+        default=4,
+        help="warm-up passes at most (until one compiles none)",
     )
     p.add_argument(
         "--disable-by-batch-size", type=int, default=None, help="speculative_config's (default off)"
@@ -148,8 +174,8 @@ def main() -> int:
     )
     args = p.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-             "prompt_lookup_min": 1, "disable_by_batch_size": args.disable_by_batch_size,
+    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": LOOKUP[1],
+             "prompt_lookup_min": LOOKUP[0], "disable_by_batch_size": args.disable_by_batch_size,
              "cost_aware": not args.no_cost_aware}  # fmt: skip
     common = {"max_num_seqs": max(batches), "max_model_len": 1024}
     engines = {"off": LLM(args.model, **common),
@@ -187,6 +213,13 @@ def main() -> int:
                         ]
                     )
                     row["copy_ceiling"] = float(bound[:, 0].sum() / bound[:, 1].sum())
+                    bound = np.array(  # [prompts, (tokens, steps)]
+                        [
+                            lookup_ceiling(o.prompt_token_ids, o.outputs[0].token_ids, args.k)
+                            for o in outs
+                        ]
+                    )
+                    row["lookup_ceiling"] = float(bound[:, 0].sum() / bound[:, 1].sum())
                 if label == "ngram":
                     s = llm.stats()
                     row |= {
@@ -203,7 +236,8 @@ def main() -> int:
             print(f"{name:>9} batch {batch}: off {row['off_tokens_per_s']:7.1f}, ngram "
                   f"{row['ngram_tokens_per_s']:7.1f} tokens/s ({row['speedup']:.2f}x); accepted "
                   f"{row['accepted']}/{row['proposed']} ({row['acceptance_rate']:.0%}), mean "
-                  f"acceptance length {row['mean_acceptance_length']:.2f} (copy ceiling "
+                  f"acceptance length {row['mean_acceptance_length']:.2f} (ceilings: lookup "
+                  f"{row['lookup_ceiling']:.2f}, copy "
                   f"{row['copy_ceiling']:.2f}); compiled while timed: off "
                   f"{row['off_timed_compiles']}, ngram {row['ngram_timed_compiles']}; same tokens "
                   f"{row['same_tokens']}", flush=True)  # fmt: skip
