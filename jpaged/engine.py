@@ -129,6 +129,18 @@ def model_display_name(model: str | None) -> str:
     return model
 
 
+def _may_speculate(seq: Sequence) -> bool:
+    """Whether a decoding sequence may propose: not with a grammar, a logit bias, or
+    prompt log-probabilities still to come."""
+    p = seq.params
+    return not (
+        p.structured_outputs is not None
+        or p.logit_bias
+        or seq.group.prompt_logprobs is not None
+        and seq.num_output_tokens == 0
+    )
+
+
 def _keeps_proposals(seq: Sequence) -> bool:
     """A seeded sampled row speculates whatever the batch or the step costs: its tokens must
     not depend on them (a greedy row's tokens are the same either way)."""
@@ -252,6 +264,9 @@ class LLMEngine:
         self.speculative = spec = self.config.speculative
         self._proposer = self._tracker = self._governor = None
         self._proposed: dict[int, int] = {}  # seq_id -> proposals of the step in flight
+        # n-gram with the governor, plain steps: seq_id -> (its length when proposed, the
+        # proposal), checked against the tokens that follow (_shadow_proposals)
+        self._shadows: dict[int, tuple[int, list[int]]] = {}
         # The governor's measurements: when the last step was collected (None after an idle
         # engine) and (sequence bucket, tokens per row or None) of the decode step collected.
         self._step_end: float | None = None
@@ -282,13 +297,7 @@ class LLMEngine:
         max_len = self.max_model_len
         for seq in self.scheduler.running:
             p = seq.params
-            if (
-                seq.num_computed_tokens != seq.num_tokens - 1
-                or p.structured_outputs is not None
-                or p.logit_bias
-                or seq.group.prompt_logprobs is not None
-                and seq.num_output_tokens == 0
-            ):
+            if seq.num_computed_tokens != seq.num_tokens - 1 or not _may_speculate(seq):
                 continue
             room = max_len - seq.num_tokens - 1
             if p.max_tokens is not None:
@@ -358,6 +367,54 @@ class LLMEngine:
             self._governor.record(seq_bucket, now - self._step_end, tokens)
         self._step_end = now if self._groups else None
         self._compiles_at_end = compiles
+
+    def _shadow_proposals(self, plan: StepPlan) -> None:
+        """After a plain decode step (n-gram, cost governor on): what verifying would have
+        given its rows. Each row holds one proposal made on the host from its tokens so far,
+        as a verifying step would have proposed it (k tokens), and checks it against the
+        tokens the plain steps then make: once it mismatches or is matched whole, a
+        verification would have given its accepted count plus one. The rows resolved in this
+        step go to the governor as one tokens-per-row sample; no device work, no stats."""
+        if plan.num_proposed is not None or not plan.decode_only:
+            return
+        shadows, resolved, fresh = self._shadows, [], []
+        for seq_id in plan.seq_ids.tolist():
+            seq = self.scheduler.sequence(seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                shadows.pop(seq_id, None)
+                continue
+            pending = shadows.get(seq_id)
+            if pending is None:
+                if _may_speculate(seq):
+                    fresh.append(seq)
+                else:
+                    resolved.append(1)  # it would not propose: 1 token a step either way
+                continue
+            start, proposal = pending
+            made = seq.token_ids[start : start + len(proposal)]
+            accepted = 0
+            while accepted < len(made) and made[accepted] == proposal[accepted]:
+                accepted += 1
+            if accepted < len(made) or accepted == len(proposal):
+                resolved.append(accepted + 1)
+                del shadows[seq_id]
+                fresh.append(seq)
+        if fresh:
+            k = self.speculative.num_speculative_tokens
+            proposals, num = self._proposer.propose(
+                [s.table_row for s in fresh],
+                [s.seq_id for s in fresh],
+                [s.token_ids for s in fresh],
+                np.full(len(fresh), k, np.int32),
+            )
+            for j, (seq, n) in enumerate(zip(fresh, num.tolist(), strict=True)):
+                if n:
+                    shadows[seq.seq_id] = (seq.num_tokens, proposals[j, :n].tolist())
+                else:
+                    resolved.append(1)  # no match: a verifying step gives this row 1 token
+        if resolved:
+            seq_bucket = bucket(self.config.seq_buckets, len(plan))
+            self._governor.record_tokens(seq_bucket, float(np.mean(resolved)))
 
     def _record_acceptance(self, plan: StepPlan, out: SamplerOutput) -> None:
         """Tells the tracker what every decoding sequence proposed and had accepted."""
@@ -656,6 +713,8 @@ class LLMEngine:
             self._record_acceptance(step.plan, out)
             self._note_decode_step(step.plan, out)
         seqs = self.scheduler.commit(step.plan, out)
+        if self._governor is not None and self._proposer is not None:
+            self._shadow_proposals(step.plan)
         if self._drafter is not None:
             self._drafter.committed(step.plan, out, self.scheduler.sequence)
         return self._take_early_outputs() + self._outputs(seqs)
@@ -722,6 +781,7 @@ class LLMEngine:
         if self._tracker is not None:
             for seq in group.seqs:
                 self._tracker.free(seq.seq_id)
+                self._shadows.pop(seq.seq_id, None)
                 if self._drafter is not None:
                     self._drafter.forget(seq.seq_id)
         if self._constraints is not None and group.params.structured_outputs is not None:

@@ -287,7 +287,10 @@ class CostGovernor:
     better mode, with one step of the other mode every probe_interval steps so a change in
     acceptance or load is seen. Each probe that confirms the decision doubles the bucket's
     interval (up to max_probe_interval: a probe of a mode that loses by 2x costs a whole step),
-    and a changed decision restores probe_interval. On an accelerator a small batch verifies
+    and a changed decision restores probe_interval. With n-gram proposals the engine also
+    reports what verifying would have given the rows of plain steps (record_tokens), so a
+    batch that starts copying is seen within a few steps, not at the next probe. On an
+    accelerator a small batch verifies
     almost for free and the governor keeps speculating; on a compute-bound CPU it stops where
     verification loses.
 
@@ -342,6 +345,22 @@ class CostGovernor:
             )
             c.since_verify = 0
             c.since_plain += 1
+        self._decide(c, was, probe)
+
+    def record_tokens(self, bucket: int, tokens_per_row: float) -> None:
+        """What verifying would have given each row of a plain step of this bucket (n-gram
+        proposals made on the host and checked against the tokens the plain steps made), so
+        the tokens estimate follows the running sequences without verifying steps; only
+        verifying steps measure what verifying costs. Ignored before the bucket verified once."""
+        c = self._buckets.get(bucket)
+        if c is None or c.verify_s is None:
+            return
+        c.verify_tokens = self._average(c.verify_tokens, tokens_per_row)
+        self._decide(c, c.verify_faster, probe=False)
+
+    def _decide(self, c: _BucketCost, was: bool | None, probe: bool) -> None:
+        """The bucket's faster mode from its averages; a probe that confirms the decision
+        doubles the probe interval, a changed decision restores probe_interval."""
         if c.plain_s is None or c.verify_s is None:
             return
         c.verify_faster = c.verify_tokens / c.verify_s >= 1.0 / c.plain_s

@@ -250,3 +250,16 @@ def test_governor_probes_a_mode_that_keeps_losing_less_and_less_often():
     assert verifying == 4
     with pytest.raises(ValueError, match="max_probe_interval must be an integer >= 4"):
         CostGovernor(probe_interval=4, max_probe_interval=2)
+
+
+def test_governor_takes_the_tokens_plain_steps_would_have_verified():
+    g = CostGovernor(decay=0.5, probe_interval=2, max_probe_interval=8)
+    g.record_tokens(4, 3.0)  # nothing measured yet: ignored (the bucket speculates first)
+    assert g.costs() == {}
+    g.record(4, 0.20, 1.0)  # verifying: 1 token a row in 0.2 s
+    g.record(4, 0.10, None)  # plain: 1 in 0.1 s, faster
+    assert not g.speculates(4)
+    g.record_tokens(4, 2.0)  # the rows copy: (1 + 2) / 2 = 1.5 tokens in 0.2 s, still slower
+    assert not g.speculates(4) and g.costs()[4] == (0.10, 0.20, 1.5)
+    g.record_tokens(4, 3.5)  # (1.5 + 3.5) / 2 = 2.5 tokens in 0.2 s beat 1 in 0.1 s
+    assert g.speculates(4) and g.costs()[4][2] == 2.5

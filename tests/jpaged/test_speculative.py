@@ -10,6 +10,7 @@ from engine_probes import count_overlapped
 from jpaged import LLM, SamplingParams
 from jpaged.engine import LLMEngine
 from jpaged.engine_args import engine_config_from_args
+from jpaged.spec_decode import CostGovernor
 
 NGRAM = {
     "method": "ngram",
@@ -309,3 +310,29 @@ def test_a_step_that_compiled_is_not_timed(demo_model_dir):
     assert plain_steps[0] > 3
     plain_s, verify_s, _ = engine._governor.costs()[4]
     assert (plain_s, verify_s) == (1.0, 8.0)
+
+
+def test_plain_steps_check_shadow_proposals_so_a_copying_batch_speculates_again(
+    demo_model_dir, reference
+):
+    """A bucket that measured verifying as losing (plain 1 s a step, verifying 2 s for 1 token
+    a row) and probes it only every 128 steps still switches back within a 40-token request
+    when its rows copy: each plain step checks n-gram proposals made on the host against the
+    tokens that follow, and what verifying would have given (over 2 tokens a row: this model
+    repeats itself) reaches the governor. Greedy tokens are unchanged."""
+    llm = one_bucket(demo_model_dir, num_pages=128, speculative_config=NGRAM)
+    engine = llm.llm_engine
+    scripted_costs(engine, plain=1.0, verify=2.0)
+    engine._governor = CostGovernor(probe_interval=128)
+    engine._governor.record(4, 2.0, 1.0)  # verifying: 1 token a row in 2 s
+    engine._governor.record(4, 1.0, None)  # plain: 1 in 1 s, faster
+    assert not engine._governor.speculates(4)
+    samples = []
+    record_tokens = engine._governor.record_tokens
+    engine._governor.record_tokens = lambda b, t: (samples.append((b, t)), record_tokens(b, t))
+    got = llm.generate(PROMPTS[:4], GREEDY)
+    assert tokens(got) == tokens(reference.generate(PROMPTS[:4], GREEDY))
+    assert samples and {b for b, _ in samples} == {4}
+    assert max(t for _, t in samples) > 2.0 and all(1.0 <= t <= 5.0 for _, t in samples)
+    assert engine._governor.costs()[4][2] > 2.0  # the tokens estimate followed the shadows
+    assert llm.stats()["spec_num_drafts"] > 0  # and the batch speculated again
