@@ -37,7 +37,7 @@ from jpaged import compilation_cache
 from jpaged.config import DEFAULT_SWAP_SPACE_BYTES, CacheConfig, EngineConfig
 from jpaged.draft_model import DraftModel
 from jpaged.model_loading import load_for_config
-from jpaged.ngram_proposer import NgramProposer
+from jpaged.ngram_proposer import NgramProposer, matched_prefix
 from jpaged.output_processor import OutputProcessor
 from jpaged.outputs import RequestOutput
 from jpaged.page_allocator import PageAllocator
@@ -392,9 +392,7 @@ class LLMEngine:
                 continue
             start, proposal = pending
             made = seq.token_ids[start : start + len(proposal)]
-            accepted = 0
-            while accepted < len(made) and made[accepted] == proposal[accepted]:
-                accepted += 1
+            accepted = matched_prefix(proposal, made)
             if accepted < len(made) or accepted == len(proposal):
                 resolved.append(accepted + 1)
                 del shadows[seq_id]

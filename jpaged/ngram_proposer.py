@@ -109,6 +109,15 @@ def ngram_propose(
     return proposals, num_proposed
 
 
+def matched_prefix(proposal: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many leading proposal tokens equal the tokens that came (greedy acceptance: a
+    proposal is accepted up to its first mismatch)."""
+    n = 0
+    while n < len(proposal) and n < len(tokens) and proposal[n] == tokens[n]:
+        n += 1
+    return n
+
+
 class NgramProposer:
     """Prompt-lookup proposer for a running batch (one row per scheduler slot)."""
 

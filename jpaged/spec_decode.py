@@ -290,9 +290,8 @@ class CostGovernor:
     and a changed decision restores probe_interval. With n-gram proposals the engine also
     reports what verifying would have given the rows of plain steps (record_tokens), so a
     batch that starts copying is seen within a few steps, not at the next probe. On an
-    accelerator a small batch verifies
-    almost for free and the governor keeps speculating; on a compute-bound CPU it stops where
-    verification loses.
+    accelerator a small batch verifies almost for free and the governor keeps speculating; on
+    a compute-bound CPU it stops where verification loses.
 
     Decisions depend on timing, so they apply only to rows whose tokens do not depend on
     them: greedy rows (speculation is exact) and unseeded sampled rows. Seeded sampled rows

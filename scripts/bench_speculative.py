@@ -16,9 +16,9 @@ at a time) after warm-up passes over all the prompts, repeated until a pass comp
 program (at most --max-warmups): the cost governor's choices depend on timing, so one pass
 may not meet every shape the timed runs meet. Output tokens/s is all output tokens over all
 the passes' wall time, the median of --repeats; programs compiled during the timed runs are
-reported (they should be 0). The two engines' tokens must
-be the same (greedy speculation is exact); the script checks it and reports the acceptance:
-draft tokens proposed, accepted, and the mean acceptance length (tokens per verify step).
+reported (they should be 0). The two engines' tokens must be the same (greedy speculation is
+exact); the script checks it and reports the acceptance: draft tokens proposed, accepted,
+and the mean acceptance length (tokens per verify step).
 
 What the model wrote bounds what speculation can win, whatever the engine. Two ceilings,
 in tokens per step with verification free, computed from the outputs of the engine without
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 
 from jpaged import LLM, SamplingParams
-from jpaged.ngram_proposer import ngram_propose
+from jpaged.ngram_proposer import matched_prefix, ngram_propose
 
 LOOKUP = (1, 4)  # prompt_lookup_min, prompt_lookup_max
 SNIPPETS = [
@@ -110,12 +110,7 @@ def copy_ceiling(context: list[int], output: list[int], k: int) -> tuple[int, in
     while pos < len(output):
         seen = context + output[:pos]
         want = output[pos : pos + k]
-        best = 0
-        for start in range(len(seen)):
-            n = 0
-            while n < len(want) and start + n < len(seen) and seen[start + n] == want[n]:
-                n += 1
-            best = max(best, n)
+        best = max(matched_prefix(seen[start : start + k], want) for start in range(len(seen)))
         pos += best + 1
         steps += 1
     return len(output), steps
@@ -131,11 +126,7 @@ def lookup_ceiling(context: list[int], output: list[int], k: int) -> tuple[int, 
             seq, np.array([len(context) + pos]), np.array([k]), prompt_lookup_min=LOOKUP[0],
             prompt_lookup_max=LOOKUP[1],
         )  # fmt: skip
-        want = output[pos : pos + int(n[0])]
-        accepted = 0
-        while accepted < len(want) and proposal[0, accepted] == want[accepted]:
-            accepted += 1
-        pos += accepted + 1
+        pos += matched_prefix(proposal[0, : int(n[0])].tolist(), output[pos:]) + 1
         steps += 1
     return len(output), steps
 
@@ -206,20 +197,14 @@ def main() -> int:
                 row[f"{label}_spread"] = [min(rates), max(rates)]
                 tokens[label] = [o.outputs[0].token_ids for o in outs]
                 if label == "off":
-                    bound = np.array(  # [prompts, (tokens, steps)]
-                        [
-                            copy_ceiling(o.prompt_token_ids, o.outputs[0].token_ids, args.k)
-                            for o in outs
-                        ]
-                    )
-                    row["copy_ceiling"] = float(bound[:, 0].sum() / bound[:, 1].sum())
-                    bound = np.array(  # [prompts, (tokens, steps)]
-                        [
-                            lookup_ceiling(o.prompt_token_ids, o.outputs[0].token_ids, args.k)
-                            for o in outs
-                        ]
-                    )
-                    row["lookup_ceiling"] = float(bound[:, 0].sum() / bound[:, 1].sum())
+                    for key, ceiling in (("copy", copy_ceiling), ("lookup", lookup_ceiling)):
+                        bound = np.array(  # [prompts, (tokens, steps)]
+                            [
+                                ceiling(o.prompt_token_ids, o.outputs[0].token_ids, args.k)
+                                for o in outs
+                            ]
+                        )
+                        row[f"{key}_ceiling"] = float(bound[:, 0].sum() / bound[:, 1].sum())
                 if label == "ngram":
                     s = llm.stats()
                     row |= {

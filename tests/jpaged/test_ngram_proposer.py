@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jpaged.ngram_proposer import NgramProposer, ngram_propose
+from jpaged.ngram_proposer import NgramProposer, matched_prefix, ngram_propose
 from jpaged.spec_decode import SpeculativeConfig
 
 
@@ -138,3 +138,10 @@ def test_proposer_needs_ngram_config():
     config = SpeculativeConfig(num_speculative_tokens=2, model="/ckpt/draft")
     with pytest.raises(ValueError, match="ngram"):
         NgramProposer(config, max_num_seqs=2, max_model_len=16)
+
+
+def test_matched_prefix_stops_at_the_first_mismatch_or_either_end():
+    assert matched_prefix([5, 6, 7], [5, 6, 9, 7]) == 2
+    assert matched_prefix([5, 6, 7], [5, 6]) == 2  # only two tokens came so far
+    assert matched_prefix([5, 6], [5, 6, 7]) == 2
+    assert matched_prefix([5], [4]) == 0 and matched_prefix([], [1]) == 0
