@@ -111,6 +111,7 @@ def step(
         table,
         inputs.query_start,
         decode_only=key.decode_only,
+        max_query_len=key.spec_k + 1 if key.spec_k else None,
         attention_backend=backend,
         tp_axis=tp_axis,
     )

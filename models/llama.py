@@ -115,6 +115,7 @@ def forward(
     query_start: jax.Array,  # int32[S + 1]
     *,
     decode_only: bool = False,
+    max_query_len: int | None = None,
     attention_backend: str | None = None,
     tp_axis: str | tuple[str, ...] | None = None,
 ) -> tuple[jax.Array, KVCaches]:
@@ -122,6 +123,8 @@ def forward(
 
     decode_only (static): every sequence has exactly one query token and row s of the
     token arrays belongs to sequence s (T == S), so the decode kernel can serve the step.
+    max_query_len (static): the query tokens per sequence the step usually has at most (a
+    verification step's k + 1; None: no bound), a hint for the CPU attention.
     tp_axis (static): the shard_map axis params and pools are split over (None: unsplit).
     """
     attn_kwargs = dict(
@@ -152,7 +155,8 @@ def forward(
             )
         else:
             attn = pallas_kernels.paged_prefill_attention(
-                q, k_pages, v_pages, context_lens, page_table, query_start, **attn_kwargs
+                q, k_pages, v_pages, context_lens, page_table, query_start,
+                max_query_len=max_query_len, **attn_kwargs
             )
         x = x + _reduce(jnp.einsum("thk,hkd->td", attn, layer["wo"]), tp_axis)
         h = rms_norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)

@@ -140,10 +140,14 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     interpret: bool = False,
     backend: str | None = None,
+    max_query_len: int | None = None,
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim], q's dtype
     """Ragged paged attention (prefill chunks and decode tokens in one call), dispatched.
 
-    See reference.paged_prefill_attention for the contract.
+    See reference.paged_prefill_attention for the contract. max_query_len (static): the
+    query tokens per sequence a step usually has at most (a verification step's k + 1); the
+    reference then attends each sequence's queries as one group when they fit (the kernels
+    take no hint).
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     args = (q, k_pages, v_pages, context_lens, page_table, query_start)
@@ -156,4 +160,4 @@ def paged_prefill_attention(
         from pallas_kernels import tpu_prefill
 
         return tpu_prefill.paged_prefill_attention(*args, interpret=interpret, **kwargs)
-    return reference.paged_prefill_attention(*args, **kwargs)
+    return reference.paged_prefill_attention(*args, max_query_len=max_query_len, **kwargs)

@@ -39,19 +39,18 @@ _DECODE_SUB_BLOCK = 8
 _KEY_BLOCK = 256
 
 
-def _online_step(carry, s, visible, pv, *, sm_scale, soft_cap):
+def _online_step(carry, s, mask, pv, *, sm_scale, soft_cap):
     """One key block of an online softmax.
 
-    carry: (m, l, acc), the running max and sum [T, Hkv, G, 1] and output [T, Hkv, G, D];
-    s: raw scores [T, Hkv, G, C]; visible: bool[T, C]; pv(p): p [T, Hkv, G, C] times the
-    block's V (whose rows that hold no value are zeroed). Masked probabilities are exactly 0,
-    and a block with nothing visible leaves the carry as it was.
+    carry: (m, l, acc), the running max and sum [..., 1] and output [..., D]; s: raw scores
+    [..., C]; mask: bool, broadcastable to s, whether a key is visible; pv(p): p [..., C]
+    times the block's V (whose rows that hold no value are zeroed). Masked probabilities are
+    exactly 0, and a block with nothing visible leaves the carry as it was.
     """
     m, l, acc = carry
     s = s * sm_scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
-    mask = visible[:, None, None, :]
     s = jnp.where(mask, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
     alpha = jnp.exp(m - m_new)  # 0 at the first visible block (m was MASK_VALUE)
@@ -110,7 +109,8 @@ def _attend_block(q, k_pages, v_pages, rows, row_lens, which, pos, kv_len, *, pa
                 o2 = jnp.einsum("tkgl,ksld->tkgsd", p, v, precision=_FULL)
                 return jnp.where(pick, o2[:, :, :, 0], o2[:, :, :, 1])
 
-        return _online_step(carry, s, visible, pv, sm_scale=sm_scale, soft_cap=soft_cap)
+        return _online_step(carry, s, visible[:, None, None, :], pv, sm_scale=sm_scale,
+                            soft_cap=soft_cap)
 
     init = (
         jnp.full((t, hkv, g, 1), MASK_VALUE, jnp.float32),
@@ -120,6 +120,74 @@ def _attend_block(q, k_pages, v_pages, rows, row_lens, which, pos, kv_len, *, pa
     lo, hi = key_range
     _, l, acc = jax.lax.fori_loop(lo // block, (hi + block - 1) // block, step, init)
     return acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)
+
+
+def _attend_grouped(q, k_pages, v_pages, context_lens, page_table, query_start, *, max_query_len,
+                    sm_scale, soft_cap, sliding_window):
+    """paged_prefill_attention's result when no sequence has more than max_query_len query
+    tokens: each sequence's queries as one group [max_query_len, Hq], its keys gathered once
+    per key block for all of them (the per-token path gathers them once per query token).
+    The shape of a verification step, k + 1 tokens per row. Same arguments and result."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_seqs, width = page_table.shape
+    group = num_q_heads // num_kv_heads
+    qm = max_query_len
+    key_block_pages = max(1, min(width, _KEY_BLOCK // page_size))
+    block = key_block_pages * page_size
+
+    qlen = query_start[1:] - query_start[:-1]  # [S]
+    j = jnp.arange(qm, dtype=jnp.int32)
+    valid = j[None, :] < qlen[:, None]  # [S, Qm]
+    token = query_start[:-1, None] + j[None, :]  # [S, Qm]: each query's row in q
+    pos = context_lens[:, None] - qlen[:, None] + j[None, :]  # [S, Qm]
+    seen = valid & (context_lens[:, None] > 0)  # queries that see anything
+    qg = q[jnp.where(valid, token, 0)].astype(jnp.float32)  # [S, Qm, Hq, D]
+    qg = qg.reshape(num_seqs, qm, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    qg = qg.reshape(num_seqs, num_kv_heads, qm * group, head_dim)  # [S, Hkv, Qm*G, D]
+    hi = jnp.max(jnp.where(seen, pos + 1, 0))
+    lo = jnp.int32(0)
+    if sliding_window is not None:
+        lo = jnp.min(jnp.where(seen, jnp.maximum(pos - sliding_window + 1, 0), hi))
+
+    def gather(pool, pages):  # [Hkv, S, block, D], float32
+        return pool[:, pages].reshape(num_kv_heads, num_seqs, block, head_dim).astype(jnp.float32)
+
+    def step(i, carry):
+        cols = i * key_block_pages + jnp.arange(key_block_pages, dtype=jnp.int32)
+        kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)
+        visible = (kv_pos <= pos[:, :, None]) & (kv_pos < context_lens[:, None, None])
+        visible &= seen[:, :, None]  # [S, Qm, C]
+        if sliding_window is not None:
+            visible &= kv_pos > pos[:, :, None] - sliding_window
+        written = kv_pos[None, :] < context_lens[:, None]  # [S, C]
+        needed = (cols[None, :] < width) & (cols[None, :] * page_size < context_lens[:, None])
+        pages = jnp.where(needed, page_table[:, jnp.minimum(cols, width - 1)], 0)
+        k = gather(k_pages, pages)
+        v = jnp.where(written[None, :, :, None], gather(v_pages, pages), 0.0)
+        s = jnp.einsum("skqd,ksld->skql", qg, k, precision=_FULL)
+        s = s.reshape(num_seqs, num_kv_heads, qm, group, block)
+
+        def pv(p):
+            p = p.reshape(num_seqs, num_kv_heads, qm * group, block)
+            o = jnp.einsum("skql,ksld->skqd", p, v, precision=_FULL)
+            return o.reshape(num_seqs, num_kv_heads, qm, group, head_dim)
+
+        return _online_step(carry, s, visible[:, None, :, None, :], pv, sm_scale=sm_scale,
+                            soft_cap=soft_cap)
+
+    shape = (num_seqs, num_kv_heads, qm, group)
+    init = (
+        jnp.full((*shape, 1), MASK_VALUE, jnp.float32),
+        jnp.zeros((*shape, 1), jnp.float32),
+        jnp.zeros((*shape, head_dim), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(lo // block, (hi + block - 1) // block, step, init)
+    out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)  # [S, Hkv, Qm, G, D]
+    out = out.transpose(0, 2, 1, 3, 4).reshape(num_seqs * qm, num_q_heads, head_dim)
+    rows = jnp.where(valid, token, num_tokens).reshape(-1)  # absent queries: dropped
+    result = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
+    return result.at[rows].set(out, mode="drop").astype(q.dtype)
 
 
 def paged_prefill_attention(
@@ -133,6 +201,7 @@ def paged_prefill_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    max_query_len: int | None = None,
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim], q's dtype
     """Ragged paged attention: one call serves prefill chunks and decode tokens together.
 
@@ -144,7 +213,21 @@ def paged_prefill_attention(
         cache of seq s:  |<------- context_lens[s] ------->|
                          [ cached tokens ][ this step's q ]
                                           ^ position context_lens[s] - qlen
+
+    max_query_len (static, optional): the query tokens a sequence usually has at most (a
+    verification step: k + 1). When every sequence has at most that many, they are attended
+    in groups per sequence (_attend_grouped), else as below; the result is the same.
     """
+    if max_query_len is not None:
+        kw = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
+        args = (q, k_pages, v_pages, context_lens, page_table, query_start)
+        fits = jnp.max(query_start[1:] - query_start[:-1]) <= max_query_len
+        return jax.lax.cond(
+            fits,
+            lambda a: _attend_grouped(*a, max_query_len=max_query_len, **kw),
+            lambda a: paged_prefill_attention(*a, **kw),
+            args,
+        )
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_seqs, pages_per_seq = page_table.shape

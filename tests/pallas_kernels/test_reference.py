@@ -60,8 +60,9 @@ def run(case, **kwargs):
                                              **kwargs)
 
 
-def assert_matches(case, **kwargs):
-    out = run(case, **kwargs)
+def assert_matches(case, max_query_len=None, **kwargs):
+    extra = {} if max_query_len is None else {"max_query_len": max_query_len}
+    out = run(case, **extra, **kwargs)
     expected = dense(case, **kwargs)
     check(out, expected.astype(np.float32).astype(out.dtype))
     pad = len(case.context_lens) if case.query_start is None else int(case.query_start[-1])
@@ -139,3 +140,40 @@ def test_decode_sub_blocks_sorted_by_length_match_dense_and_the_unsorted_path(
         np.testing.assert_allclose(sorted_out, np.asarray(run(case, **kwargs)), rtol=1e-6,
                                    atol=1e-6)
         monkeypatch.setattr(reference, "_DECODE_SUB_BLOCK", 8)
+
+
+# A verification step's shape: decode rows with 0-4 proposals (1-5 query tokens each), a row
+# with no query tokens, contexts crossing several pages and key blocks.
+VERIFY = [(9, 5), (1, 1), (30, 3), (5, 0), (17, 5), (44, 2), (4, 4), (63, 1)]
+
+
+@pytest.mark.parametrize("blocks", ["default", "small"])
+@pytest.mark.parametrize("kwargs", [{}, {"sliding_window": 6}, {"soft_cap": 2.0}])
+def test_grouped_queries_match_dense(request, blocks, kwargs):
+    """max_query_len: sequences of at most that many query tokens are attended in groups
+    per sequence, each sequence's keys gathered once; the same values as the dense oracle,
+    padding rows zero, and the same as the per-token path up to float32 rounding."""
+    if blocks == "small":
+        request.getfixturevalue("small_blocks")
+    case = prefill_case(6, seqs=VERIFY, num_kv_heads=2, group=3, page_size=4, head_dim=16,
+                        dtype="float32", pad_tokens=5)
+    assert_matches(case, max_query_len=5, **kwargs)
+    args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table,
+            case.query_start)
+    kw = {"soft_cap": None, "sliding_window": None, **kwargs}
+    grouped = reference._attend_grouped(*args, max_query_len=5, sm_scale=case.sm_scale, **kw)
+    np.testing.assert_allclose(np.asarray(grouped), np.asarray(run(case, **kwargs)),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_grouped_queries_fall_back_when_a_sequence_has_more():
+    """A step where some sequence has more query tokens than max_query_len (a prompt in a
+    verification step) takes the general path: still the dense oracle's values."""
+    case = prefill_case(7, seqs=MIXED, num_kv_heads=2, group=2, page_size=4, head_dim=16,
+                        dtype="float32", pad_tokens=3)
+    assert_matches(case, max_query_len=5)
+    grouped = reference._attend_grouped(
+        case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table,
+        case.query_start, max_query_len=5, sm_scale=case.sm_scale, soft_cap=None,
+        sliding_window=None)
+    assert not np.allclose(np.asarray(grouped), dense(case), atol=1e-3)  # would be wrong
