@@ -129,6 +129,10 @@ def model_display_name(model: str | None) -> str:
     return model
 
 
+# Weight of a row's previous estimate of what verifying gives it, per observation.
+_ROW_DECAY = 0.5
+
+
 def _may_speculate(seq: Sequence) -> bool:
     """Whether a decoding sequence may propose: not with a grammar, a logit bias, or
     prompt log-probabilities still to come."""
@@ -267,6 +271,9 @@ class LLMEngine:
         # n-gram with the governor, plain steps: seq_id -> (its length when proposed, the
         # proposal), checked against the tokens that follow (_shadow_proposals)
         self._shadows: dict[int, tuple[int, list[int]]] = {}
+        # n-gram with the governor: seq_id -> moving average of the tokens a verifying step
+        # gives the row (from its shadows and its verifications); see _rows_tokens.
+        self._row_tokens: dict[int, float] = {}
         # The governor's measurements: when the last step was collected (None after an idle
         # engine) and (sequence bucket, tokens per row or None) of the decode step collected.
         self._step_end: float | None = None
@@ -349,7 +356,23 @@ class LLMEngine:
             return
         accepted = np.minimum(out.num_accepted[: len(plan)], proposed)
         tokens = float(np.mean(accepted + 1))
+        if self._proposer is not None:  # n-gram: the rows' estimates, this step's included
+            for seq_id, n in zip(plan.seq_ids.tolist(), (accepted + 1).tolist(), strict=True):
+                self._note_row_tokens(seq_id, n)
+            tokens = self._rows_tokens(plan)
         self._decode_step = (bucket(self.config.seq_buckets, len(plan)), tokens)
+
+    def _note_row_tokens(self, seq_id: int, tokens: float) -> None:
+        """One more observation of what verifying gives a row (its accepted count plus one)."""
+        old = self._row_tokens.get(seq_id, 1.0)
+        self._row_tokens[seq_id] = _ROW_DECAY * old + (1.0 - _ROW_DECAY) * tokens
+
+    def _rows_tokens(self, plan: StepPlan) -> float:
+        """What a verifying step would give the rows of plan, each on average: the mean of
+        the rows' own estimates (a row not yet observed counts 1 token). Per row, so a new
+        batch is judged on its own rows, not on what the batch before it copied."""
+        rows = self._row_tokens
+        return float(np.mean([rows.get(i, 1.0) for i in plan.seq_ids.tolist()]))
 
     def _time_step(self) -> None:
         """Gives the governor the seconds since the previous step was collected, for a decode
@@ -364,55 +387,55 @@ class LLMEngine:
             and compiles == self._compiles_at_end
         ):
             seq_bucket, tokens = self._decode_step
-            self._governor.record(seq_bucket, now - self._step_end, tokens)
+            self._governor.record(seq_bucket, now - self._step_end, tokens,
+                                  rows_estimate=self._proposer is not None)
         self._step_end = now if self._groups else None
         self._compiles_at_end = compiles
 
     def _shadow_proposals(self, plan: StepPlan) -> None:
         """After a plain decode step (n-gram, cost governor on): what verifying would have
         given its rows. Each row holds one proposal made on the host from its tokens so far,
-        as a verifying step would have proposed it (k tokens), and checks it against the
-        tokens the plain steps then make: once it mismatches or is matched whole, a
-        verification would have given its accepted count plus one. The rows resolved in this
-        step go to the governor as one tokens-per-row sample; no device work, no stats."""
+        as a verifying step would have proposed it (the tracker's count of tokens), and checks
+        it against the tokens the plain steps then make: once it mismatches or is matched
+        whole, a verification would have given its accepted count plus one, an observation
+        of the row (_note_row_tokens). The governor then gets the rows' estimate
+        (_rows_tokens); no device work, no stats."""
         if plan.num_proposed is not None or not plan.decode_only:
             return
-        shadows, resolved, fresh = self._shadows, [], []
+        shadows, fresh = self._shadows, []
         for seq_id in plan.seq_ids.tolist():
             seq = self.scheduler.sequence(seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 shadows.pop(seq_id, None)
+                self._row_tokens.pop(seq_id, None)
                 continue
             pending = shadows.get(seq_id)
             if pending is None:
                 if _may_speculate(seq):
                     fresh.append(seq)
                 else:
-                    resolved.append(1)  # it would not propose: 1 token a step either way
+                    self._note_row_tokens(seq_id, 1)  # it would not propose: 1 token a step
                 continue
             start, proposal = pending
             made = seq.token_ids[start : start + len(proposal)]
             accepted = matched_prefix(proposal, made)
             if accepted < len(made) or accepted == len(proposal):
-                resolved.append(accepted + 1)
+                self._note_row_tokens(seq_id, accepted + 1)
                 del shadows[seq_id]
                 fresh.append(seq)
         if fresh:
-            k = self.speculative.num_speculative_tokens
-            proposals, num = self._proposer.propose(
-                [s.table_row for s in fresh],
-                [s.seq_id for s in fresh],
-                [s.token_ids for s in fresh],
-                np.full(len(fresh), k, np.int32),
+            ids = [s.seq_id for s in fresh]
+            proposals, num = self._proposer.propose(  # as many as a verifying step would
+                [s.table_row for s in fresh], ids, [s.token_ids for s in fresh],
+                self._tracker.num_proposals(ids),
             )
             for j, (seq, n) in enumerate(zip(fresh, num.tolist(), strict=True)):
                 if n:
                     shadows[seq.seq_id] = (seq.num_tokens, proposals[j, :n].tolist())
-                else:
-                    resolved.append(1)  # no match: a verifying step gives this row 1 token
-        if resolved:
-            seq_bucket = bucket(self.config.seq_buckets, len(plan))
-            self._governor.record_tokens(seq_bucket, float(np.mean(resolved)))
+                else:  # no match: a verifying step gives this row 1 token
+                    self._note_row_tokens(seq.seq_id, 1)
+        seq_bucket = bucket(self.config.seq_buckets, len(plan))
+        self._governor.set_tokens(seq_bucket, self._rows_tokens(plan))
 
     def _record_acceptance(self, plan: StepPlan, out: SamplerOutput) -> None:
         """Tells the tracker what every decoding sequence proposed and had accepted."""
@@ -780,6 +803,7 @@ class LLMEngine:
             for seq in group.seqs:
                 self._tracker.free(seq.seq_id)
                 self._shadows.pop(seq.seq_id, None)
+                self._row_tokens.pop(seq.seq_id, None)
                 if self._drafter is not None:
                     self._drafter.forget(seq.seq_id)
         if self._constraints is not None and group.params.structured_outputs is not None:

@@ -288,8 +288,13 @@ class CostGovernor:
     acceptance or load is seen. Each probe that confirms the decision doubles the bucket's
     interval (up to max_probe_interval: a probe of a mode that loses by 2x costs a whole step),
     and a changed decision restores probe_interval. With n-gram proposals the engine also
-    reports what verifying would have given the rows of plain steps (record_tokens), so a
-    batch that starts copying is seen within a few steps, not at the next probe. On an
+    sets the tokens estimate from the running rows (set_tokens), so a batch that starts
+    copying is seen within a few steps, not at the next probe, and a new batch is judged on
+    its own rows. A bucket
+    that runs plain steps switches to verifying only when verifying is faster by
+    switch_margin (a fraction), and back as soon as plain steps are faster: estimates near
+    the break-even point would otherwise flip it back and forth, and a verifying step that
+    loses costs more than a plain step that misses a gain. On an
     accelerator a small batch verifies almost for free and the governor keeps speculating; on
     a compute-bound CPU it stops where verification loses.
 
@@ -299,15 +304,23 @@ class CostGovernor:
     """
 
     def __init__(
-        self, *, decay: float = 0.7, probe_interval: int = 16, max_probe_interval: int = 128
+        self,
+        *,
+        decay: float = 0.7,
+        probe_interval: int = 16,
+        max_probe_interval: int = 128,
+        switch_margin: float = 0.1,
     ) -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        if not 0.0 <= switch_margin < 1.0:
+            raise ValueError(f"switch_margin must be in [0, 1), got {switch_margin!r}")
         _check_int("probe_interval", probe_interval, minimum=1)
         _check_int("max_probe_interval", max_probe_interval, minimum=probe_interval)
         self.decay = decay
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
+        self.switch_margin = switch_margin
         self._buckets: dict[int, _BucketCost] = {}
 
     def _average(self, old: float | None, new: float) -> float:
@@ -324,9 +337,13 @@ class CostGovernor:
             return c.since_plain < c.interval
         return c.since_verify >= c.interval
 
-    def record(self, bucket: int, seconds: float, tokens_per_row: float | None) -> None:
+    def record(
+        self, bucket: int, seconds: float, tokens_per_row: float | None, *,
+        rows_estimate: bool = False,
+    ) -> None:
         """A decode step of this bucket took seconds; tokens_per_row: what a verifying step
-        gave each row on average (None: a plain step)."""
+        gave each row on average (None: a plain step). rows_estimate: tokens_per_row is the
+        running rows' estimate (as set_tokens takes it), which replaces the average."""
         c = self._buckets.get(bucket)
         if c is None:
             c = self._buckets[bucket] = _BucketCost(interval=self.probe_interval)
@@ -340,29 +357,35 @@ class CostGovernor:
             first = c.verify_s is None
             c.verify_s = self._average(c.verify_s, seconds)
             c.verify_tokens = (
-                tokens_per_row if first else self._average(c.verify_tokens, tokens_per_row)
+                tokens_per_row
+                if first or rows_estimate
+                else self._average(c.verify_tokens, tokens_per_row)
             )
             c.since_verify = 0
             c.since_plain += 1
         self._decide(c, was, probe)
 
-    def record_tokens(self, bucket: int, tokens_per_row: float) -> None:
-        """What verifying would have given each row of a plain step of this bucket (n-gram
-        proposals made on the host and checked against the tokens the plain steps made), so
-        the tokens estimate follows the running sequences without verifying steps; only
+    def set_tokens(self, bucket: int, tokens_per_row: float) -> None:
+        """What verifying would give each row of this bucket's running batch now, replacing
+        the average (with n-gram proposals the engine knows it per row, from proposals made
+        on the host during plain steps and checked against the tokens that followed, and from
+        verifications), so the decision follows the rows without verifying steps; only
         verifying steps measure what verifying costs. Ignored before the bucket verified once."""
         c = self._buckets.get(bucket)
         if c is None or c.verify_s is None:
             return
-        c.verify_tokens = self._average(c.verify_tokens, tokens_per_row)
+        c.verify_tokens = tokens_per_row
         self._decide(c, c.verify_faster, probe=False)
 
     def _decide(self, c: _BucketCost, was: bool | None, probe: bool) -> None:
-        """The bucket's faster mode from its averages; a probe that confirms the decision
-        doubles the probe interval, a changed decision restores probe_interval."""
+        """The bucket's faster mode from its averages (from plain to verifying only with
+        verifying faster by switch_margin); a probe that confirms the decision doubles the
+        probe interval, a changed decision restores probe_interval."""
         if c.plain_s is None or c.verify_s is None:
             return
-        c.verify_faster = c.verify_tokens / c.verify_s >= 1.0 / c.plain_s
+        verify_rate, plain_rate = c.verify_tokens / c.verify_s, 1.0 / c.plain_s
+        margin = 0.0 if was is None or was else self.switch_margin
+        c.verify_faster = verify_rate >= plain_rate * (1.0 + margin)
         if c.verify_faster != was:
             c.interval = self.probe_interval
         elif probe:

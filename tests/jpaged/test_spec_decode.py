@@ -252,14 +252,43 @@ def test_governor_probes_a_mode_that_keeps_losing_less_and_less_often():
         CostGovernor(probe_interval=4, max_probe_interval=2)
 
 
-def test_governor_takes_the_tokens_plain_steps_would_have_verified():
+def test_governor_takes_the_running_rows_tokens_estimate():
     g = CostGovernor(decay=0.5, probe_interval=2, max_probe_interval=8)
-    g.record_tokens(4, 3.0)  # nothing measured yet: ignored (the bucket speculates first)
+    g.set_tokens(4, 3.0)  # nothing measured yet: ignored (the bucket speculates first)
     assert g.costs() == {}
     g.record(4, 0.20, 1.0)  # verifying: 1 token a row in 0.2 s
     g.record(4, 0.10, None)  # plain: 1 in 0.1 s, faster
     assert not g.speculates(4)
-    g.record_tokens(4, 2.0)  # the rows copy: (1 + 2) / 2 = 1.5 tokens in 0.2 s, still slower
-    assert not g.speculates(4) and g.costs()[4] == (0.10, 0.20, 1.5)
-    g.record_tokens(4, 3.5)  # (1.5 + 3.5) / 2 = 2.5 tokens in 0.2 s beat 1 in 0.1 s
+    g.set_tokens(4, 2.0)  # the rows copy: 2 tokens in 0.2 s, as fast as plain (not 10% faster)
+    assert not g.speculates(4) and g.costs()[4] == (0.10, 0.20, 2.0)
+    g.set_tokens(4, 2.5)  # replaced, not averaged: 2.5 tokens in 0.2 s beat 1 in 0.1 s
     assert g.speculates(4) and g.costs()[4][2] == 2.5
+
+
+def test_governor_starts_verifying_only_when_it_wins_by_the_margin_and_stops_at_once():
+    g = CostGovernor(decay=0.5, probe_interval=2, max_probe_interval=8, switch_margin=0.1)
+    g.record(4, 0.20, 1.75)  # verifying: 1.75 tokens a row in 0.2 s = 8.75 a second
+    g.record(4, 0.10, None)  # plain: 10 a second, faster
+    assert not g.speculates(4)
+    g.set_tokens(4, 2.0)  # 2 in 0.2 s = 10 a second: not faster
+    assert not g.speculates(4)
+    g.set_tokens(4, 2.125)  # 10.6 a second: faster, but by less than 10%
+    assert not g.speculates(4)
+    g.set_tokens(4, 2.25)  # 11.25 a second: faster by more than 10%
+    assert g.speculates(4)
+    g.set_tokens(4, 2.0625)  # 10.3 a second: still faster, keep verifying
+    assert g.speculates(4)
+    g.set_tokens(4, 1.875)  # 9.4 a second: plain wins, switch at once
+    assert not g.speculates(4)
+    with pytest.raises(ValueError, match="switch_margin must be in"):
+        CostGovernor(switch_margin=1.0)
+
+
+def test_governor_replaces_its_tokens_average_with_the_rows_estimate():
+    g = CostGovernor(decay=0.5, probe_interval=2)
+    g.record(4, 0.20, 3.0)  # the batch before copied: 3 tokens a row in 0.2 s
+    g.record(4, 0.10, None)  # plain: 10 a second against 15: verifying stays
+    assert g.speculates(4)
+    g.record(4, 0.20, 1.5, rows_estimate=True)  # the new rows: 1.5 each, 7.5 a second
+    assert g.costs()[4][2] == 1.5  # replaced (the average would be 2.25: still verifying)
+    assert not g.speculates(4)
