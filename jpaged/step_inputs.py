@@ -96,8 +96,20 @@ def step_key(plan: StepPlan, config: EngineConfig) -> StepKey:
     # At least a token per row (forks of an n > 1 request have none; max_num_seqs <=
     # max_num_batched_tokens), so num_tokens >= num_seqs' lower neighbour and the ragged
     # shapes are the ones bucket_keys lists.
-    num_tokens = bucket(config.token_buckets, max(plan.num_tokens, len(plan), 1))
+    n = max(plan.num_tokens, len(plan), 1)
+    num_tokens = bucket(config.token_buckets, n)
+    if extra["spec_k"]:
+        num_tokens = _verify_tokens(config, num_seqs, n, num_tokens)
     return StepKey(num_tokens, num_seqs, cols, False, **extra)
+
+
+def _verify_tokens(config: EngineConfig, num_seqs: int, n: int, bucketed: int) -> int:
+    """Tokens of a step that verifies proposals, num_seqs rows (a sequence bucket) and n
+    tokens: num_seqs * (k + 1) when that holds n and is below the token bucket (every row
+    verifying k proposals fills it exactly: 8 rows and k = 4 run 40 tokens, not 64, and
+    the step's matmuls are 40 rows), else the token bucket."""
+    exact = num_seqs * (config.num_speculative_tokens + 1)
+    return exact if n <= exact < bucketed else bucketed
 
 
 def _page_buckets_up_to(config: EngineConfig, context_len: int) -> tuple[int, ...]:
@@ -135,6 +147,15 @@ def bucket_keys(config: EngineConfig, max_len: int | None = None) -> list[StepKe
             for t, s in _ragged_shapes(c)
             for p in pages
         ]
+    k = c.num_speculative_tokens
+    if k > 0:  # every row verifying k proposals, when that is not a token bucket
+        most = c.scheduler.max_num_batched_tokens
+        keys += [
+            StepKey(s * (k + 1), s, p, False, spec_k=k, spec_draft=drafted)
+            for s in c.seq_buckets
+            if s * (k + 1) < bucket(c.token_buckets, min(s * (k + 1), most))
+            for p in pages
+        ]
     return keys
 
 
@@ -160,12 +181,10 @@ def warm_up_keys(config: EngineConfig, context_len: int) -> list[StepKey]:
     k = c.num_speculative_tokens
     if k > 0:  # decoding rows verify k proposals each: s * (k + 1) tokens
         most = c.scheduler.max_num_batched_tokens
-        keys += [
-            StepKey(bucket(c.token_buckets, min(s * (k + 1), most)), s, p, False, spec_k=k,
-                    spec_draft=drafted)
-            for s in c.seq_buckets
-            for p in pages
-        ]
+        for s in c.seq_buckets:
+            n = min(s * (k + 1), most)
+            t = _verify_tokens(c, s, n, bucket(c.token_buckets, n))
+            keys += [StepKey(t, s, p, False, spec_k=k, spec_draft=drafted) for p in pages]
     return keys
 
 

@@ -177,3 +177,27 @@ def test_bucket_keys_are_the_reachable_shapes_up_to_max_len():
     # 33..64 rows: at least 33 tokens, so the 64-token bucket only
     assert {k.num_tokens for k in bucket_keys(big) if k.num_seqs == 64} == {64}
     assert {k.num_tokens for k in bucket_keys(big) if k.num_seqs == 32} == {32, 64}
+
+
+def test_a_verification_of_every_row_runs_exactly_its_tokens():
+    """8 rows each verifying k = 4 proposals run 40 tokens (not the 64-token bucket); 7 rows
+    verifying and one decoding (36 tokens) too; 6 and 2 (32 tokens) fit the 32 bucket. Every
+    such key is one bucket_keys lists."""
+    config = EngineConfig(
+        cache=CacheConfig(page_size=4, num_pages=128),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 4}',
+    )
+    assert config.seq_buckets == (4, 8) and config.token_buckets == (16, 32, 64)
+    for proposing, tokens in ((8, 40), (7, 40), (6, 32)):
+        sched = Scheduler(config, PageAllocator(128), eos_token_ids=(0,))
+        for i in range(8):
+            add(sched, f"r{i}", [5 + i, 6, 7], max_tokens=20)
+        plan = sched.schedule()
+        feed(sched, plan, [9] * len(plan))
+        ids = [seq.seq_id for seq in sched.running]
+        plan = sched.schedule({i: [1, 2, 3, 4] for i in ids[:proposing]})
+        assert plan.num_tokens == 5 * proposing + (8 - proposing)
+        key = step_key(plan, config)
+        assert (key.num_tokens, key.num_seqs, key.spec_k) == (tokens, 8, 4)
+        assert key in bucket_keys(config)
