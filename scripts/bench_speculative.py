@@ -17,7 +17,8 @@ program (at most --max-warmups): the cost governor's choices depend on timing, s
 may not meet every shape the timed runs meet. Output tokens/s is all output tokens over all
 the passes' wall time, the median of --repeats timed passes that compiled nothing (a timed
 pass that compiled a program is run again, at most --repeats times, and counted in the
-report). The two engines' tokens must be the same (greedy speculation is
+report); the two engines' timed passes alternate, so a drift of the machine's speed falls on
+both. The two engines' tokens must be the same (greedy speculation is
 exact); the script checks it and reports the acceptance: draft tokens proposed, accepted,
 and the mean acceptance length (tokens per verify step).
 
@@ -186,42 +187,50 @@ def main() -> int:
                     warmups += 1
                     if llm.stats()["num_compiles"] == before:
                         break
-                rates, discarded = [], 0
-                # A timed run that compiled a program (a shape no warm-up pass met: the
-                # governor's choices depend on timing) is run again, at most `repeats` times.
-                while len(rates) < args.repeats and discarded < args.repeats:
+                row[f"{label}_warmup_passes"] = warmups
+            # Timed passes alternate between the engines (off, ngram, off, ngram, ...), so a
+            # drift of this machine's speed over the minutes a row takes falls on both alike.
+            # A pass that compiled a program (a shape no warm-up pass met: the governor's
+            # choices depend on timing) is run again, at most `repeats` times per engine.
+            rates = {label: [] for label in engines}
+            discarded = dict.fromkeys(engines, 0)
+            last, outs, stats = {}, {}, {}
+            while todo := [label for label in engines
+                           if len(rates[label]) < args.repeats
+                           and discarded[label] < args.repeats]:  # fmt: skip
+                for label in todo:
+                    llm = engines[label]
                     llm.reset_stats()
                     before = llm.stats()["num_compiles"]
-                    seconds, n, outs = run(llm, convs, params, batch)
-                    if llm.stats()["num_compiles"] == before:
-                        rates.append(n / seconds)
+                    seconds, n, outs[label] = run(llm, convs, params, batch)
+                    stats[label] = llm.stats()
+                    last[label] = n / seconds
+                    if stats[label]["num_compiles"] == before:
+                        rates[label].append(n / seconds)
                     else:
-                        discarded += 1
-                if not rates:
-                    rates.append(n / seconds)  # every run compiled: the last one, reported
-                row[f"{label}_warmup_passes"] = warmups
-                row[f"{label}_timed_compiles"] = discarded
-                row[f"{label}_tokens_per_s"] = statistics.median(rates)
-                row[f"{label}_spread"] = [min(rates), max(rates)]
-                tokens[label] = [o.outputs[0].token_ids for o in outs]
-                if label == "off":
-                    for key, ceiling in (("copy", copy_ceiling), ("lookup", lookup_ceiling)):
-                        bound = np.array(  # [prompts, (tokens, steps)]
-                            [
-                                ceiling(o.prompt_token_ids, o.outputs[0].token_ids, args.k)
-                                for o in outs
-                            ]
-                        )
-                        row[f"{key}_ceiling"] = float(bound[:, 0].sum() / bound[:, 1].sum())
-                if label == "ngram":
-                    s = llm.stats()
-                    row |= {
-                        "proposed": s["spec_num_draft_tokens"],
-                        "accepted": s["spec_num_accepted_tokens"],
-                        "acceptance_rate": s["spec_num_accepted_tokens"]
-                        / max(s["spec_num_draft_tokens"], 1),
-                        "mean_acceptance_length": s["spec_mean_acceptance_length"],
-                    }
+                        discarded[label] += 1
+            for label in engines:
+                got = rates[label] or [last[label]]  # every pass compiled: the last one
+                row[f"{label}_timed_compiles"] = discarded[label]
+                row[f"{label}_tokens_per_s"] = statistics.median(got)
+                row[f"{label}_spread"] = [min(got), max(got)]
+                tokens[label] = [o.outputs[0].token_ids for o in outs[label]]
+            for key, ceiling in (("copy", copy_ceiling), ("lookup", lookup_ceiling)):
+                bound = np.array(  # [prompts, (tokens, steps)]
+                    [
+                        ceiling(o.prompt_token_ids, o.outputs[0].token_ids, args.k)
+                        for o in outs["off"]
+                    ]
+                )
+                row[f"{key}_ceiling"] = float(bound[:, 0].sum() / bound[:, 1].sum())
+            s = stats["ngram"]  # the last ngram pass
+            row |= {
+                "proposed": s["spec_num_draft_tokens"],
+                "accepted": s["spec_num_accepted_tokens"],
+                "acceptance_rate": s["spec_num_accepted_tokens"]
+                / max(s["spec_num_draft_tokens"], 1),
+                "mean_acceptance_length": s["spec_mean_acceptance_length"],
+            }
             row["speedup"] = row["ngram_tokens_per_s"] / row["off_tokens_per_s"]
             row["same_tokens"] = tokens["off"] == tokens["ngram"]
             row["mean_output_tokens"] = statistics.mean(len(t) for t in tokens["off"])
