@@ -290,11 +290,10 @@ class CostGovernor:
     and a changed decision restores probe_interval. With n-gram proposals the engine also
     sets the tokens estimate from the running rows (set_tokens), so a batch that starts
     copying is seen within a few steps, not at the next probe, and a new batch is judged on
-    its own rows. A bucket
-    that runs plain steps switches to verifying only when verifying is faster by
-    switch_margin (a fraction), and back as soon as plain steps are faster: estimates near
-    the break-even point would otherwise flip it back and forth, and a verifying step that
-    loses costs more than a plain step that misses a gain. On an
+    its own rows. A bucket that runs plain steps switches to verifying only when verifying
+    is faster by switch_margin (a fraction), and back as soon as plain steps are faster:
+    estimates near the break-even point would otherwise flip it back and forth, and a
+    verifying step that loses costs more than a plain step that misses a gain. On an
     accelerator a small batch verifies almost for free and the governor keeps speculating; on
     a compute-bound CPU it stops where verification loses.
 

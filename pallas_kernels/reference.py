@@ -14,7 +14,9 @@ _TOKEN_BLOCK; a block attends over its context _KEY_BLOCK keys at a time with an
 softmax, and only over the key blocks its tokens can see (so a prompt's first tokens do not
 pay for the page table's full width). Keys are gathered once per sequence when the block's
 tokens belong to one or two sequences (prefill), once per token otherwise (decode), and pages
-a row does not need are read as the null page.
+a row does not need are read as the null page. A caller that knows a bound on the query
+tokens per sequence (max_query_len: a verification step's k + 1) gets each sequence's queries
+attended as one group, its keys gathered once, when the step fits the bound.
 """
 
 from __future__ import annotations
