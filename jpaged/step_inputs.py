@@ -112,6 +112,14 @@ def _verify_tokens(config: EngineConfig, num_seqs: int, n: int, bucketed: int) -
     return exact if n <= exact < bucketed else bucketed
 
 
+def _full_verification_tokens(config: EngineConfig, num_seqs: int) -> int:
+    """step_key's tokens for num_seqs rows (a sequence bucket) each verifying k proposals
+    (as many as the step budget holds)."""
+    n = min(num_seqs * (config.num_speculative_tokens + 1),
+            config.scheduler.max_num_batched_tokens)
+    return _verify_tokens(config, num_seqs, n, bucket(config.token_buckets, n))
+
+
 def _page_buckets_up_to(config: EngineConfig, context_len: int) -> tuple[int, ...]:
     """The page-column buckets of sequences of up to context_len tokens."""
     context_len = max(1, min(context_len, config.scheduler.max_model_len))
@@ -149,13 +157,10 @@ def bucket_keys(config: EngineConfig, max_len: int | None = None) -> list[StepKe
         ]
     k = c.num_speculative_tokens
     if k > 0:  # every row verifying k proposals, when that is not a token bucket
-        most = c.scheduler.max_num_batched_tokens
-        keys += [
-            StepKey(s * (k + 1), s, p, False, spec_k=k, spec_draft=drafted)
-            for s in c.seq_buckets
-            if s * (k + 1) < bucket(c.token_buckets, min(s * (k + 1), most))
-            for p in pages
-        ]
+        for s in c.seq_buckets:
+            t = _full_verification_tokens(c, s)
+            if t not in c.token_buckets:
+                keys += [StepKey(t, s, p, False, spec_k=k, spec_draft=drafted) for p in pages]
     return keys
 
 
@@ -180,11 +185,11 @@ def warm_up_keys(config: EngineConfig, context_len: int) -> list[StepKey]:
     ]
     k = c.num_speculative_tokens
     if k > 0:  # decoding rows verify k proposals each: s * (k + 1) tokens
-        most = c.scheduler.max_num_batched_tokens
-        for s in c.seq_buckets:
-            n = min(s * (k + 1), most)
-            t = _verify_tokens(c, s, n, bucket(c.token_buckets, n))
-            keys += [StepKey(t, s, p, False, spec_k=k, spec_draft=drafted) for p in pages]
+        keys += [
+            StepKey(_full_verification_tokens(c, s), s, p, False, spec_k=k, spec_draft=drafted)
+            for s in c.seq_buckets
+            for p in pages
+        ]
     return keys
 
 
