@@ -60,6 +60,28 @@ def _online_step(carry, s, mask, pv, *, sm_scale, soft_cap):
     return m_new, l * alpha + jnp.sum(p, axis=-1, keepdims=True), acc * alpha + pv(p)
 
 
+def _read_key_block(k_pages, v_pages, rows, row_lens, i, key_block_pages):
+    """Key block i of each row: positions int32[block] and K, V [Hkv, R, block, D] float32.
+
+    rows int32[R, P]: page-table rows; row_lens int32[R]: tokens written in each row's pages
+    (slots past it are zeroed in V). A page no slot of which is written (past the row's
+    length, or a column past the table's width) is read as the null page: masked anyway,
+    and cheap to read again."""
+    hkv, _, page_size, d = k_pages.shape
+    r, width = rows.shape
+    block = key_block_pages * page_size
+    cols = i * key_block_pages + jnp.arange(key_block_pages, dtype=jnp.int32)
+    kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)
+    written = kv_pos[None, :] < row_lens[:, None]  # [R, block]
+    needed = (cols[None, :] < width) & (cols[None, :] * page_size < row_lens[:, None])
+    pages = jnp.where(needed, rows[:, jnp.minimum(cols, width - 1)], 0)
+
+    def gather(pool):
+        return pool[:, pages].reshape(hkv, r, block, d).astype(jnp.float32)
+
+    return kv_pos, gather(k_pages), jnp.where(written[None, :, :, None], gather(v_pages), 0.0)
+
+
 def _attend_block(q, k_pages, v_pages, rows, row_lens, which, pos, kv_len, *, page_size,
                   key_block_pages, key_range, sm_scale, soft_cap, sliding_window):
     """One block of query tokens over the keys [lo, hi) of their context.
@@ -72,26 +94,15 @@ def _attend_block(q, k_pages, v_pages, rows, row_lens, which, pos, kv_len, *, pa
     block sees. Returns [T, Hkv, G, D] float32.
     """
     t, hkv, g, d = q.shape
-    r, width = rows.shape
+    r = rows.shape[0]
     block = key_block_pages * page_size
     qf = q.astype(jnp.float32)
 
-    def gather(pool, pages):  # [Hkv, R, block, D], float32
-        return pool[:, pages].reshape(hkv, r, block, d).astype(jnp.float32)
-
     def step(i, carry):
-        cols = i * key_block_pages + jnp.arange(key_block_pages, dtype=jnp.int32)
-        kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)
+        kv_pos, k, v = _read_key_block(k_pages, v_pages, rows, row_lens, i, key_block_pages)
         visible = (kv_pos[None, :] <= pos[:, None]) & (kv_pos[None, :] < kv_len[:, None])
         if sliding_window is not None:
             visible = visible & (kv_pos[None, :] > pos[:, None] - sliding_window)
-        written = kv_pos[None, :] < row_lens[:, None]  # [R, block]
-        # A page no slot of which is written (past the row's length, or a column past the
-        # table's width) is read as the null page: masked anyway, and cheap to read again.
-        needed = (cols[None, :] < width) & (cols[None, :] * page_size < row_lens[:, None])
-        pages = jnp.where(needed, rows[:, jnp.minimum(cols, width - 1)], 0)
-        k = gather(k_pages, pages)
-        v = jnp.where(written[None, :, :, None], gather(v_pages, pages), 0.0)
         if which is None:  # row t is token t's
             s = jnp.einsum("tkgd,ktld->tkgl", qf, k, precision=_FULL)
 
@@ -152,21 +163,13 @@ def _attend_grouped(q, k_pages, v_pages, context_lens, page_table, query_start, 
     if sliding_window is not None:
         lo = jnp.min(jnp.where(seen, jnp.maximum(pos - sliding_window + 1, 0), hi))
 
-    def gather(pool, pages):  # [Hkv, S, block, D], float32
-        return pool[:, pages].reshape(num_kv_heads, num_seqs, block, head_dim).astype(jnp.float32)
-
     def step(i, carry):
-        cols = i * key_block_pages + jnp.arange(key_block_pages, dtype=jnp.int32)
-        kv_pos = i * block + jnp.arange(block, dtype=jnp.int32)
+        kv_pos, k, v = _read_key_block(k_pages, v_pages, page_table, context_lens, i,
+                                       key_block_pages)
         visible = (kv_pos <= pos[:, :, None]) & (kv_pos < context_lens[:, None, None])
         visible &= seen[:, :, None]  # [S, Qm, C]
         if sliding_window is not None:
             visible &= kv_pos > pos[:, :, None] - sliding_window
-        written = kv_pos[None, :] < context_lens[:, None]  # [S, C]
-        needed = (cols[None, :] < width) & (cols[None, :] * page_size < context_lens[:, None])
-        pages = jnp.where(needed, page_table[:, jnp.minimum(cols, width - 1)], 0)
-        k = gather(k_pages, pages)
-        v = jnp.where(written[None, :, :, None], gather(v_pages, pages), 0.0)
         s = jnp.einsum("skqd,ksld->skql", qg, k, precision=_FULL)
         s = s.reshape(num_seqs, num_kv_heads, qm, group, block)
 
