@@ -98,16 +98,23 @@ def _attend_block(q, k_pages, v_pages, rows, row_lens, which, pos, kv_len, *, pa
     block = key_block_pages * page_size
     qf = q.astype(jnp.float32)
 
+    qk = qf.transpose(1, 0, 2, 3)  # [Hkv, T, G, D]: the gathered blocks' leading dims
+
     def step(i, carry):
         kv_pos, k, v = _read_key_block(k_pages, v_pages, rows, row_lens, i, key_block_pages)
         visible = (kv_pos[None, :] <= pos[:, None]) & (kv_pos[None, :] < kv_len[:, None])
         if sliding_window is not None:
             visible = visible & (kv_pos[None, :] > pos[:, None] - sliding_window)
         if which is None:  # row t is token t's
-            s = jnp.einsum("tkgd,ktld->tkgl", qf, k, precision=_FULL)
+            # Batch dims in the blocks' own order (Hkv, T) and the keys as the left operand:
+            # XLA:CPU then multiplies the gathered [block, D] tiles as they lie. Written
+            # as q @ K^T over (T, Hkv) it copied every K block into [T, Hkv, D, block] first,
+            # which cost more than the products (docs/benchmarks.md, issue 11).
+            s = jnp.einsum("ktld,ktgd->ktlg", k, qk, precision=_FULL).transpose(1, 0, 3, 2)
 
-            def pv(p):
-                return jnp.einsum("tkgl,ktld->tkgd", p, v, precision=_FULL)
+            def pv(p):  # p [T, Hkv, G, block]
+                o = jnp.einsum("ktgl,ktld->ktgd", p.transpose(1, 0, 2, 3), v, precision=_FULL)
+                return o.transpose(1, 0, 2, 3)
         elif r == 1:
             s = jnp.einsum("tkgd,kld->tkgl", qf, k[:, 0], precision=_FULL)
 
