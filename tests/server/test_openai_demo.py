@@ -14,6 +14,7 @@ import json
 import math
 import pathlib
 import re
+import threading
 import time
 
 import grpc
@@ -396,10 +397,20 @@ def in_process(llm):
 
 
 def test_a_dropped_stream_frees_its_pages(llm, in_process, monkeypatch):
+    # The engine is held inside its 4th step until the client has dropped the stream, so the
+    # request is running, and holds pages, when the test looks, however fast the model is.
     fetch = llm.llm_engine.runner.fetch
+    held = threading.Event()
+    go_on = threading.Event()
+    steps = 0
 
-    def slow_fetch(step):  # the demo model is fast: 50 ms steps let the client drop mid-way
-        time.sleep(0.05)
+    def slow_fetch(step):
+        nonlocal steps
+        steps += 1
+        if steps == 4:
+            held.set()
+            go_on.wait(timeout=60)
+        time.sleep(0.02)  # then slow enough that the drop is seen before 100 tokens
         return fetch(step)
 
     monkeypatch.setattr(llm.llm_engine.runner, "fetch", slow_fetch)
@@ -407,17 +418,17 @@ def test_a_dropped_stream_frees_its_pages(llm, in_process, monkeypatch):
     idle = scrape(s.http_url + "/metrics")["jpaged_kv_pages_used"]
     body = {"prompt": "A long story:", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
     url = s.http_url + "/v1/completions"
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=600) as r:
-        lines = []
-        for line in r.iter_lines():
-            lines.append(line)
-            if sum(x.startswith("data: ") for x in lines) == 3:
-                break
-        # Three chunks of a 100-token request: it is running and holds pages (a stream that
-        # ended sooner says why here).
-        assert sum(x.startswith("data: ") for x in lines) == 3, lines
-        assert "[DONE]" not in "".join(lines), lines
-        assert scrape(s.http_url + "/metrics")["jpaged_kv_pages_used"] > idle
+    try:
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=600) as r:
+            # Kept referenced: an iterator dropped after a break is closed at once, and with
+            # it the response, which aborts the request before the test looks.
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert "[DONE]" not in first, first
+            assert held.wait(timeout=60)
+            assert scrape(s.http_url + "/metrics")["jpaged_kv_pages_used"] > idle
+    finally:
+        go_on.set()
     deadline = time.monotonic() + 30
     while True:
         m = scrape(s.http_url + "/metrics")
