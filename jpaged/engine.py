@@ -354,10 +354,11 @@ class LLMEngine:
             return
         if not np.array_equal(plan.num_new_tokens, proposed + 1):
             return
-        accepted = np.minimum(out.num_accepted[: len(plan)], proposed)
-        tokens = float(np.mean(accepted + 1))
-        if self._proposer is not None:  # n-gram: the rows' estimates, this step's included
-            for seq_id, n in zip(plan.seq_ids.tolist(), (accepted + 1).tolist(), strict=True):
+        given = np.minimum(out.num_accepted[: len(plan)], proposed) + 1  # tokens per row
+        if self._proposer is None:
+            tokens = float(np.mean(given))
+        else:  # n-gram: the rows' estimates, this step's included
+            for seq_id, n in zip(plan.seq_ids.tolist(), given.tolist(), strict=True):
                 self._note_row_tokens(seq_id, n)
             tokens = self._rows_tokens(plan)
         self._decode_step = (bucket(self.config.seq_buckets, len(plan)), tokens)

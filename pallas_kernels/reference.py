@@ -98,7 +98,8 @@ def _attend_block(q, k_pages, v_pages, rows, row_lens, which, pos, kv_len, *, pa
     block = key_block_pages * page_size
     qf = q.astype(jnp.float32)
 
-    qk = qf.transpose(1, 0, 2, 3)  # [Hkv, T, G, D]: the gathered blocks' leading dims
+    # The per-token path's queries as [Hkv, T, G, D]: the gathered blocks' leading dims.
+    qk = qf.transpose(1, 0, 2, 3) if which is None else None
 
     def step(i, carry):
         kv_pos, k, v = _read_key_block(k_pages, v_pages, rows, row_lens, i, key_block_pages)
