@@ -142,6 +142,14 @@ def run(llm: LLM, conversations, params, batch: int) -> tuple[float, int, list]:
     return seconds, sum(len(o.outputs[0].token_ids) for o in outs), outs
 
 
+def _paired(row: dict) -> str:
+    """The paired ratios' mean and standard error, given two pairs or more."""
+    if row["paired_stderr"] is None:
+        return ""
+    return (f", paired {row['paired_mean']:.3f} +- {row['paired_stderr']:.3f} over "
+            f"{len(row['paired_ratios'])} pairs")  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="(default: SmolLM2-135M-Instruct)")
@@ -232,11 +240,20 @@ def main() -> int:
                 "mean_acceptance_length": s["spec_mean_acceptance_length"],
             }
             row["speedup"] = row["ngram_tokens_per_s"] / row["off_tokens_per_s"]
+            # The i-th timed passes of the two engines ran one after the other: their ratio
+            # cancels the machine's drift between pairs; the mean over pairs and its standard
+            # error say how far the speed-up is from 1 against the pass-to-pass noise.
+            pairs = [n / o for o, n in zip(rates["off"], rates["ngram"], strict=False)]
+            row["paired_ratios"] = pairs
+            row["paired_mean"] = statistics.mean(pairs) if pairs else None
+            row["paired_stderr"] = (
+                statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else None
+            )
             row["same_tokens"] = tokens["off"] == tokens["ngram"]
             row["mean_output_tokens"] = statistics.mean(len(t) for t in tokens["off"])
             rows.append(row)
             print(f"{name:>9} batch {batch}: off {row['off_tokens_per_s']:7.1f}, ngram "
-                  f"{row['ngram_tokens_per_s']:7.1f} tokens/s ({row['speedup']:.2f}x); accepted "
+                  f"{row['ngram_tokens_per_s']:7.1f} tokens/s ({row['speedup']:.2f}x{_paired(row)}); accepted "
                   f"{row['accepted']}/{row['proposed']} ({row['acceptance_rate']:.0%}), mean "
                   f"acceptance length {row['mean_acceptance_length']:.2f} (ceilings: lookup "
                   f"{row['lookup_ceiling']:.2f}, copy "
