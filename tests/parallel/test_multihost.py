@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from child_process import dies_with_parent
 
 from jpaged import multihost
 from jpaged.config import EngineConfig, SchedulerConfig
@@ -35,16 +36,10 @@ def test_two_processes_give_single_device_tokens(tp_checkpoint, tp_results, tmp_
     addr = f"127.0.0.1:{_free_port()}"
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                "multihost",
-                str(tp_checkpoint),
-                addr,
-                "2",
-                str(i),
-                str(out),
-            ],
+            dies_with_parent(
+                [sys.executable, str(WORKER), "multihost", str(tp_checkpoint), addr, "2", str(i)]
+                + [str(out)]
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -100,10 +95,12 @@ def _record_calls(runner, calls: list) -> None:
         )
 
     runner.programs.step = step_exe
-    runner.programs.prelude = lambda _state: lambda state, u, c: (
-        calls.append(("prelude", u, c)),
-        state,
-    )[1]
+    runner.programs.prelude = lambda _state: (
+        lambda state, u, c: (
+            calls.append(("prelude", u, c)),
+            state,
+        )[1]
+    )
 
 
 @pytest.mark.parametrize("penalties", [False, True])

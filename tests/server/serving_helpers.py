@@ -18,6 +18,7 @@ import threading
 import time
 
 import grpc
+from child_process import dies_with_parent
 
 from server.app import Server, ServerOptions
 from server.proto.jpaged.v1 import generation_pb2 as pb
@@ -88,7 +89,9 @@ class ServeProcess:
         cmd = [sys.executable, "-m", "server", "serve", "--model", str(model_dir), *flags]
         cmd += ["--port", "0", "--http-port", "0", "--metrics-port", "off"]
         env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="")  # jax probes platforms
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            dies_with_parent(cmd), cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True
+        )
         self.lines: list[str] = []
         self._ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()

@@ -13,6 +13,7 @@ import threading
 import time
 
 import grpc
+from child_process import dies_with_parent
 from serving_helpers import Collected, request
 
 from server.proto.jpaged.v1 import generation_pb2 as pb
@@ -26,26 +27,28 @@ class ServerProcess:
     def __init__(self, grace_s: float) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "fake_engine.py"),
-                "--step-delay",
-                "0.01",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--http-port",
-                "0",
-                "--metrics-port",
-                "-1",
-                "--drain-grace",
-                str(grace_s),
-                "--max-model-len",
-                "200000",
-                "--num-pages",
-                "60000",
-            ],
+            dies_with_parent(
+                [
+                    sys.executable,
+                    str(HERE / "fake_engine.py"),
+                    "--step-delay",
+                    "0.01",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--http-port",
+                    "0",
+                    "--metrics-port",
+                    "-1",
+                    "--drain-grace",
+                    str(grace_s),
+                    "--max-model-len",
+                    "200000",
+                    "--num-pages",
+                    "60000",
+                ]
+            ),
             env=env,
             stderr=subprocess.PIPE,
             text=True,
