@@ -206,6 +206,7 @@ class Server:
             state=lambda: self.state,
         )
         self.state = "warming_up"  # then "serving", then "draining"
+        self.stopped_cleanly = True  # False after a drain whose engine thread did not stop
         self.health = health.aio.HealthServicer()
         self.grpc_server: grpc.aio.Server | None = None
         self.http_server: HttpServer | None = None
@@ -307,7 +308,7 @@ class Server:
             await self.grpc_server.stop(5)
         if self.http_server is not None:
             await self.http_server.stop()
-        await self.engine_loop.stop()
+        self.stopped_cleanly = await self.engine_loop.stop()
         self.metrics.stop_http()
         logger.info("stopped", extra={"fields": {"drain_s": round(time.monotonic() - start, 3)}})
 
@@ -323,8 +324,8 @@ def _compilation_cache_dir() -> str:
     return (jax.config.jax_compilation_cache_dir if jax is not None else None) or "off"
 
 
-async def serve(engine, options: ServerOptions, *, model_name: str) -> None:
-    """Runs until SIGTERM or SIGINT, then drains."""
+async def serve(engine, options: ServerOptions, *, model_name: str) -> bool:
+    """Runs until SIGTERM or SIGINT, then drains; False when the engine thread did not stop."""
     server = Server(engine, options, model_name=model_name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -336,8 +337,10 @@ async def serve(engine, options: ServerOptions, *, model_name: str) -> None:
     if not warm_up.done():
         await warm_up  # the engine thread finishes compiling before it can stop
     await server.drain()
+    return server.stopped_cleanly
 
 
 def run(engine, options: ServerOptions, *, model_name: str) -> int:
-    asyncio.run(serve(engine, options, model_name=model_name))
-    return 0
+    """Serves until SIGTERM or SIGINT; the exit status: 0, or 1 when the engine thread was
+    stuck (a supervisor should know)."""
+    return 0 if asyncio.run(serve(engine, options, model_name=model_name)) else 1

@@ -190,10 +190,16 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
         self._thread.start()
 
-    async def stop(self) -> None:
-        """Aborts whatever is left and joins the step thread."""
+    async def stop(self, timeout_s: float | None = 60.0) -> bool:
+        """Aborts whatever is left and joins the step thread. False when the thread did not
+        end within timeout_s (a step stuck in the engine or on the device): it is a daemon
+        thread, so the process can still exit, and the caller says it did not stop cleanly."""
         self._commands.put(("stop",))
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._thread.join, timeout_s)
+        if self._thread.is_alive():
+            logger.error("engine thread did not stop", extra={"fields": {"timeout_s": timeout_s}})
+            return False
+        return True
 
     def num_waiting(self) -> int:
         with self._lock:

@@ -4,6 +4,8 @@ not hold the engine back, and an engine error fails only the requests it touched
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 
 import grpc
 import pytest
@@ -52,7 +54,7 @@ def test_release_aborts_within_one_step():
             await other.wait()
         await wait_engine_idle(engine)
         steps_with_victim = [k + 1 for k, ids in enumerate(engine.log) if h.engine_id in ids]
-        await loop.stop()
+        assert await loop.stop()  # the thread ended
         return steps_at_release, steps_with_victim, other, engine
 
     at_release, with_victim, other, engine = asyncio.run(scenario())
@@ -103,6 +105,37 @@ def test_engine_error_fails_in_flight_requests_and_the_server_goes_on(make_serve
     assert collect(s.stub, request([4], temperature=0, max_tokens=3)).token_ids == {0: [4, 5, 6]}
     st = s.wait_until(lambda st: st.num_running == 0)
     assert st.pages_used == 0
+
+
+class StuckEngine(FakeEngine):
+    """Its steps wait for `release` (a step stuck in the engine or on the device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def step(self):
+        self.entered.set()
+        self.release.wait(60)
+        return super().step()
+
+
+def test_stop_gives_up_on_a_stuck_step_and_says_so(caplog):
+    async def scenario():
+        engine = StuckEngine()
+        loop = EngineLoop(engine)
+        loop.start()
+        loop.submit("r", [1], SamplingParams(temperature=0, max_tokens=3), None)
+        assert await asyncio.to_thread(engine.entered.wait, 30)
+        stopped = await loop.stop(timeout_s=0.2)  # without the timeout: until the release
+        engine.release.set()
+        await asyncio.to_thread(loop._thread.join, 30)  # the step ends, then "stop" is taken
+        return stopped, loop._thread.is_alive()
+
+    with caplog.at_level(logging.ERROR, logger="jpaged.server"):
+        stopped, alive = asyncio.run(scenario())
+    assert stopped is False and not alive
+    assert [r.getMessage() for r in caplog.records] == ["engine thread did not stop"]
 
 
 def test_the_heap_is_trimmed_each_time_the_engine_goes_idle():
