@@ -192,7 +192,11 @@ class GenerationService:
             max_model_len=self._max_model_len,
             eos_token_ids=self._eos_token_ids,
             stats=pb.EngineStats(
-                **{f.name: int(s[f.name]) for f in pb.EngineStats.DESCRIPTOR.fields}
+                **{
+                    # the spec_ counts exist only with speculation on
+                    f.name: int(s.get(f.name, 0) if f.name.startswith("spec_") else s[f.name])
+                    for f in pb.EngineStats.DESCRIPTOR.fields
+                }
             ),
         )
 

@@ -50,6 +50,8 @@ def test_model_info_and_stats(server):
     assert st.prefix_cache_hit_tokens == 4  # 8 tokens, pages of 4: one page, last one kept out
     assert st.peak_pages_used == 3  # ceil((8 + 3) / 4)
     assert st.pages_used == 0
+    # No speculation: its counts are there, at 0.
+    assert (st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens) == (0, 0, 0)
 
 
 def test_tokenize_detokenize(server):

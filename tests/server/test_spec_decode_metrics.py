@@ -1,13 +1,18 @@
 """`jpaged serve --speculative-config` on the demo model: the engine's speculative-decoding
-counts reach /metrics as vLLM's spec_decode counters (jpaged_ prefixed)."""
+counts reach /metrics as vLLM's spec_decode counters (jpaged_ prefixed) and gRPC's
+GetModelInfo."""
 
 from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
 import pytest
 from serving_helpers import ServeProcess, scrape
+
+from server.proto.jpaged.v1 import generation_pb2 as pb
+from server.proto.jpaged.v1 import generation_pb2_grpc as pb_grpc
 
 SPEC = {
     "method": "ngram",
@@ -38,3 +43,8 @@ def test_a_repetitive_prompt_moves_the_speculative_decoding_counters(served):
     # accepted, for this request (the demo model's greedy output falls into a 2-token loop).
     assert (drafts, draft_tokens, accepted) == (13, 30, 14)
     assert 0 < accepted <= draft_tokens <= SPEC["num_speculative_tokens"] * drafts
+    # The same counts in gRPC's GetModelInfo.
+    with grpc.insecure_channel(f"127.0.0.1:{served.port}") as channel:
+        info = pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    s = info.stats
+    assert (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens) == (13, 30, 14)
