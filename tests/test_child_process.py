@@ -14,10 +14,10 @@ from child_process import dies_with_parent
 cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
 quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # the pipes close now
 child = subprocess.Popen(dies_with_parent(cmd) if {wrap} else cmd, **quiet)
-# setpriv sets the signal before it execs the command: wait for the command (a parent that
-# dies before that leaves no signal to send).
+# setpriv sets the signal before it execs the command: wait until the child runs the
+# command, its argv[0] no longer setpriv (a parent that dies before that sends no signal).
 cmdline = "/proc/%d/cmdline" % child.pid
-while b"time.sleep" not in open(cmdline, "rb").read():
+while open(cmdline, "rb").read().split(b"\\0")[0] != sys.executable.encode():
     pass
 print(child.pid, flush=True)
 os._exit(0)
