@@ -203,9 +203,11 @@ def main() -> int:
             rates = {label: [] for label in engines}
             discarded = dict.fromkeys(engines, 0)
             last, outs, stats = {}, {}, {}
+            pairs = []  # n-gram over off, for rounds in which both passes ran and were kept
             while todo := [label for label in engines
                            if len(rates[label]) < args.repeats
                            and discarded[label] < args.repeats]:  # fmt: skip
+                kept = {}
                 for label in todo:
                     llm = engines[label]
                     llm.reset_stats()
@@ -215,8 +217,11 @@ def main() -> int:
                     last[label] = n / seconds
                     if stats[label]["num_compiles"] == before:
                         rates[label].append(n / seconds)
+                        kept[label] = n / seconds
                     else:
                         discarded[label] += 1
+                if len(kept) == 2:
+                    pairs.append(kept["ngram"] / kept["off"])
             for label in engines:
                 got = rates[label] or [last[label]]  # every pass compiled: the last one
                 row[f"{label}_timed_compiles"] = discarded[label]
@@ -240,10 +245,9 @@ def main() -> int:
                 "mean_acceptance_length": s["spec_mean_acceptance_length"],
             }
             row["speedup"] = row["ngram_tokens_per_s"] / row["off_tokens_per_s"]
-            # The i-th timed passes of the two engines ran one after the other: their ratio
-            # cancels the machine's drift between pairs; the mean over pairs and its standard
-            # error say how far the speed-up is from 1 against the pass-to-pass noise.
-            pairs = [n / o for o, n in zip(rates["off"], rates["ngram"], strict=False)]
+            # A pair's two passes ran one after the other: their ratio cancels the machine's
+            # drift between pairs; the mean over pairs and its standard error say how far the
+            # speed-up is from 1 against the pass-to-pass noise.
             row["paired_ratios"] = pairs
             row["paired_mean"] = statistics.mean(pairs) if pairs else None
             row["paired_stderr"] = (
