@@ -17,24 +17,19 @@ serving layers'.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
+import os
 import random
 import time
 
+from bench_serving import parse_range, rss_mib
+
 from jpaged import LLM, SamplingParams
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+from server.engine_loop import heap_trimmer
 
 
 def _span(text: str) -> tuple[int, int]:
-    lo, hi = (int(x) for x in text.split(":"))
+    lo, hi = parse_range(text)
     if not 1 <= lo <= hi:
         raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {text!r}")
     return lo, hi
@@ -51,8 +46,11 @@ def main() -> None:
     args = p.parse_args()
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
     vocab = llm.llm_engine.model_config.vocab_size
-    trim = ctypes.CDLL("libc.so.6").malloc_trim
-    print(f"start: rss {_rss_mib():.1f} MiB", flush=True)
+    trim = heap_trimmer()  # what the server's engine thread calls when it goes idle
+    if trim is None:
+        raise SystemExit("this C library has no malloc_trim (glibc needed)")
+    pid = os.getpid()
+    print(f"start: rss {rss_mib(pid):.1f} MiB", flush=True)
     for run in range(args.runs):
         rng = random.Random(run)
         prompts = [
@@ -70,10 +68,10 @@ def main() -> None:
         seconds = time.perf_counter() - t0
         del outputs, prompts, params
         gc.collect()
-        trim(0)
+        trim()
         stats = llm.llm_engine.stats()
         print(
-            f"run {run + 1}: {seconds:.1f} s, rss {_rss_mib():.1f} MiB, programs compiled "
+            f"run {run + 1}: {seconds:.1f} s, rss {rss_mib(pid):.1f} MiB, programs compiled "
             f"{stats['num_compiled']}, pages used {stats['pages_used']}",
             flush=True,
         )
