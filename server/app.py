@@ -206,7 +206,6 @@ class Server:
             state=lambda: self.state,
         )
         self.state = "warming_up"  # then "serving", then "draining"
-        self.stopped_cleanly = True  # False after a drain whose engine thread did not stop
         self.health = health.aio.HealthServicer()
         self.grpc_server: grpc.aio.Server | None = None
         self.http_server: HttpServer | None = None
@@ -281,8 +280,9 @@ class Server:
             "metrics_port": self.metrics_port,
         }
 
-    async def drain(self, grace_s: float | None = None) -> None:
-        """Refuses new calls, gives in-flight requests grace_s, aborts the rest, stops."""
+    async def drain(self, grace_s: float | None = None) -> bool:
+        """Refuses new calls, gives in-flight requests grace_s, aborts the rest, stops;
+        False when the engine thread did not stop (EngineLoop.stop)."""
         grace_s = self.options.grace_s if grace_s is None else grace_s
         start = time.monotonic()
         self.state = "draining"
@@ -308,9 +308,10 @@ class Server:
             await self.grpc_server.stop(5)
         if self.http_server is not None:
             await self.http_server.stop()
-        self.stopped_cleanly = await self.engine_loop.stop()
+        stopped = await self.engine_loop.stop()
         self.metrics.stop_http()
         logger.info("stopped", extra={"fields": {"drain_s": round(time.monotonic() - start, 3)}})
+        return stopped
 
 
 def _warm_up(engine) -> float | None:
@@ -336,8 +337,7 @@ async def serve(engine, options: ServerOptions, *, model_name: str) -> bool:
     await stop.wait()
     if not warm_up.done():
         await warm_up  # the engine thread finishes compiling before it can stop
-    await server.drain()
-    return server.stopped_cleanly
+    return await server.drain()
 
 
 def run(engine, options: ServerOptions, *, model_name: str) -> int:
