@@ -37,8 +37,16 @@ def test_two_processes_give_single_device_tokens(tp_checkpoint, tp_results, tmp_
     procs = [
         subprocess.Popen(
             dies_with_parent(
-                [sys.executable, str(WORKER), "multihost", str(tp_checkpoint), addr, "2", str(i)]
-                + [str(out)]
+                [
+                    sys.executable,
+                    str(WORKER),
+                    "multihost",
+                    str(tp_checkpoint),
+                    addr,
+                    "2",
+                    str(i),
+                    str(out),
+                ]
             ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -95,12 +103,10 @@ def _record_calls(runner, calls: list) -> None:
         )
 
     runner.programs.step = step_exe
-    runner.programs.prelude = lambda _state: (
-        lambda state, u, c: (
-            calls.append(("prelude", u, c)),
-            state,
-        )[1]
-    )
+    runner.programs.prelude = lambda _state: lambda state, u, c: (
+        calls.append(("prelude", u, c)),
+        state,
+    )[1]
 
 
 @pytest.mark.parametrize("penalties", [False, True])
