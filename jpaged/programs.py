@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jpaged.logits_processors import apply_logit_bias, apply_token_bitmask
+from jpaged.map_count import MapBudget
 from jpaged.rejection_sampler import draft_sample, verify
 from jpaged.sampler import SamplerOutput, prompt_logprobs, sample
 from jpaged.step_inputs import StepInputs, StepKey
@@ -194,6 +195,7 @@ class Programs:
         self.compile_seconds = 0.0
         self.warmed_up = False  # set after warm-up: a new step program then is a recompile
         self.num_recompiles = 0
+        self.map_budget = MapBudget()  # Linux's cap on mappings: an error, not an abort
         if mesh is not None:
             num_layers = model_config.num_layers
             self.state_specs = DeviceState(
@@ -245,9 +247,11 @@ class Programs:
 
     # -- compilation -----------------------------------------------------------------------
     def _compiled(self, fn, *args, name: str):
+        before = self.map_budget.check(name)
         t0 = time.perf_counter()
         exe = fn.lower(*args).compile()
         seconds = time.perf_counter() - t0
+        self.map_budget.record(before)
         self.num_compiles += 1
         self.compile_seconds += seconds
         logger.debug("compiled %s in %.2fs", name, seconds)
