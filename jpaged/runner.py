@@ -131,7 +131,7 @@ class ModelRunner:
                 key, self.params, self.state, self.dummy_inputs(key), self.last_tokens
             )
             if self.broadcast is None:
-                self.run_step(key, self.exercising_inputs(key))
+                self.run_step(key, self.dummy_inputs(key))
         jax.block_until_ready(self.state)
         # The runs' samples are no request's: the next step's prev_tokens start at zero again.
         self.last_tokens = self.programs.zeros(self.config.scheduler.max_num_seqs)
@@ -148,18 +148,6 @@ class ModelRunner:
             inputs.draft_probs = np.zeros(shape, np.float32)
         if key.draft:
             inputs.draft_offset = np.int32(0)
-        return inputs
-
-    def exercising_inputs(self, key: StepKey) -> StepInputs:
-        """dummy_inputs whose rows sample at temperature 1 with top_p 0.5 through an all-ones
-        grammar mask: a run takes the sampler's costly branches (a lax.cond runs only the
-        branch it takes, and on XLA:CPU a branch's first run takes memory too) and still
-        changes nothing."""
-        inputs = self.dummy_inputs(key)
-        s = inputs.sampling
-        s.temperature = np.ones_like(s.temperature)
-        s.top_p = np.full_like(s.top_p, 0.5)
-        s.use_bitmask = np.bool_(True)
         return inputs
 
     def _pack(self, plan: StepPlan, key: StepKey, **kwargs) -> StepInputs:
