@@ -114,15 +114,8 @@ class ModelRunner:
 
     def precompile(self, keys: list[StepKey] | None = None) -> float:
         """Compiles the step programs of keys (default: every bucket of sequences up to
-        config.precompile_max_len tokens), the prelude and the swap copies, and runs each
-        step program once on inputs that change nothing; returns the seconds it took.
-
-        Running them matters on XLA:CPU: a program's first run allocates about 1 MiB that
-        stays on XLA's intra-op threads (docs/serving.md, issue 16.12), so a server whose
-        programs first run under load grows by that much at each shape the load first
-        meets. Not in a multi-process run, whose other processes replay process 0's steps
-        only once they follow.
-        """
+        config.precompile_max_len tokens), the prelude and the swap copies; returns the
+        seconds it took."""
         t0 = time.perf_counter()
         if keys is None:
             keys = bucket_keys(self.config, self.config.precompile_max_len)
@@ -130,11 +123,6 @@ class ModelRunner:
             self.programs.step(
                 key, self.params, self.state, self.dummy_inputs(key), self.last_tokens
             )
-            if self.broadcast is None:
-                self.run_step(key, self.dummy_inputs(key))
-        jax.block_until_ready(self.state)
-        # The runs' samples are no request's: the next step's prev_tokens start at zero again.
-        self.last_tokens = self.programs.zeros(self.config.scheduler.max_num_seqs)
         self.programs.prelude(self.state)
         if self.swap_space is not None:
             self._swappers()

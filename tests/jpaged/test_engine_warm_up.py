@@ -52,23 +52,3 @@ def test_precompile_up_to_max_len_compiles_those_buckets_and_nothing_later(demo_
     assert [len(o.outputs[0].token_ids) for o in out] == [64 - len(p) for p in prompts]
     assert set(programs.step_keys()) == set(keys)
     assert llm.stats()["num_recompiles"] == 0
-
-
-def test_warm_up_runs_each_program_once_and_changes_no_output(demo_model_dir):
-    def make():
-        return LLM(str(demo_model_dir), max_num_seqs=8, max_model_len=256,
-                   max_num_batched_tokens=256, page_size=16, num_pages=64)
-
-    prompts = [[3 + i] * (5 + 9 * i) for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in make().generate(prompts, params)]
-    llm = make()
-    runner = llm.llm_engine.runner
-    ran = []
-    run_step = runner.run_step
-    runner.run_step = lambda key, inputs: ran.append(key) or run_step(key, inputs)
-    llm.llm_engine.warm_up(64)
-    keys = runner.warm_up_keys(64)
-    assert ran == keys  # each warm-up program ran once (its first run's memory taken then)
-    assert llm.llm_engine.stats()["pages_used"] == 0
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
