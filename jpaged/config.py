@@ -170,7 +170,9 @@ class EngineConfig:
         "reference, pallas or pallas_interpret (default: the best for the platform)",
         choices=ATTENTION_BACKENDS[1:],
     )
-    precompile: bool = setting(False, "compiling every shape bucket at start-up")
+    precompile: bool = setting(
+        False, "compiling (and running once) every shape bucket at start-up"
+    )
     precompile_max_len: int | None = setting(
         None,
         "with --precompile: compile the shapes of sequences of up to this many tokens "

@@ -31,6 +31,7 @@ from jpaged.config import EngineConfig
 from jpaged.programs import PRELUDE_COPIES, PRELUDE_UPDATES, SWAP_PAGES, Programs
 from jpaged.sampler import SamplerOutput
 from jpaged.step_inputs import (
+    WARM_UP_RUNS,
     StepInputs,
     StepKey,
     bucket_keys,
@@ -38,6 +39,7 @@ from jpaged.step_inputs import (
     pad_rows,
     step_key,
     update_capacity,
+    warm_up_inputs,
     warm_up_keys,
 )
 from jpaged.step_plan import StepPlan, empty_plan
@@ -80,6 +82,7 @@ class ModelRunner:
         self.mesh = mesh
         self.broadcast = broadcast
         self.programs = Programs(model_config, config.attention_backend, mesh)
+        self._warmed: set[StepKey] = set()  # step programs precompile has run (warm_up_inputs)
         self.mask_words = -(-model_config.vocab_size // 32)
         self._device_all_allowed: dict[int, object] = {}  # rows -> all-ones bitmask on device
         self.dtype = dtype
@@ -114,8 +117,16 @@ class ModelRunner:
 
     def precompile(self, keys: list[StepKey] | None = None) -> float:
         """Compiles the step programs of keys (default: every bucket of sequences up to
-        config.precompile_max_len tokens), the prelude and the swap copies; returns the
-        seconds it took."""
+        config.precompile_max_len tokens), the prelude and the swap copies, and runs each
+        step program on its warm-up inputs (jpaged.step_inputs.warm_up_inputs); returns the
+        seconds it took.
+
+        The runs matter on XLA:CPU: a program's first run leaves about 1 MiB on XLA's
+        intra-op threads, so a server whose programs first ran under load grew by that at
+        each shape the load met first (docs/serving.md, issue 16.12). They change nothing
+        a request reads. Not across processes, whose followers replay process 0's device
+        calls only once they follow.
+        """
         t0 = time.perf_counter()
         if keys is None:
             keys = bucket_keys(self.config, self.config.precompile_max_len)
@@ -123,6 +134,8 @@ class ModelRunner:
             self.programs.step(
                 key, self.params, self.state, self.dummy_inputs(key), self.last_tokens
             )
+        if self.broadcast is None:
+            self._warm_up_runs([k for k in dict.fromkeys(keys) if k not in self._warmed])
         self.programs.prelude(self.state)
         if self.swap_space is not None:
             self._swappers()
@@ -136,6 +149,23 @@ class ModelRunner:
             inputs.draft_probs = np.zeros(shape, np.float32)
         if key.draft:
             inputs.draft_offset = np.int32(0)
+        return inputs
+
+    def _warm_up_runs(self, keys: list[StepKey]) -> None:
+        if not keys:
+            return
+        for key in keys:
+            for run in range(WARM_UP_RUNS):
+                self.run_step(key, self._warm_up_inputs(key, run))
+        self._warmed.update(keys)
+        jax.block_until_ready(self.state)
+        # The runs' samples are no request's: the next step's prev_tokens are zeros again.
+        self.last_tokens = self.programs.zeros(self.config.scheduler.max_num_seqs)
+
+    def _warm_up_inputs(self, key: StepKey, run: int) -> StepInputs:
+        inputs = warm_up_inputs(self.dummy_inputs(key), key, self.page_size, run)
+        if key.spec_draft:  # a uniform draft distribution (zeros would divide by zero)
+            inputs.draft_probs[:] = 1.0 / self.model_config.vocab_size
         return inputs
 
     def _pack(self, plan: StepPlan, key: StepKey, **kwargs) -> StepInputs:

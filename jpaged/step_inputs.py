@@ -294,6 +294,63 @@ def pack(
     )
 
 
+WARM_UP_RUNS = 3  # warm_up_inputs per key
+
+
+def warm_up_inputs(padded: StepInputs, key: StepKey, page_size: int, run: int) -> StepInputs:
+    """Makes padded (pack of an empty plan at key's shapes, fresh arrays) into warm-up run
+    `run` (0 to WARM_UP_RUNS - 1) of key, in place: rows that look like requests' and change
+    nothing a request reads. Returns padded.
+
+    Every row's context fills the key's page columns, through the scratch page-table row
+    (every entry the null page: padding only ever writes page 0 there), and every token
+    writes the null page's slot 0, as padding tokens do. So each attention loop runs its
+    full length and each branch of the program runs in one of the runs:
+
+        run 0: a ragged key's tokens in one sequence, greedy
+        run 1: in two sequences, sampled at temperature 1
+        run 2: spread over every row, sampled with top-p 0.9 through the grammar mask (all
+               ones); a speculative key's rows each verify as many proposals as they can
+        (a decode key: one token per row in every run, with run's sampling)
+
+    What it is for: on XLA:CPU a program's first run leaves about 1 MiB on XLA's intra-op
+    threads, and the loop bodies and branches padding skips are most of it (docs/serving.md,
+    issue 16.12). The sampled tokens are no request's: the caller resets prev_tokens after.
+    """
+    if not 0 <= run < WARM_UP_RUNS:
+        raise ValueError(f"warm-up run must be in [0, {WARM_UP_RUNS}), got {run}")
+    x = padded
+    t_pad, s_pad = key.num_tokens, key.num_seqs
+    context = key.num_page_cols * page_size
+    if key.decode_only:
+        rows = s_pad
+    else:
+        rows = min((1, 2, s_pad)[run], s_pad, t_pad)
+    spread = np.linspace(0, t_pad, rows + 1).astype(np.int32)
+    counts = np.minimum(np.diff(spread), context)  # [rows]: a row's tokens fit its context
+    x.query_start[: rows + 1] = np.concatenate([[0], np.cumsum(counts)])
+    x.query_start[rows + 1 :] = x.query_start[rows]
+    x.context_lens[:rows] = context
+    last = x.query_start[1 : rows + 1] - 1  # [rows]: each row's last token
+    for i, n in enumerate(counts):
+        x.positions[x.query_start[i] : x.query_start[i + 1]] = np.arange(context - n, context)
+    if key.spec_k:
+        proposed = np.minimum(counts - 1, key.spec_k) if run == 2 else np.zeros_like(counts)
+        x.num_proposed[:rows] = proposed
+        x.proposals[:rows] = np.where(np.arange(key.spec_k) < proposed[:, None], 1, -1)
+        width = np.arange(key.spec_k + 1)[None, :]
+        x.logits_indices[:rows] = (last - proposed)[:, None] + np.minimum(width, proposed[:, None])
+    else:
+        x.logits_indices[:rows] = last
+    sampling = x.sampling
+    if run >= 1:
+        sampling.temperature[:rows] = 1.0
+    if run == 2:
+        sampling.top_p[:rows] = 0.9
+        sampling.use_bitmask = np.bool_(True)
+    return x
+
+
 def all_allowed(num_rows: int, mask_words: int) -> np.ndarray:
     """A read-only all-ones bitmask int32[num_rows, mask_words] (made once per shape)."""
     out = _ALL_ALLOWED.get((num_rows, mask_words))

@@ -2,12 +2,14 @@
 
 After it, one request of up to context_len tokens (prompt and output) compiles no new step
 program, with and without n-gram speculation; the warm-up keys are bucket keys, each once.
+Each program runs WARM_UP_RUNS times on rows that write only the null page's first slot.
 """
 
+import numpy as np
 import pytest
 
 from jpaged import LLM, SamplingParams
-from jpaged.step_inputs import bucket_keys
+from jpaged.step_inputs import WARM_UP_RUNS, bucket_keys
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
         "prompt_lookup_min": 1}
@@ -52,3 +54,32 @@ def test_precompile_up_to_max_len_compiles_those_buckets_and_nothing_later(demo_
     assert [len(o.outputs[0].token_ids) for o in out] == [64 - len(p) for p in prompts]
     assert set(programs.step_keys()) == set(keys)
     assert llm.stats()["num_recompiles"] == 0
+
+
+def test_warm_up_runs_each_program_on_rows_that_change_nothing_a_request_reads(
+    demo_model_dir, monkeypatch
+):
+    kw = {"max_num_seqs": 4, "max_model_len": 64, "max_num_batched_tokens": 64,
+          "page_size": 16, "num_pages": 32}
+    prompts = [[3, 4, 5, 6, 7], [8] * 20, [9, 10] * 6]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    cold = LLM(str(demo_model_dir), **kw)
+    expected = [o.outputs[0].token_ids for o in cold.generate(prompts, params)]
+    llm = LLM(str(demo_model_dir), **kw)
+    runner = llm.llm_engine.runner
+    ran = []
+    run_step = runner.run_step
+    monkeypatch.setattr(runner, "run_step", lambda key, x: ran.append(key) or run_step(key, x))
+    llm.llm_engine.warm_up(64)
+    keys = runner.warm_up_keys(64)
+    assert ran == [key for key in keys for _ in range(WARM_UP_RUNS)]
+    # The runs wrote the null page's first slot and nothing else; their samples are gone.
+    written = [(np.asarray(k), np.asarray(v)) for k, v in runner.state.kv_pages]
+    assert all(k[:, 1:].max() == 0 == v[:, 1:].max() for k, v in written)
+    assert all(np.abs(k[:, 0, 0]).max() > 0 for k, _ in written)
+    assert np.asarray(runner.state.page_table).max() == 0
+    assert np.asarray(runner.last_tokens).max() == 0
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    ran.clear()
+    llm.llm_engine.warm_up(64)  # compiled and run already: nothing runs again
+    assert ran == []

@@ -1,6 +1,7 @@
 """Host packing: the scheduler's plan as plain arrays, padded into a bucket (exact arrays)."""
 
 import numpy as np
+import pytest
 
 from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
 from jpaged.page_allocator import PageAllocator
@@ -8,8 +9,16 @@ from jpaged.sampler import SamplerOutput
 from jpaged.sampling_params import SamplingParams
 from jpaged.scheduler import Scheduler
 from jpaged.sequence import RequestGroup
-from jpaged.step_inputs import StepKey, bucket_keys, pack, step_key, update_capacity
-from jpaged.step_plan import PLACEHOLDER
+from jpaged.step_inputs import (
+    WARM_UP_RUNS,
+    StepKey,
+    bucket_keys,
+    pack,
+    step_key,
+    update_capacity,
+    warm_up_inputs,
+)
+from jpaged.step_plan import PLACEHOLDER, empty_plan
 
 SCRATCH = 4  # max_num_seqs: the scratch page-table row
 
@@ -201,3 +210,71 @@ def test_a_verification_of_every_row_runs_exactly_its_tokens():
         key = step_key(plan, config)
         assert (key.num_tokens, key.num_seqs, key.spec_k) == (tokens, 8, 4)
         assert key in bucket_keys(config)
+
+
+def _padded_inputs(key: StepKey, page_size: int = 4):
+    return pack(empty_plan(), key, scratch_row=8, page_size=page_size, mask_words=2)
+
+
+def test_warm_up_runs_lay_a_ragged_keys_tokens_over_one_two_and_every_row():
+    key = StepKey(8, 4, 2, False)  # 2 page columns of 4 tokens: every row's context is 8
+    runs = [warm_up_inputs(_padded_inputs(key), key, 4, run) for run in range(WARM_UP_RUNS)]
+    assert WARM_UP_RUNS == 3
+    assert [x.query_start.tolist() for x in runs] == [
+        [0, 8, 8, 8, 8], [0, 4, 8, 8, 8], [0, 2, 4, 6, 8]]
+    assert [x.context_lens.tolist() for x in runs] == [
+        [8, 0, 0, 0], [8, 8, 0, 0], [8, 8, 8, 8]]
+    assert [x.positions.tolist() for x in runs] == [
+        list(range(8)), [4, 5, 6, 7] * 2, [6, 7] * 4]
+    assert [x.logits_indices.tolist() for x in runs] == [
+        [7, 0, 0, 0], [3, 7, 0, 0], [1, 3, 5, 7]]
+    assert [x.sampling.temperature.tolist() for x in runs] == [
+        [0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    assert [x.sampling.top_p.tolist() for x in runs] == [
+        [1, 1, 1, 1], [1, 1, 1, 1], pytest.approx([0.9] * 4)]
+    assert [bool(x.sampling.use_bitmask) for x in runs] == [False, False, True]
+    assert (runs[2].sampling.token_bitmask == -1).all()  # the mask allows every token
+    padded = _padded_inputs(key)
+    for x in runs:  # nothing a request reads: the scratch row, the null page's slot 0
+        assert x.table_rows.tolist() == [8] * 4
+        assert x.slot_mapping.tolist() == [0] * 8
+        np.testing.assert_array_equal(x.page_updates, padded.page_updates)
+        np.testing.assert_array_equal(x.page_copies, padded.page_copies)
+        assert (x.src_rows == -1).all()
+
+
+def test_warm_up_rows_never_hold_more_tokens_than_their_context():
+    key = StepKey(16, 2, 1, False)  # one page column: a row's context is 4 tokens
+    x = warm_up_inputs(_padded_inputs(key), key, 4, 0)
+    assert x.query_start.tolist() == [0, 4, 4]  # the other 12 tokens are padding
+    assert x.positions.tolist() == [0, 1, 2, 3] + [0] * 12
+    assert x.context_lens.tolist() == [4, 0]
+
+
+def test_warm_up_runs_of_a_decode_key_give_every_row_a_full_context():
+    key = StepKey(4, 4, 3, True)
+    for run in range(WARM_UP_RUNS):
+        x = warm_up_inputs(_padded_inputs(key), key, 4, run)
+        assert x.query_start.tolist() == [0, 1, 2, 3, 4]
+        assert x.context_lens.tolist() == [12] * 4
+        assert x.positions.tolist() == [11] * 4
+        assert x.logits_indices.tolist() == [0, 1, 2, 3]
+        assert x.sampling.temperature.tolist() == [min(run, 1)] * 4
+
+
+def test_the_last_warm_up_run_of_a_verification_key_verifies_every_proposal_it_can():
+    key = StepKey(8, 2, 2, False, spec_k=3)
+    x = warm_up_inputs(_padded_inputs(key), key, 4, 2)
+    assert x.num_proposed.tolist() == [3, 3]
+    assert x.proposals.tolist() == [[1, 1, 1], [1, 1, 1]]
+    assert x.logits_indices.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    first = warm_up_inputs(_padded_inputs(key), key, 4, 0)
+    assert first.num_proposed.tolist() == [0, 0]
+    assert first.proposals.tolist() == [[-1, -1, -1]] * 2
+    assert first.logits_indices.tolist() == [[7] * 4, [0] * 4]
+
+
+def test_a_warm_up_run_outside_the_runs_is_refused():
+    key = StepKey(8, 4, 2, False)
+    with pytest.raises(ValueError, match=r"warm-up run must be in \[0, 3\), got 3"):
+        warm_up_inputs(_padded_inputs(key), key, 4, 3)
