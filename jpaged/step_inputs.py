@@ -265,7 +265,7 @@ def pack(
         k = key.spec_k
         n = plan.num_proposed if plan.num_proposed is not None else np.zeros(s, np.int32)
         logits_indices = np.zeros((s_pad, k + 1), np.int32)
-        logits_indices[:s] = (last - n)[:, None] + np.minimum(np.arange(k + 1)[None, :], n[:, None])
+        logits_indices[:s] = _verify_indices(last, n, k)
         proposals = np.full((s_pad, k), -1, np.int32)
         num_proposed = np.zeros(s_pad, np.int32)
         if plan.proposals is not None:
@@ -292,6 +292,14 @@ def pack(
         proposals=proposals,
         num_proposed=num_proposed,
     )
+
+
+def _verify_indices(last: np.ndarray, num_proposed: np.ndarray, k: int) -> np.ndarray:
+    """int32[S, k + 1]: the tokens whose hidden states a verifying row samples from, after
+    its last token and after each of its num_proposed proposals (the last one repeated past
+    them); last int32[S] is each row's last token."""
+    return (last - num_proposed)[:, None] + np.minimum(np.arange(k + 1)[None, :],
+                                                       num_proposed[:, None])
 
 
 WARM_UP_RUNS = 3  # warm_up_inputs per key
@@ -338,8 +346,7 @@ def warm_up_inputs(padded: StepInputs, key: StepKey, page_size: int, run: int) -
         proposed = np.minimum(counts - 1, key.spec_k) if run == 2 else np.zeros_like(counts)
         x.num_proposed[:rows] = proposed
         x.proposals[:rows] = np.where(np.arange(key.spec_k) < proposed[:, None], 1, -1)
-        width = np.arange(key.spec_k + 1)[None, :]
-        x.logits_indices[:rows] = (last - proposed)[:, None] + np.minimum(width, proposed[:, None])
+        x.logits_indices[:rows] = _verify_indices(last, proposed, key.spec_k)
     else:
         x.logits_indices[:rows] = last
     sampling = x.sampling
