@@ -2,12 +2,13 @@
 
 CacheConfig sizes the page pool; SchedulerConfig bounds each step; ParallelConfig says how
 many devices a replica spans (tensor parallel) and how many replicas serve (data parallel);
-EngineConfig holds them with the model path and numeric settings. The shape buckets every
+EngineConfig holds them with the model path and numeric settings; SpeculativeConfig is
+what `speculative_config` holds (parsed from its canonical JSON). The shape buckets every
 step is padded into are derived here, so the number of compiled programs is known before anything runs.
 
 These dataclasses are the one declaration of the engine's settings: every field carries its
 help text (`setting(default, help)`), and the LLM's keyword arguments and the CLI's engine flags
-are derived from them (jpaged/engine_args.py). Settings that depend on the model
+are derived from them (jpaged/entrypoints/engine_args.py). Settings that depend on the model
 (SchedulerConfig.max_model_len, max_num_batched_tokens) are None until `EngineConfig.resolve`.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 
 KV_ALLOCATIONS = ("paged", "reserve")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -190,7 +192,7 @@ class EngineConfig:
         True, "scheduling the next step while the device runs this one"
     )
     # JAX's persistent compilation cache: "auto" = $JPAGED_CACHE_DIR/xla or ~/.cache/jpaged/xla,
-    # a path, or None to turn it off (see jpaged/compilation_cache.py).
+    # a path, or None to turn it off (see jpaged/worker/compilation_cache.py).
     compilation_cache_dir: str | None = setting(
         "auto", "JAX persistent compilation cache: auto (~/.cache/jpaged/xla), a directory, or off"
     )
@@ -207,8 +209,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
-            from jpaged.spec_decode import SpeculativeConfig
-
             raw = self.speculative_config
             try:
                 spec = (
@@ -234,11 +234,9 @@ class EngineConfig:
 
     @property
     def speculative(self):
-        """The SpeculativeConfig (jpaged/spec_decode.py), or None."""
+        """The SpeculativeConfig (below), or None."""
         if self.speculative_config is None:
             return None
-        from jpaged.spec_decode import SpeculativeConfig
-
         return SpeculativeConfig.from_json(self.speculative_config)
 
     @property
@@ -278,3 +276,117 @@ class EngineConfig:
     def page_buckets(self) -> tuple[int, ...]:
         m = self.max_pages_per_seq
         return powers_of_two(min(self.scheduler.min_page_bucket, m), m)
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default for both bounds when neither is given
+
+
+def check_int(name: str, value, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """How to speculate. vLLM's names and semantics:
+
+    method: "ngram" (prompt lookup: propose the tokens that followed the longest earlier match
+        of the sequence's last n tokens) or "draft_model" (a smaller model with the same
+        tokenizer); None picks "draft_model" when model is given.
+    num_speculative_tokens: the most tokens proposed per sequence and step (k).
+    prompt_lookup_max / prompt_lookup_min: the n-gram sizes tried, longest first (ngram only;
+        both default to 5, and one given alone sets the other).
+    model: the draft model's checkpoint directory (draft_model only).
+    disable_by_batch_size: when more sequences than this decode in a step, greedy and
+        unseeded rows propose nothing that step (verifying extra query tokens costs more than
+        it wins in a big batch on compute-bound hardware); seeded sampled rows keep
+        speculating, so their tokens do not depend on the batch. None: never (vLLM's
+        default).
+    cost_aware: greedy and unseeded rows stop proposing in a batch size where measured
+        verifying steps give fewer tokens per second than plain ones (CostGovernor; each
+        mode is re-measured every 16 steps). False: propose whenever the per-sequence
+        acceptance tracker says so (vLLM's behaviour).
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+    cost_aware: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cost_aware, bool):
+            raise ValueError(f"cost_aware must be true or false, got {self.cost_aware!r}")
+        if self.disable_by_batch_size is not None:
+            check_int("disable_by_batch_size", self.disable_by_batch_size, minimum=1)
+        method = self.method
+        if method is None and self.model is not None:
+            method = "draft_model"
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        object.__setattr__(self, "method", method)
+        check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        if method == "ngram":
+            self._normalise_prompt_lookup()
+            if self.model is not None:
+                raise ValueError(f"model must not be given with method 'ngram', got {self.model!r}")
+            return
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name} applies only to method 'ngram', got {getattr(self, name)!r}"
+                )
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(
+                f"model must be a checkpoint path for method 'draft_model', got {self.model!r}"
+            )
+
+    def _normalise_prompt_lookup(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None:
+                check_int(name, value, minimum=1)
+        if lo is None and hi is None:
+            lo = hi = _DEFAULT_PROMPT_LOOKUP
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def from_dict(cls, value: Mapping) -> SpeculativeConfig:
+        """The config from a mapping with vLLM's keys (unknown keys are an error)."""
+        if not isinstance(value, Mapping) or "num_speculative_tokens" not in value:
+            raise ValueError(
+                f"speculative_config must be a mapping with num_speculative_tokens, got {value!r}"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(names)}")
+        return cls(**value)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """The config from `--speculative-config JSON` (a JSON object)."""
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"--speculative-config is not valid JSON ({e.msg}): {text!r}"
+            ) from None
+        return cls.from_dict(value)
+
+    def check_draft_vocab(self, target_vocab_size: int, draft_vocab_size: int) -> None:
+        """Raises unless a draft model's vocabulary is the target's (the verifier indexes
+        both distributions by the same token ids)."""
+        if draft_vocab_size != target_vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft_vocab_size} tokens) must equal the "
+                f"target's ({target_vocab_size})"
+            )

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import SamplingParams
+from jpaged.sample.sampling_params import SamplingParams
 
 
 @runtime_checkable

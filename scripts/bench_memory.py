@@ -66,8 +66,8 @@ def make_engine(
     kv_tokens=None,
     preemption_mode="recompute",
 ):
-    from jpaged.engine import LLMEngine
-    from jpaged.engine_args import engine_config_from_args
+    from jpaged.core.engine import LLMEngine
+    from jpaged.entrypoints.engine_args import engine_config_from_args
 
     config = engine_config_from_args(
         args.model,

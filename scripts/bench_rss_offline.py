@@ -39,7 +39,7 @@ import xml.etree.ElementTree as ET
 from bench_serving import parse_range, rss_mib
 
 from jpaged import LLM, SamplingParams
-from jpaged.runner import ModelRunner
+from jpaged.worker.runner import ModelRunner
 from server.engine_loop import heap_trimmer
 
 

@@ -25,7 +25,7 @@ and the mean acceptance length (tokens per verify step).
 What the model wrote bounds what speculation can win, whatever the engine. Two ceilings,
 in tokens per step with verification free, computed from the outputs of the engine without
 speculation: the lookup ceiling, if every step proposed --k tokens by the n-gram rule the
-engine uses (jpaged/ngram_proposer.py, with this script's lookup sizes); and the copy
+engine uses (jpaged/spec_decode/ngram_proposer.py, with this script's lookup sizes); and the copy
 ceiling, if every step were proposed the best --k tokens copied from anywhere in its
 context (prompt and output so far: no proposer that copies can do better). The speed-up at
 batch 1 can approach the lookup ceiling, not pass it.
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 
 from jpaged import LLM, SamplingParams
-from jpaged.ngram_proposer import matched_prefix, ngram_propose
+from jpaged.spec_decode.ngram_proposer import matched_prefix, ngram_propose
 
 LOOKUP = (1, 4)  # prompt_lookup_min, prompt_lookup_max
 SNIPPETS = [

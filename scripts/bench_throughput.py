@@ -324,7 +324,7 @@ class EngineProbe:
     """The one place this script reaches inside jpaged's engine; the names it relies on:
       engine.replicas[i] (data parallel) or the engine itself;
       runner.programs.warmed_up (set: a program compiled afterwards is a recompilation);
-      jpaged.profiling.StepTimer (per-step (StepKey, rows, context tokens, device s));
+      jpaged.worker.profiling.StepTimer (per-step (StepKey, rows, context tokens, device s));
       engine.stats()["compile_seconds"]; runner.params (weight bytes for the roofline);
       engine.model_config, engine.warmup_seconds.
     """
@@ -340,7 +340,7 @@ class EngineProbe:
 
     def start_step_log(self) -> list | None:
         """A fresh per-step log, or None under data parallelism (several runners)."""
-        from jpaged.profiling import StepTimer
+        from jpaged.worker.profiling import StepTimer
 
         if len(self.replicas) != 1:
             return None

@@ -3,7 +3,7 @@
     python scripts/profile_step.py                       # SmolLM2-135M, f32, decode at batch 32
     python scripts/profile_step.py --model DIR --batch 64 --context 160 --prefill-tokens 2048
 
-Builds the engine's own step (jpaged.programs.step, jitted with the pool donated, as the
+Builds the engine's own step (jpaged.worker.programs.step, jitted with the pool donated, as the
 runner compiles it) for a decode step of --batch rows at --context tokens each, and a ragged
 prefill step of --prefill-tokens prompt tokens (--prefill-len per sequence), then times:
 
@@ -54,8 +54,8 @@ def _median_ms(fn, repeat: int) -> float:
 def _inputs(cfg, key, *, rows, context, new_per_row, page_size, pages_per_seq):
     """StepInputs of `rows` sequences, each with `new_per_row` new tokens ending at `context`
     cached tokens; sequence i owns pages 1 + i * pages_per_seq ... (page 0 is the null page)."""
-    from jpaged.sampler import SamplingInputs
-    from jpaged.step_inputs import StepInputs, update_capacity
+    from jpaged.sample.sampler import SamplingInputs
+    from jpaged.worker.step_inputs import StepInputs, update_capacity
 
     t_pad, s_pad = key.num_tokens, key.num_seqs
     pages = 1 + np.arange(rows * pages_per_seq, dtype=np.int32).reshape(rows, pages_per_seq)
@@ -106,7 +106,7 @@ def _inputs(cfg, key, *, rows, context, new_per_row, page_size, pages_per_seq):
 def _state(cfg, num_pages, page_size, table, dtype):
     import jax.numpy as jnp
 
-    from jpaged.programs import DeviceState
+    from jpaged.worker.programs import DeviceState
 
     shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
     rng = np.random.default_rng(1)
@@ -125,7 +125,7 @@ class StepBench:
         import jax
         import jax.numpy as jnp
 
-        from jpaged import programs
+        from jpaged.worker import programs
 
         self.jax, self.jnp = jax, jnp
         self.params, self.cfg, self.key, self.repeat = params, cfg, key, repeat
@@ -219,9 +219,9 @@ def profile(bench: StepBench, *, sampling: bool) -> None:
     import jax.numpy as jnp
 
     import pallas_kernels
-    from jpaged import programs
-    from jpaged.sampler import SamplerOutput as sample_output
-    from jpaged.sampler import sample
+    from jpaged.sample.sampler import SamplerOutput as sample_output
+    from jpaged.sample.sampler import sample
+    from jpaged.worker import programs
     from models import llama
 
     cfg, params, inputs, key = bench.cfg, bench.params, bench.inputs, bench.key
@@ -345,7 +345,7 @@ def main(argv=None) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jpaged.step_inputs import StepKey
+    from jpaged.worker.step_inputs import StepKey
     from models.loader import load_model
 
     if args.model is None:

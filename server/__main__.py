@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jpaged.cli import run
+from jpaged.entrypoints.cli import run
 from server.cli import add_client_parser, add_serve_parser
 
 

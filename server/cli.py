@@ -1,4 +1,4 @@
-"""The `jpaged` command: the offline commands of jpaged/cli.py plus `serve` and `client`.
+"""The `jpaged` command: the offline commands of jpaged/entrypoints/cli.py plus `serve` and `client`.
 
 This is the console script's entry point (pyproject: jpaged = "server.cli:main"): the server
 layer sits on top of the engine, so the full command line lives here and jpaged/ never imports
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jpaged.cli import (
+from jpaged.entrypoints.cli import (
     add_common_flags,
     add_prompt_args,
     add_sampling_flags,
@@ -22,7 +22,7 @@ from jpaged.cli import (
     run,
     sampling_overrides,
 )
-from jpaged.engine_args import add_engine_flags
+from jpaged.entrypoints.engine_args import add_engine_flags
 from models.demo import SMOLLM2_NAME
 from server.app import ServerOptions, add_server_args
 from server.app import run as run_server
@@ -53,7 +53,7 @@ def serve_main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     options = ServerOptions.from_args(args, sampling_defaults=sampling_overrides(args))
     if args.coordinator is not None or args.num_processes is not None:
-        from jpaged.multihost import initialize
+        from jpaged.worker.multihost import initialize
 
         initialize(args.coordinator, args.num_processes, args.process_id)
     import jax

@@ -35,9 +35,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jpaged.engine import EngineStepError
+from jpaged.core.engine import EngineStepError
 from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import RequestOutputKind, SamplingParams
+from jpaged.sample.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jpaged.server")
 

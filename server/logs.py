@@ -18,7 +18,7 @@ import time
 QUIET_LOGGERS = (
     "jax._src.xla_bridge",  # "Unable to initialize backend 'tpu': ... libtpu.so"
     "jax._src.compilation_cache",  # "Resetting cache at <empty>."
-    "jpaged.compilation_cache",  # the cache directory: the "serving" line states it
+    "jpaged.worker.compilation_cache",  # the cache directory: the "serving" line states it
 )
 
 

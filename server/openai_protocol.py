@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jpaged.sampling_params import SamplingParams
+from jpaged.sample.sampling_params import SamplingParams
 from jpaged.structured_output import KINDS as CONSTRAINT_KINDS
 from jpaged.structured_output import StructuredOutputsParams
 

@@ -15,7 +15,7 @@ import time
 
 import grpc
 
-from jpaged.sampling_params import SamplingParams
+from jpaged.sample.sampling_params import SamplingParams
 from jpaged.structured_output import StructuredOutputsParams
 from server import wire
 from server.engine_loop import (

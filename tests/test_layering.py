@@ -4,6 +4,10 @@
 
 - models and pallas_kernels import nothing from jpaged or server;
 - jpaged imports nothing from server;
+- inside jpaged, each subpackage (or top-level module) sits on one floor of JPAGED_FLOORS
+  and imports only from floors below its own: entrypoints over core over spec_decode over
+  worker over sample over structured_output over the ground modules (so core never imports
+  entrypoints and the worker never imports the scheduler);
 - no module imports itself through a loop of other project modules;
 - scripts import only public names (no `_private` name or module of the project).
 """
@@ -22,6 +26,17 @@ FORBIDDEN = {
     "pallas_kernels": ("jpaged", "server", "models"),
     "jpaged": ("server",),
 }
+# jpaged's floors, top first: a unit (subpackage, or module directly in jpaged/) imports only
+# from floors below its own. jpaged/__init__.py (the public names) stands above them all.
+JPAGED_FLOORS = (
+    ("entrypoints", "interface"),
+    ("core",),
+    ("spec_decode",),
+    ("worker",),
+    ("sample",),
+    ("structured_output",),
+    ("config", "outputs", "tokenizer"),
+)
 
 
 def module_name(path: Path) -> str:
@@ -78,6 +93,56 @@ def test_lower_layers_never_import_higher_ones():
             if target.split(".")[0] in FORBIDDEN.get(top, ()):
                 problems.append(f"{path.relative_to(ROOT)}:{line}: {m} imports {target}")
     assert problems == []
+
+
+def jpaged_unit(module: str) -> str | None:
+    """The floor unit of a jpaged module: its subpackage or its own name; None for
+    jpaged/__init__.py and modules outside jpaged."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "jpaged" and len(parts) > 1 else None
+
+
+def test_every_jpaged_unit_has_a_floor():
+    units = {jpaged_unit(m) for m in project_modules()} - {None}
+    assert sorted(units - {u for floor in JPAGED_FLOORS for u in floor}) == []
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    """The imports in edges from a jpaged unit to another on its own floor or above."""
+    floor = {u: i for i, units in enumerate(JPAGED_FLOORS) for u in units}
+    problems = []
+    for m, targets in sorted(edges.items()):
+        unit = jpaged_unit(m)
+        if unit is None:
+            continue
+        for t in sorted(targets):
+            other = jpaged_unit(t)
+            if other is not None and other != unit and floor[other] <= floor[unit]:
+                problems.append(f"{m} imports {t}")
+    return problems
+
+
+def test_jpaged_subpackages_import_only_lower_floors():
+    assert upward_imports(graph()) == []
+
+
+def test_the_floor_check_sees_upward_and_sideways_imports():
+    edges = {
+        "jpaged.worker.runner": {"jpaged.core.scheduler", "jpaged.sample.sampler"},
+        "jpaged.entrypoints.llm": {"jpaged.interface", "jpaged.core.engine"},
+        "jpaged.core.engine": {"jpaged.core.scheduler"},
+        "jpaged": {"jpaged.entrypoints.llm"},
+    }
+    assert upward_imports(edges) == [
+        "jpaged.entrypoints.llm imports jpaged.interface",
+        "jpaged.worker.runner imports jpaged.core.scheduler",
+    ]
+
+
+def test_each_jpaged_subpackage_says_what_it_owns():
+    for init in sorted((ROOT / "jpaged").glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc.split()) >= 20, f"{init.relative_to(ROOT)} has no docstring"
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:

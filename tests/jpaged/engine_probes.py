@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jpaged.engine import LLMEngine
-from jpaged.step_plan import PLACEHOLDER
+from jpaged.core.engine import LLMEngine
+from jpaged.worker.step_plan import PLACEHOLDER
 
 
 def count_overlapped(engine: LLMEngine) -> list[int]:

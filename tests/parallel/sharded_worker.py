@@ -140,7 +140,7 @@ def run_tp(ckpt: str, orbax_dir: str) -> dict:
 
 def run_multihost(ckpt: str, addr: str, num_processes: str, process_id: str, out: str) -> dict:
     _env(4)
-    from jpaged.multihost import initialize
+    from jpaged.worker.multihost import initialize
 
     initialize(addr, int(num_processes), int(process_id))
     import jax

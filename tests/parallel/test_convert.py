@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jpaged.cli import main
+from jpaged.entrypoints.cli import main
 from models.loader import load_hf_model, load_model
 
 

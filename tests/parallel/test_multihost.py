@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from child_process import dies_with_parent
 
-from jpaged import multihost
 from jpaged.config import EngineConfig, SchedulerConfig
-from jpaged.runner import ModelRunner
-from jpaged.step_inputs import StepKey
+from jpaged.worker import multihost
+from jpaged.worker.runner import ModelRunner
+from jpaged.worker.step_inputs import StepKey
 from models import sharding
 from models.config import ModelConfig
 

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jpaged.outputs import CompletionOutput, RequestOutput
-from jpaged.sampling_params import RequestOutputKind, SamplingParams
+from jpaged.sample.sampling_params import RequestOutputKind, SamplingParams
 
 EOS_TOKEN_ID = 2
 _WORD = re.compile(r"t(\d+)")

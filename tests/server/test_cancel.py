@@ -10,7 +10,7 @@ import pytest
 from fake_engine import FakeEngine, offline_generate
 from serving_helpers import Collected, collect, request
 
-from jpaged.sampling_params import SamplingParams
+from jpaged.sample.sampling_params import SamplingParams
 from server.proto.jpaged.v1 import generation_pb2 as pb
 
 

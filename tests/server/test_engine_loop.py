@@ -12,7 +12,7 @@ import pytest
 from fake_engine import FakeEngine
 from serving_helpers import collect, request
 
-from jpaged.sampling_params import SamplingParams
+from jpaged.sample.sampling_params import SamplingParams
 from server.engine_loop import EngineLoop
 
 LONG = SamplingParams(temperature=0, max_tokens=5000, ignore_eos=True)

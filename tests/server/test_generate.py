@@ -9,7 +9,7 @@ import threading
 from fake_engine import FakeEngine, offline_generate
 from serving_helpers import Collected, collect, request
 
-from jpaged.sampling_params import RequestOutputKind, SamplingParams
+from jpaged.sample.sampling_params import RequestOutputKind, SamplingParams
 from jpaged.structured_output import StructuredOutputsParams
 from server.proto.jpaged.v1 import generation_pb2 as pb
 

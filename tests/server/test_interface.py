@@ -5,9 +5,9 @@ import inspect
 import pytest
 from fake_engine import FakeEngine
 
-from jpaged.engine import LLMEngine
+from jpaged.core.engine import LLMEngine
+from jpaged.core.parallel import DataParallelEngine
 from jpaged.interface import EngineClient
-from jpaged.parallel import DataParallelEngine
 
 METHODS = [
     name

@@ -12,7 +12,7 @@ import pytest
 from fake_engine import FakeEngine, offline_generate
 from serving_helpers import openai_client, sse_events
 
-from jpaged.sampling_params import RequestOutputKind, SamplingParams
+from jpaged.sample.sampling_params import RequestOutputKind, SamplingParams
 from jpaged.structured_output import StructuredOutputsParams
 
 USER_T5 = [{"role": "user", "content": "t5"}]

@@ -12,7 +12,7 @@ import openai
 from fake_engine import FakeEngine, offline_generate
 from serving_helpers import scrape
 
-from jpaged.sampling_params import SamplingParams
+from jpaged.sample.sampling_params import SamplingParams
 
 LONG = {"prompt": [7] * 40, "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 

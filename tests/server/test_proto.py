@@ -48,7 +48,7 @@ def test_stubs_import_and_describe_the_service():
     # ones (output_kind is the server's: it streams deltas).
     import dataclasses
 
-    from jpaged.sampling_params import SamplingParams
+    from jpaged.sample.sampling_params import SamplingParams
     from jpaged.structured_output import KINDS, StructuredOutputsParams
 
     fields = pb.SamplingParameters.DESCRIPTOR.fields_by_name

@@ -1,0 +1,934 @@
+"""LLMEngine: requests in, RequestOutputs out, one step at a time.
+
+    step():  plan = scheduler.schedule()          # host: which tokens, which pages
+             step = runner.dispatch(plan)          # device: one jitted step, pool donated
+             out = runner.fetch(step)              # its sampled tokens on the host
+             seqs = scheduler.commit(plan, out)    # host: append tokens, token-level stops
+             outputs = self._outputs(seqs)         # host: text, stop strings -> finish
+
+The engine owns the requests (RequestGroup by id) and is the only code that moves results
+from one stage to the next: the output processor reports stop strings and the engine
+finishes those sequences in the scheduler; nothing later calls back into an earlier stage.
+
+With async scheduling (EngineConfig.async_scheduling) the next plan is made and dispatched
+before this one's tokens are fetched, so the host's work for step N+1 (and the commit and
+outputs of step N) overlaps the device's step N; each step() call still returns the outputs
+of one device step, in order. Steps whose rows use penalties (they need the tokens on the
+host), multi-host runs and beam search (step_unsampled) stay synchronous.
+
+The engine is not thread-safe: one thread drives it (the offline LLM, or the server's step
+loop). Bad requests are rejected in add_request with a ValueError naming the field, before
+anything about them is stored, so the engine stays usable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jpaged.config import DEFAULT_SWAP_SPACE_BYTES, CacheConfig, EngineConfig
+from jpaged.core.output_processor import OutputProcessor
+from jpaged.core.page_allocator import PageAllocator
+from jpaged.core.scheduler import Scheduler
+from jpaged.core.sequence import RequestGroup, SeqStatus, Sequence
+from jpaged.outputs import RequestOutput
+from jpaged.sample.sampler import SamplerOutput
+from jpaged.sample.sampling_params import SamplingParams
+from jpaged.spec_decode.draft_model import DraftModel
+from jpaged.spec_decode.governor import AcceptanceTracker, CostGovernor
+from jpaged.spec_decode.ngram_proposer import NgramProposer, matched_prefix
+from jpaged.structured_output.manager import StructuredOutputManager
+from jpaged.tokenizer import Tokenizer
+from jpaged.worker import compilation_cache
+from jpaged.worker.model_loading import load_for_config
+from jpaged.worker.runner import InFlightStep, ModelRunner
+from jpaged.worker.step_inputs import bucket
+from jpaged.worker.step_plan import StepPlan
+from models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """A step failed; the engine dropped the requests it held (request_ids) and rebuilt its
+    state, so it serves new requests. The original error is __cause__."""
+
+    def __init__(self, request_ids: list[str], error: Exception) -> None:
+        super().__init__(
+            f"engine step failed ({type(error).__name__}: {error}); {len(request_ids)} "
+            "request(s) dropped, engine state rebuilt"
+        )
+        self.request_ids = request_ids
+        self.outputs: list[RequestOutput] = []  # other replicas' outputs of the same step
+
+
+def _kv_bytes_per_page(cfg: ModelConfig, page_size: int, itemsize: int) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * itemsize
+
+
+def resolve_num_pages(
+    cache: CacheConfig,
+    config: EngineConfig,
+    model_config: ModelConfig,
+    itemsize: int,
+    *,
+    extra_bytes_per_page: int = 0,
+) -> int:
+    """Pool size: num_pages if given, else from the memory budget (kv_cache_memory_bytes: the
+    whole pool's bytes); on CPU with neither, enough pages for every sequence slot at
+    max_model_len; on an accelerator, kv_memory_fraction of one device's free memory, where
+    with tensor parallelism a device holds 1 / min(T, num_kv_heads) of every page.
+    extra_bytes_per_page: a draft model's K/V per page, in the same budget."""
+    if cache.num_pages is not None:
+        return cache.num_pages
+    per_page = _kv_bytes_per_page(model_config, cache.page_size, itemsize) + extra_bytes_per_page
+    if cache.kv_cache_memory_bytes is not None:
+        return max(2, cache.kv_cache_memory_bytes // per_page + 1)
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return config.scheduler.max_num_seqs * config.max_pages_per_seq + 1
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    shards = min(config.parallel.tensor_parallel_size, model_config.num_kv_heads)
+    per_device_page = -(-per_page // shards)
+    return max(2, int(free * cache.kv_memory_fraction) // per_device_page + 1)
+
+
+def resolve_num_swap_pages(config: EngineConfig, model_config: ModelConfig, itemsize: int) -> int:
+    """Host swap pages: 0 unless preemption_mode is "swap"; then num_swap_pages, or as many
+    pages as swap_space_bytes (default 4 GiB) holds."""
+    cache = config.cache
+    if config.scheduler.preemption_mode != "swap":
+        return 0
+    if cache.num_swap_pages is not None:
+        return cache.num_swap_pages
+    budget = cache.swap_space_bytes or DEFAULT_SWAP_SPACE_BYTES
+    num = budget // _kv_bytes_per_page(model_config, cache.page_size, itemsize)
+    if num < 1:
+        raise ValueError(f"swap_space_bytes ({budget}) is smaller than one page of K/V")
+    return num
+
+
+def model_display_name(model: str | None) -> str:
+    """The name a model is served under: a Hub id as is, a path's last component (without
+    .gguf), the built-in model's name for None."""
+    from models.demo import SMOLLM2_NAME
+
+    if model is None:
+        return SMOLLM2_NAME
+    path = Path(model)
+    if path.exists():
+        return path.name.removesuffix(".gguf")
+    return model
+
+
+# Weight of a row's previous estimate of what verifying gives it, per observation.
+_ROW_DECAY = 0.5
+
+
+def _may_speculate(seq: Sequence) -> bool:
+    """Whether a decoding sequence may propose: not with a grammar, a logit bias, or
+    prompt log-probabilities still to come."""
+    p = seq.params
+    return not (
+        p.structured_outputs is not None
+        or p.logit_bias
+        or seq.group.prompt_logprobs is not None
+        and seq.num_output_tokens == 0
+    )
+
+
+def _keeps_proposals(seq: Sequence) -> bool:
+    """A seeded sampled row speculates whatever the batch or the step costs: its tokens must
+    not depend on them (a greedy row's tokens are the same either way)."""
+    return seq.params.seed is not None and seq.params.temperature > 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, loaded=None) -> None:
+        t0 = time.perf_counter()
+        self.compilation_cache_dir = compilation_cache.enable(config.compilation_cache_dir)
+        if loaded is None:
+            loaded = load_for_config(config)  # sharded when config.parallel asks for it
+        self.model_config: ModelConfig = loaded.config
+        self.config = config = config.resolve(self.model_config.max_position_embeddings)
+        self.eos_token_ids = tuple(loaded.eos_token_ids)
+        self.tokenizer = (
+            Tokenizer(loaded.tokenizer, self.eos_token_ids)
+            if loaded.tokenizer is not None
+            else None
+        )
+        self.max_model_len = config.scheduler.max_model_len
+        self.model_name = model_display_name(config.model)
+        self.chat_template = loaded.chat_template
+        self.bos_token, self.eos_token = loaded.bos_token, loaded.eos_token
+        # The model's own sampling defaults (generation_config.json, GGUF), for requests
+        # that leave a field unset; none with generation_config="vllm".
+        self.sampling_defaults = (
+            dict(loaded.generation_defaults) if config.generation_config == "auto" else {}
+        )
+        dtype = jax.tree_util.tree_leaves(loaded.params)[0].dtype
+        itemsize = np.dtype(dtype).itemsize
+        draft = self._load_draft(config, dtype)
+        extra = (
+            0
+            if draft is None
+            else DraftModel.bytes_per_page(draft, config.cache.page_size, itemsize)
+        )
+        self.num_pages = resolve_num_pages(
+            config.cache, config, self.model_config, itemsize, extra_bytes_per_page=extra
+        )
+        self.num_swap_pages = resolve_num_swap_pages(config, self.model_config, itemsize)
+        self._new_host_state()
+        broadcast = None
+        if loaded.mesh is not None and jax.process_count() > 1:
+            from jpaged.worker.multihost import StepBroadcast
+
+            broadcast = StepBroadcast(loaded.mesh)
+        self.runner = ModelRunner(
+            config,
+            self.model_config,
+            loaded.params,
+            self.num_pages,
+            dtype,
+            mesh=loaded.mesh,
+            num_swap_pages=self.num_swap_pages,
+            broadcast=broadcast,
+        )
+        self._arrivals = 0
+        self._drafter = None
+        if draft is not None:
+            if broadcast is not None:
+                raise ValueError("a draft model is not supported across processes")
+            self._drafter = DraftModel(config, draft, self.num_pages, self.eos_token_ids)
+        self._init_speculation()
+        self.num_recoveries = 0  # failed steps the engine rebuilt its state after
+        # One thread steps an engine at a time (a server's engine loop, or the caller of
+        # LLM.generate); a second one is refused instead of corrupting the step in flight.
+        self._stepping = threading.Lock()
+        self._rng = np.random.default_rng(config.seed)
+        self.peak_pages_used = 0
+        self.load_seconds = time.perf_counter() - t0
+        self.warmup_seconds = 0.0
+        if config.precompile:
+            self.warmup_seconds = self.runner.precompile()
+            self.runner.programs.warmed_up = True
+        logger.info(
+            "engine ready: %s, %d pages of %d tokens, load %.1fs, warm-up %.1fs",
+            self.model_config.architecture,
+            self.num_pages,
+            config.cache.page_size,
+            self.load_seconds,
+            self.warmup_seconds,
+        )
+
+    def _new_host_state(self) -> None:
+        """Fresh page allocators, scheduler, output processor and request table."""
+        config = self.config
+        self.allocator = PageAllocator(
+            self.num_pages, enable_prefix_caching=config.cache.enable_prefix_caching
+        )
+        swap_allocator = None
+        if self.num_swap_pages:  # host pages; the allocator's page 0 stays unused
+            swap_allocator = PageAllocator(self.num_swap_pages + 1, enable_prefix_caching=False)
+        self.scheduler = Scheduler(
+            config, self.allocator, self.eos_token_ids, swap_allocator=swap_allocator
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # Structured outputs: one matcher per constrained sequence, keyed (request_id,
+        # index), made when the first constrained request arrives.
+        self._constraints: StructuredOutputManager | None = None
+        self._groups: dict[str, RequestGroup] = {}
+        # The step on the device whose results the next step() call collects (async only).
+        self._in_flight: InFlightStep | None = None
+        self._early_outputs: list[RequestOutput] = []  # collected outside step()
+
+    @staticmethod
+    def _load_draft(config: EngineConfig, dtype):
+        """The draft model of a draft_model speculative config (same vocabulary), or None."""
+        spec = config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        from models.demo import resolve_builtin
+        from models.loader import load_model
+
+        draft = load_model(resolve_builtin(spec.model), dtype=dtype)
+        return draft
+
+    def _init_speculation(self) -> None:
+        """The proposer (n-gram) or draft model and the per-sequence acceptance tracker
+        (speculative decoding on); their state is per sequence, dropped when it finishes."""
+        self.speculative = spec = self.config.speculative
+        self._proposer = self._tracker = self._governor = None
+        self._proposed: dict[int, int] = {}  # seq_id -> proposals of the step in flight
+        # n-gram with the governor, plain steps: seq_id -> (its length when proposed, the
+        # proposal), checked against the tokens that follow (_shadow_proposals)
+        self._shadows: dict[int, tuple[int, list[int]]] = {}
+        # n-gram with the governor: seq_id -> moving average of the tokens a verifying step
+        # gives the row (from its shadows and its verifications); see _rows_tokens.
+        self._row_tokens: dict[int, float] = {}
+        # The governor's measurements: when the last step was collected (None after an idle
+        # engine) and (sequence bucket, tokens per row or None) of the decode step collected.
+        self._step_end: float | None = None
+        self._decode_step: tuple[int, float | None] | None = None
+        self._compiles_at_end = 0  # the runner's compile count when _step_end was taken
+        self._clock = time.perf_counter  # tests script it
+        if spec is None:
+            return
+        if spec.cost_aware:
+            self._governor = CostGovernor()
+        if spec.method == "draft_model":
+            spec.check_draft_vocab(self.model_config.vocab_size, self._drafter.vocab_size)
+            self._drafter.reset()
+        else:
+            sched = self.config.scheduler
+            self._proposer = NgramProposer(
+                spec, max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len
+            )
+        self._tracker = AcceptanceTracker(spec.num_speculative_tokens)
+
+    def _proposals(self) -> dict[int, list[int]] | None:
+        """Speculative tokens for the running sequences that decode next, capped so a step
+        never passes max_tokens or max_model_len. Rows with a grammar, a logit bias or
+        prompt log-probabilities do not speculate."""
+        if self._tracker is None:
+            return None
+        seqs, caps = [], []
+        max_len = self.max_model_len
+        for seq in self.scheduler.running:
+            p = seq.params
+            if seq.num_computed_tokens != seq.num_tokens - 1 or not _may_speculate(seq):
+                continue
+            room = max_len - seq.num_tokens - 1
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+            seqs.append(seq)
+            caps.append(max(room, 0))
+        if not seqs:
+            return None
+        ids = [s.seq_id for s in seqs]
+        want = np.minimum(self._tracker.num_proposals(ids), caps)
+        if self._speculation_off(len(seqs)):
+            # A big batch, or verification loses: only seeded sampled rows speculate (their
+            # tokens must not depend on the batch; a greedy row's tokens are the same either way).
+            keep = [_keeps_proposals(s) for s in seqs]
+            want = np.where(keep, want, 0)
+        if self._drafter is not None:  # slots now, the draft's tokens once pages are known
+            self._proposed = dict(zip(ids, want.tolist(), strict=True))
+            return {i: [0] * int(n) for i, n in zip(ids, want) if n}
+        proposals, num = self._proposer.propose(
+            [s.table_row for s in seqs], ids, [s.token_ids for s in seqs], want
+        )
+        self._proposed = dict(zip(ids, num.tolist(), strict=True))  # for the tracker
+        return {i: proposals[j, :n].tolist() for j, (i, n) in enumerate(zip(ids, num)) if n}
+
+    def _speculation_off(self, num_decoding: int) -> bool:
+        """Whether greedy and unseeded rows of a batch of num_decoding decoding sequences
+        propose nothing: over disable_by_batch_size, or where the cost governor measured
+        that verifying steps lose to plain ones."""
+        limit = self.speculative.disable_by_batch_size
+        if limit is not None and num_decoding > limit:
+            return True
+        governor = self._governor
+        if governor is None or num_decoding == 0:
+            return False
+        return not governor.speculates(bucket(self.config.seq_buckets, num_decoding))
+
+    def _note_decode_step(self, plan: StepPlan, out: SamplerOutput) -> None:
+        """For the cost governor: the step's sequence bucket and tokens per row when every
+        row decoded (one token, or one plus its proposals), else None."""
+        self._decode_step = None
+        if self._governor is None or not len(plan):
+            return
+        proposed = plan.num_proposed
+        if proposed is None:
+            if plan.decode_only:
+                self._decode_step = (bucket(self.config.seq_buckets, len(plan)), None)
+            return
+        if not np.array_equal(plan.num_new_tokens, proposed + 1):
+            return
+        given = np.minimum(out.num_accepted[: len(plan)], proposed) + 1  # tokens per row
+        if self._proposer is None:
+            tokens = float(np.mean(given))
+        else:  # n-gram: the rows' estimates, this step's included
+            for seq_id, n in zip(plan.seq_ids.tolist(), given.tolist(), strict=True):
+                self._note_row_tokens(seq_id, n)
+            tokens = self._rows_tokens(plan)
+        self._decode_step = (bucket(self.config.seq_buckets, len(plan)), tokens)
+
+    def _note_row_tokens(self, seq_id: int, tokens: float) -> None:
+        """One more observation of what verifying gives a row (its accepted count plus one)."""
+        old = self._row_tokens.get(seq_id, 1.0)
+        self._row_tokens[seq_id] = _ROW_DECAY * old + (1.0 - _ROW_DECAY) * tokens
+
+    def _rows_tokens(self, plan: StepPlan) -> float:
+        """What a verifying step would give the rows of plan, each on average: the mean of
+        the rows' own estimates (a row not yet observed counts 1 token). Per row, so a new
+        batch is judged on its own rows, not on what the batch before it copied."""
+        rows = self._row_tokens
+        return float(np.mean([rows.get(i, 1.0) for i in plan.seq_ids.tolist()]))
+
+    def _time_step(self) -> None:
+        """Gives the governor the seconds since the previous step was collected, for a decode
+        step collected just now right after another, unless a program was compiled (or loaded
+        from the compilation cache) meanwhile: one such outlier would hold a moving average
+        off for many probes."""
+        now = self._clock()
+        compiles = self.runner.programs.num_compiles
+        if (
+            self._step_end is not None
+            and self._decode_step is not None
+            and compiles == self._compiles_at_end
+        ):
+            seq_bucket, tokens = self._decode_step
+            self._governor.record(seq_bucket, now - self._step_end, tokens,
+                                  rows_estimate=self._proposer is not None)
+        self._step_end = now if self._groups else None
+        self._compiles_at_end = compiles
+
+    def _shadow_proposals(self, plan: StepPlan) -> None:
+        """After a plain decode step (n-gram, cost governor on): what verifying would have
+        given its rows. Each row holds one proposal made on the host from its tokens so far,
+        as a verifying step would have proposed it (the tracker's count of tokens), and checks
+        it against the tokens the plain steps then make: once it mismatches or is matched
+        whole, a verification would have given its accepted count plus one, an observation
+        of the row (_note_row_tokens). The governor then gets the rows' estimate
+        (_rows_tokens); no device work, no stats."""
+        if plan.num_proposed is not None or not plan.decode_only:
+            return
+        shadows, fresh = self._shadows, []
+        for seq_id in plan.seq_ids.tolist():
+            seq = self.scheduler.sequence(seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                shadows.pop(seq_id, None)
+                self._row_tokens.pop(seq_id, None)
+                continue
+            pending = shadows.get(seq_id)
+            if pending is None:
+                if _may_speculate(seq):
+                    fresh.append(seq)
+                else:
+                    self._note_row_tokens(seq_id, 1)  # it would not propose: 1 token a step
+                continue
+            start, proposal = pending
+            made = seq.token_ids[start : start + len(proposal)]
+            accepted = matched_prefix(proposal, made)
+            if accepted < len(made) or accepted == len(proposal):
+                self._note_row_tokens(seq_id, accepted + 1)
+                del shadows[seq_id]
+                fresh.append(seq)
+        if fresh:
+            ids = [s.seq_id for s in fresh]
+            proposals, num = self._proposer.propose(  # as many as a verifying step would
+                [s.table_row for s in fresh], ids, [s.token_ids for s in fresh],
+                self._tracker.num_proposals(ids),
+            )
+            for j, (seq, n) in enumerate(zip(fresh, num.tolist(), strict=True)):
+                if n:
+                    shadows[seq.seq_id] = (seq.num_tokens, proposals[j, :n].tolist())
+                else:  # no match: a verifying step gives this row 1 token
+                    self._note_row_tokens(seq.seq_id, 1)
+        seq_bucket = bucket(self.config.seq_buckets, len(plan))
+        self._governor.set_tokens(seq_bucket, self._rows_tokens(plan))
+
+    def _record_acceptance(self, plan: StepPlan, out: SamplerOutput) -> None:
+        """Tells the tracker what every decoding sequence proposed and had accepted."""
+        proposed = self._proposed
+        if not proposed:
+            return
+        self._proposed = {}
+        ids, num, accepted = [], [], []
+        verified = out.num_accepted.tolist() if out.num_accepted is not None else None
+        row_proposed = plan.num_proposed.tolist() if plan.num_proposed is not None else None
+        for i, seq_id in enumerate(plan.seq_ids.tolist()):
+            if seq_id in proposed:
+                ids.append(seq_id)
+                n = row_proposed[i] if row_proposed is not None else 0
+                num.append(n)
+                accepted.append(min(verified[i], n) if verified is not None else 0)
+        if ids:
+            self._tracker.record(ids, np.asarray(num), np.asarray(accepted))
+
+    def _recover(self, error: Exception) -> EngineStepError:
+        """After a failed step: every request in the engine is dropped, the host state is made
+        anew and the device state (pool, page table) re-allocated, the prefix cache with it;
+        compiled programs are kept. Returns the error to raise."""
+        request_ids = list(self._groups)
+        logger.error(
+            "engine step failed (%s: %s); %d requests failed, engine state rebuilt",
+            type(error).__name__,
+            error,
+            len(request_ids),
+        )
+        self._new_host_state()
+        self._init_speculation()
+        self.runner.reset_state()
+        self.num_recoveries += 1
+        return EngineStepError(request_ids, error)
+
+    def warm_up(self, context_len: int = 64) -> float:
+        """Compiles (or reads from the persistent compilation cache) the step programs that
+        requests of up to context_len tokens use first (ModelRunner.warm_up_keys); returns
+        the seconds it took. A server calls it before it reports SERVING."""
+        seconds = self.runner.precompile(self.runner.warm_up_keys(context_len))
+        self.warmup_seconds += seconds
+        logger.info(
+            "warm-up: %d step programs in %.1fs", self.runner.programs.num_step_programs, seconds
+        )
+        return seconds
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queues a request. params.output_kind says what step() returns for it."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
+        text, token_ids = self.tokenize_prompt(prompt)
+        budget = self.config.scheduler.max_num_seqs
+        if params.n > budget:
+            raise ValueError(f"n must be <= max_num_seqs ({budget}), got {params.n}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in (params.logit_bias or ()) if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:  # before anything is stored
+            self._constraint_manager().add((request_id, 0), params.structured_outputs)
+        group = RequestGroup(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival=self._arrivals,
+            cache_salt=cache_salt,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
+        )
+        self._arrivals += 1
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
+        self._groups[request_id] = group
+        self.scheduler.add(group, seed)
+
+    def _constraint_manager(self) -> StructuredOutputManager:
+        if self._constraints is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer; the model has none")
+            self._constraints = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size
+            )
+        return self._constraints
+
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """Validates a prompt (text or token ids) -> (text or None, token ids).
+
+        Raises ValueError naming what is wrong: empty, not text nor ids, ids outside the
+        vocabulary, or too long for max_model_len.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompt is text but the model has no tokenizer; pass token ids "
+                    "(--prompt-token-ids on the command line)"
+                )
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
+                raise ValueError("prompt token ids must be integers")
+            text, ids = None, [int(t) for t in prompt]
+        else:
+            raise ValueError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; it must be shorter than max_model_len "
+                f"({self.max_model_len}) to leave room for one generated token"
+            )
+        return text, ids
+
+    def chat_prompt(
+        self,
+        messages,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **extra,
+    ) -> tuple[str, list[int]]:
+        """A conversation rendered with the model's chat template (or chat_template) ->
+        (prompt text, token ids with BOS once). Raises ValueError for a bad conversation, a
+        template error, or a model without a template."""
+        from models.chat_template import prompt_token_ids, render_chat
+
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError(
+                "the model has no chat template; pass one (chat_template=..., --chat-template FILE)"
+            )
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; the model has none")
+        text = render_chat(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **extra,
+        )
+        return text, prompt_token_ids(self.tokenizer.backend, text, self.bos_token)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            group = self._groups.pop(rid, None)
+            if group is not None:
+                self.scheduler.abort(group)
+                self._release(group)
+
+    # -- stepping --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Collects one device step's results. Asynchronous: the step after it is dispatched
+        first (and, when none is on the device, the step itself).
+
+        Raises:
+          EngineStepError: the step failed; every request the engine held is dropped (their
+            ids are on the error) and the engine is ready for new requests.
+          RuntimeError: another thread is in step() or step_unsampled() (nothing is changed).
+        """
+        with self._sole_stepper():
+            try:
+                return self._step()
+            except Exception as e:
+                raise self._recover(e) from e
+
+    @contextlib.contextmanager
+    def _sole_stepper(self):
+        """Holds the engine's step lock for one step; refuses a second thread meanwhile."""
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError(
+                "the engine was stepped while another thread is stepping this engine; one "
+                "thread owns an engine (a server's engine loop, or LLM.generate's caller)"
+            )
+        try:
+            yield
+        finally:
+            self._stepping.release()
+
+    def _step(self) -> list[RequestOutput]:
+        current = self._in_flight or self._dispatch(None)
+        self._in_flight = None
+        if current is None:
+            self._step_end = None
+            return self._take_early_outputs()
+        if self._can_overlap(current.plan):
+            # With speculation on, only a step that proposes nothing overlaps (see
+            # _proposes_nothing_after): its proposals would need the tokens still on the device.
+            self._in_flight = self._dispatch(current.plan, speculate=self._tracker is None)
+        outputs = self._collect(current)
+        if self._governor is not None:
+            self._time_step()
+        if not self._groups:  # whatever is on the device belongs to finished requests
+            self._in_flight = None
+        return outputs
+
+    def _dispatch(self, prev: StepPlan | None, *, speculate: bool = True) -> InFlightStep | None:
+        """Schedules and dispatches a step; prev: the plan still on the device, if any;
+        speculate: whether decoding rows may propose."""
+        plan = self._schedule(speculate=speculate)
+        if not len(plan):
+            return None
+        bitmask = self._bitmask(plan) if plan.sampling.constrained is not None else None
+        step = self.runner.dispatch(plan, prev, bitmask, draft_probs=self._draft_probs)
+        self.scheduler.dispatched(plan)
+        return step
+
+    def _bitmask(self, plan: StepPlan) -> np.ndarray:
+        """The rows' structured-output masks (int32[len(plan), ceil(vocab / 32)]). A fork's
+        child gets its matcher here, copied from its parent's before the parent advances."""
+        manager = self._constraints
+        keys = []
+        for seq_id, constrained in zip(plan.seq_ids.tolist(), plan.sampling.constrained):
+            seq = self.scheduler.sequence(seq_id) if constrained else None
+            if seq is None:
+                keys.append(None)
+                continue
+            key = (seq.group.request_id, seq.index)
+            if key not in manager:
+                manager.fork((seq.group.request_id, 0), key)
+            keys.append(key)
+        mask = manager.allocate_bitmask(len(plan))
+        manager.fill_bitmask(keys, mask)
+        return mask
+
+    def _schedule(self, *, speculate: bool = True) -> StepPlan:
+        """The next plan, its pages' peak noted and its swaps done (they precede the step);
+        with a draft model, its page edits replayed on the draft and the draft's proposals
+        filled in."""
+        plan = self.scheduler.schedule(self._proposals() if speculate else None)
+        self._draft_probs = None
+        if self._drafter is not None:
+            self._drafter.sync(plan)
+            if plan.num_proposed is not None:
+                plan, self._draft_probs = self._drafter.propose(plan, self.scheduler.sequence)
+        self.peak_pages_used = max(self.peak_pages_used, self.allocator.num_used())
+        self.runner.swap(plan)  # preempted K/V to host and back, before the step
+        return plan
+
+    def _can_overlap(self, plan: StepPlan) -> bool:
+        """Whether the next plan may be made before plan's tokens are on the host."""
+        sync = plan.sampling.uses_penalties
+        if plan.sampling.constrained is not None:  # a grammar's next mask needs the token
+            sync = sync | plan.sampling.constrained
+        return (
+            self.config.async_scheduling
+            and self.runner.broadcast is None
+            and (self._tracker is None or self._proposes_nothing_after(plan))
+            and not np.any(sync & plan.keep_sample)
+        )
+
+    def _proposes_nothing_after(self, plan: StepPlan) -> bool:
+        """Speculation on: whether the step after plan may skip proposals, so it can be made
+        before plan's tokens are known (proposals and verified lengths need them). So when
+        plan verified nothing and the batch is over disable_by_batch_size with no seeded
+        sampled row (those always keep their proposals, see _proposals): skipping changes no
+        greedy token, and only a batch that shrinks to the limit in this step loses a step's
+        proposals. n-gram only (a draft model replays each committed step first)."""
+        if self._drafter is not None or plan.proposals is not None:
+            return False
+        running = self.scheduler.running
+        return self._speculation_off(len(running)) and not any(map(_keeps_proposals, running))
+
+    def _collect(self, step: InFlightStep) -> list[RequestOutput]:
+        out = self.runner.fetch(step)
+        if step.plan.prompt_targets is not None:
+            self._record_prompt_logprobs(step.plan, out)
+        if self._tracker is not None:
+            self._record_acceptance(step.plan, out)
+            self._note_decode_step(step.plan, out)
+        seqs = self.scheduler.commit(step.plan, out)
+        if self._governor is not None and self._proposer is not None:
+            self._shadow_proposals(step.plan)
+        if self._drafter is not None:
+            self._drafter.committed(step.plan, out, self.scheduler.sequence)
+        return self._take_early_outputs() + self._outputs(seqs)
+
+    def _record_prompt_logprobs(self, plan: StepPlan, out: SamplerOutput) -> None:
+        """Appends each prompt position's log-probabilities to its request (positions already
+        recorded, recomputed after a preemption, are skipped)."""
+        targets = plan.prompt_targets
+        for i, seq_id in enumerate(plan.seq_ids.tolist()):
+            seq = self.scheduler.sequence(seq_id)
+            if seq is None or seq.group.prompt_logprobs is None:
+                continue
+            recorded, n = seq.group.prompt_logprobs, seq.params.prompt_logprobs
+            first, last = int(plan.query_start[i]), int(plan.query_start[i + 1])
+            position = int(plan.starts[i]) + 1  # the prompt position the first token predicts
+            for t in range(first, last):
+                if targets[t] >= 0 and position == len(recorded):
+                    top = zip(
+                        out.prompt_top_ids[t, :n].tolist(), out.prompt_top_logprobs[t, :n].tolist()
+                    )
+                    recorded.append({int(targets[t]): float(out.prompt_logprobs[t]), **dict(top)})
+                position += 1
+
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Grammars, text and stop strings for the sequences that got tokens, then their
+        requests' outputs; finished requests are forgotten."""
+        touched: dict[str, RequestGroup] = {}
+        for seq in seqs:
+            if self._constraints is not None and seq.params.structured_outputs is not None:
+                self._advance_constraint(seq)
+            stop = self.output_processor.process(seq)
+            if stop is not None:
+                self.scheduler.finish(seq, "stop", stop)
+            touched[seq.group.request_id] = seq.group
+        outputs = []
+        for rid, group in touched.items():
+            out = self.output_processor.make_output(group)
+            if out is not None:
+                outputs.append(out)
+            if group.finished:
+                del self._groups[rid]
+                self._release(group)
+        return outputs
+
+    def _advance_constraint(self, seq: Sequence) -> None:
+        """Commits seq's new token to its grammar; a grammar that is complete (only EOS left)
+        stops the sequence, one that failed ends it with finish_reason "error"."""
+        key = (seq.group.request_id, seq.index)
+        manager = self._constraints
+        manager.advance(key, seq.token_ids[-1:])
+        error = manager.error(key)
+        if seq.is_finished:
+            return
+        if error is not None:
+            seq.group.error = f"structured output: {error}"
+            self.scheduler.finish(seq, "error")
+        elif manager.is_finished(key):
+            self.scheduler.finish(seq, "stop")
+
+    def _release(self, group: RequestGroup) -> None:
+        """Drops a finished or aborted request's text states, grammar matchers and
+        speculation state."""
+        self.output_processor.release(group)
+        if self._tracker is not None:
+            for seq in group.seqs:
+                self._tracker.free(seq.seq_id)
+                self._shadows.pop(seq.seq_id, None)
+                self._row_tokens.pop(seq.seq_id, None)
+                if self._drafter is not None:
+                    self._drafter.forget(seq.seq_id)
+        if self._constraints is not None and group.params.structured_outputs is not None:
+            for index in range(max(len(group.seqs), 1)):
+                self._constraints.remove((group.request_id, index))
+
+    def _take_early_outputs(self) -> list[RequestOutput]:
+        outputs, self._early_outputs = self._early_outputs, []
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # -- beam search: steps whose next tokens the caller chooses ---------------------------
+    def step_unsampled(self) -> list[tuple[str, int, SamplerOutput, int]] | None:
+        """One device step whose next tokens the caller chooses (beam search): the scheduled
+        tokens are marked computed, nothing is appended and no RequestOutput is made.
+
+        Returns (request_id, seq_id, out, row) for every running sequence whose tokens are
+        all computed (out.top_ids[row], out.top_logprobs[row] are its next-token candidates),
+        or None when nothing could run.
+
+        Raises:
+          RuntimeError: another thread is in step() or step_unsampled() (nothing is changed).
+        """
+        with self._sole_stepper():
+            try:
+                if self._in_flight is not None:  # its outputs go out with the next step()
+                    self._early_outputs = self._collect(self._in_flight)
+                    self._in_flight = None
+                plan = self._schedule(speculate=False)
+                if not len(plan):
+                    return None
+                out = self.runner.execute(plan)
+            except Exception as e:
+                raise self._recover(e) from e
+            sampled = self.scheduler.mark_computed(plan)
+        return [
+            (seq.group.request_id, seq.seq_id, out, row)
+            for row, seq in enumerate(sampled)
+            if seq is not None
+        ]
+
+    def append_token(self, seq_id: int, token: int) -> None:
+        """Appends a token the caller chose to a sequence (computed by its next step)."""
+        self.scheduler.sequence(seq_id).token_ids.append(int(token))
+
+    def fork_sequence(self, seq_id: int) -> int:
+        """A new sequence of the same request with seq_id's tokens, sharing its pages;
+        returns its seq_id."""
+        return self.scheduler.fork(self.scheduler.sequence(seq_id)).seq_id
+
+    def drop_sequence(self, seq_id: int) -> None:
+        """Finishes one sequence of a request (a dropped beam): its pages are freed and its
+        request keeps only its other sequences."""
+        seq = self.scheduler.sequence(seq_id)
+        self.scheduler.finish(seq, "abort")
+        seq.group.seqs.remove(seq)
+
+    def running_sequence_ids(self) -> list[int]:
+        """Running sequences, oldest admission first."""
+        return [s.seq_id for s in self.scheduler.running]
+
+    def preempt_sequence(self, seq_id: int) -> None:
+        """Frees a running sequence's pages; it is recomputed after the waiting ones."""
+        seq = self.scheduler.sequence(seq_id)
+        if seq is not None and seq.status is SeqStatus.RUNNING:
+            self.scheduler.preempt(seq)
+
+    # -- stats -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        a, swap = self.allocator, self.scheduler.swap_allocator
+        programs = self.runner.programs
+        return dict(
+            pages_total=a.num_usable_pages,
+            pages_used=a.num_used(),
+            pages_free=a.num_free(),
+            pages_cached=a.num_cached(),
+            peak_pages_used=self.peak_pages_used,
+            prefix_cache_query_tokens=self.scheduler.prefix_cache_query_tokens,
+            prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_swaps_out=self.scheduler.num_swaps_out,
+            num_swaps_in=self.scheduler.num_swaps_in,
+            swap_pages_total=self.num_swap_pages,
+            swap_pages_used=swap.num_used() if swap is not None else 0,
+            num_running=self.num_running(),
+            num_waiting=self.num_waiting(),
+            num_compiled=programs.num_compiled,
+            num_buckets=self.runner.num_buckets(),
+            num_compiles=programs.num_compiles,
+            compile_seconds=programs.compile_seconds,
+            num_recompiles=programs.num_recompiles,
+            num_recoveries=self.num_recoveries,
+            **self._speculation_stats(),
+        )
+
+    def _speculation_stats(self) -> dict:
+        """Proposed and accepted tokens and the mean acceptance length (speculation on)."""
+        if self._tracker is None:
+            return {}
+        t = self._tracker.stats()
+        return {
+            "spec_num_drafts": t["spec_num_drafts"],
+            "spec_num_draft_tokens": t["spec_num_draft_tokens"],
+            "spec_num_accepted_tokens": t["spec_num_accepted_tokens"],
+            "spec_mean_acceptance_length": t["spec_mean_acceptance_length"],
+        }
+
+    def reset_stats(self) -> None:
+        self.peak_pages_used = self.allocator.num_used()
+        self.scheduler.prefix_cache_query_tokens = 0
+        self.scheduler.prefix_cache_hit_tokens = 0
+        self.scheduler.num_preemptions = 0
+        self.scheduler.num_swaps_out = 0
+        self.scheduler.num_swaps_in = 0
+        if self._tracker is not None:
+            self._tracker.reset_totals()

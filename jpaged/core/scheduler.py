@@ -1,0 +1,537 @@
+"""Host-side scheduler: continuous batching over a paged KV cache.
+
+The scheduler owns the waiting and running queues, the rows of the device page table and the
+host page tables (each running Sequence's `pages`: nothing else writes them); the
+PageAllocator owns pages. Each `schedule()` returns one frozen StepPlan of plain arrays
+(jpaged/worker/step_plan.py); `commit()` takes the sampled tokens back.
+
+Async scheduling: `dispatched(plan)` marks a plan's tokens computed as soon as the step is on
+the device and gives each sampling row a placeholder (Sequence.num_placeholders) unless the
+token certainly ends the sequence (max_tokens, max_model_len), so the next plan is made before
+this one's tokens are known; its rows read those tokens on the device. `commit()` then turns
+placeholders into tokens. A sequence that stops at commit has its row in the next plan (already
+on the device) dropped there; that row writes only slots past the sequence's length into pages
+freed at the stop, before any later step can write them (device order).
+
+One rule drives everything (vLLM v1): each step gives every running sequence as many of its
+uncomputed tokens as the token budget allows. A decode is one token; a prompt is many
+(chunked when it exceeds the budget); a prefix-cache hit starts with num_computed_tokens > 0.
+
+Memory: pages are taken for exactly the tokens computed in the step ("paged"), or for the
+whole prompt + max_tokens at admission ("reserve", a contiguous-allocation server's policy,
+kept for comparison). When pages run out, the most recently admitted running sequences are
+preempted: their pages are freed and they are recomputed later (the prefix cache usually
+serving most of it), or, with preemption_mode="swap", their computed K/V is first copied to
+host swap pages (a second PageAllocator, without prefix caching) and copied back into fresh
+private pages on resumption, num_computed_tokens kept; a full swap space falls back to
+recompute. The plan names the copies; the runner moves the data, swap-outs before swap-ins
+before the step, so a page freed and reused within one plan is read before it is written.
+A write into a page shared with another sequence copies it first (copy-on-write).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+from jpaged.config import EngineConfig
+from jpaged.core.page_allocator import PageAllocator, page_hash
+from jpaged.core.sequence import RequestGroup, SeqStatus, Sequence
+from jpaged.sample.sampler import seeds_to_key_data
+from jpaged.worker import step_plan
+from jpaged.worker.step_plan import StepPlan
+
+# A scheduled row while a plan is made: (seq, num_new_tokens, start, sample_row, keep_sample,
+# proposals). num_new_tokens is 0 for a fresh fork, which samples from its parent's row
+# (sample_row); proposals: speculative tokens verified after the last one, or None.
+Row = tuple
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        allocator: PageAllocator,
+        eos_token_ids: tuple[int, ...] = (),
+        *,
+        swap_allocator: PageAllocator | None = None,
+    ) -> None:
+        """swap_allocator: host swap pages, required when preemption_mode is "swap"."""
+        self.config = config
+        self.sched = config.scheduler
+        self.page_size = config.cache.page_size
+        self.allocator = allocator
+        if self.sched.preemption_mode == "swap" and swap_allocator is None:
+            raise ValueError('preemption_mode="swap" needs a swap_allocator (host swap pages)')
+        self.swap_allocator = swap_allocator if self.sched.preemption_mode == "swap" else None
+        self._paged = config.cache.kv_allocation == "paged"
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._eos_list = list(eos_token_ids)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self._seqs: dict[int, Sequence] = {}  # every unfinished sequence, by seq_id
+        # Page-table rows; row max_num_seqs is a scratch row that padding writes go to.
+        self._free_rows = list(range(self.sched.max_num_seqs - 1, -1, -1))  # pop() -> 0 first
+        self._reserved_rows: dict[int, list[int]] = {}  # parent seq_id -> rows for its forks
+        self._updates: list[tuple[int, int, int]] = []
+        self._copies: list[tuple[int, int]] = []
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
+        self._next_seq_id = 0
+        self.num_preemptions = 0
+        self.num_swaps_out = 0  # preemptions that swapped (the others recompute)
+        self.num_swaps_in = 0
+        self.prefix_cache_query_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    # -- requests --------------------------------------------------------------------------
+    def add(self, group: RequestGroup, seed: int) -> None:
+        seq = self._new_seq(group, 0, list(group.prompt_token_ids), seed)
+        seq.needs_fork = group.params.n > 1
+        group.seqs.append(seq)
+        self.waiting.append(seq)
+
+    def abort(self, group: RequestGroup) -> None:
+        group.aborted = True
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.finish(seq, "abort")
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+            self._drop_swap(seq)
+        seq.status = SeqStatus.FINISHED
+        self._seqs.pop(seq.seq_id, None)
+        seq.num_placeholders = 0
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def sequence(self, seq_id: int) -> Sequence | None:
+        """The unfinished sequence seq_id, or None."""
+        return self._seqs.get(seq_id)
+
+    # -- scheduling ------------------------------------------------------------------------
+    def schedule(self, proposals: dict[int, list[int]] | None = None) -> StepPlan:
+        """The next step's plan.
+
+        proposals: speculative tokens by seq_id for decoding sequences (the engine caps them
+        at max_tokens and max_model_len); a row verifies them when the token budget and free
+        pages allow, else it decodes one token (proposals never cause a preemption).
+        """
+        budget = self.sched.max_num_batched_tokens
+        rows: list[Row] = []
+        preempted = False
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_planned_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            # A parent about to fork samples for its children too: it never speculates.
+            extra = None
+            if proposals and num_new == 1 and not seq.needs_fork:
+                extra = proposals.get(seq.seq_id)
+            if extra:
+                extra = extra[: budget - 1]
+                if extra and self._grow(seq, 1 + len(extra)):
+                    rows.append(self._row(seq, 1 + len(extra), len(rows), extra))
+                    budget -= 1 + len(extra)
+                    continue
+            while not self._grow(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SeqStatus.RUNNING:
+                rows.append(self._row(seq, num_new, len(rows)))
+                budget -= num_new
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            num_new = self._admit(seq, budget)
+            if num_new == 0:
+                break
+            rows.append(self._row(seq, num_new, len(rows)))
+            budget -= num_new
+        for i in range(len(rows)):
+            seq, keep = rows[i][0], rows[i][4]
+            if seq.needs_fork and keep:
+                rows.extend(self._fork(seq, i))
+        plan = step_plan.build(
+            rows,
+            page_size=self.page_size,
+            eos_token_ids=self._eos_list,
+            page_updates=self._updates,
+            page_copies=self._copies,
+            swap_out=self._swap_out,
+            swap_in=self._swap_in,
+        )
+        self._updates, self._copies, self._swap_out, self._swap_in = [], [], [], []
+        return plan
+
+    def _row(self, seq: Sequence, num_new: int, row: int, proposals=None) -> Row:
+        start = seq.num_computed_tokens
+        keep = start + num_new - len(proposals or ()) == seq.num_planned_tokens
+        return (seq, num_new, start, row, keep, proposals)
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Admits the waiting head if slots, pages and budget allow; returns its new tokens."""
+        slots_needed = seq.group.params.n if seq.needs_fork else 1
+        if len(self.running) + slots_needed > self.sched.max_num_seqs:
+            return 0
+        if len(self._free_rows) < slots_needed:
+            return 0
+        swapped = bool(seq.swap_pages)
+        if swapped:  # its computed K/V comes back from host into fresh pages
+            hits, computed = [], seq.num_computed_tokens
+        elif seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+            hits, computed = [], 0  # the prompt's log-probabilities need its logits
+        else:
+            hits = self._prefix_hits(seq)
+            computed = len(hits) * self.page_size
+        num_new = min(seq.num_tokens - computed, budget)
+        if num_new < seq.num_tokens - computed and not self.sched.enable_chunked_prefill:
+            return 0
+        revived = sum(1 for p in hits if self.allocator.ref_counts[p] == 0)
+        if self.config.cache.kv_allocation == "reserve":
+            total = seq.num_prompt_tokens + (seq.params.max_tokens or self.sched.max_model_len)
+            upto = min(max(total, seq.num_tokens), self.sched.max_model_len)
+        else:
+            upto = computed + num_new
+        need = math.ceil(upto / self.page_size) - len(hits)
+        if need > self.allocator.num_free() - revived:
+            return 0
+        self.waiting.popleft()
+        for p in hits:
+            self.allocator.take_cached(p)
+        seq.table_row = self._free_rows.pop()
+        if seq.needs_fork:
+            self._reserved_rows[seq.seq_id] = [
+                self._free_rows.pop() for _ in range(seq.group.params.n - 1)
+            ]
+        seq.status = SeqStatus.RUNNING
+        seq.num_computed_tokens = computed
+        self.running.append(seq)
+        self._append_pages(seq, hits)
+        pages = self.allocator.allocate(need)
+        self._append_pages(seq, pages)
+        if swapped:
+            self._swap_in.extend(zip(seq.swap_pages, pages))
+            self._drop_swap(seq)
+            self.num_swaps_in += 1
+            return num_new
+        if seq.num_output_tokens == 0 and seq.index == 0:
+            seq.group.num_cached_tokens = computed
+        self.prefix_cache_query_tokens += seq.num_tokens
+        self.prefix_cache_hit_tokens += computed
+        return num_new
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached pages matching the sequence's leading full pages (at least one token is left
+        to compute, so the step has a hidden state to sample from)."""
+        hits: list[int] = []
+        seq.page_hashes = []
+        parent, salt = None, seq.group.cache_salt
+        for i in range((seq.num_tokens - 1) // self.page_size):
+            tokens = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
+            h = page_hash(parent, tokens, salt)
+            page = self.allocator.lookup(h, tokens, parent=hits[-1] if hits else None, salt=salt)
+            if page is None:
+                break
+            hits.append(page)
+            seq.page_hashes.append(h)
+            parent = h
+        return hits
+
+    def _grow(self, seq: Sequence, num_new: int) -> bool:
+        """Makes seq's pages cover the step's writes; False (nothing changed) if pages lack."""
+        first = seq.num_computed_tokens // self.page_size
+        last = (seq.num_computed_tokens + num_new - 1) // self.page_size
+        shared = [
+            i
+            for i in range(first, min(last + 1, len(seq.pages)))
+            if self.allocator.ref_counts[seq.pages[i]] > 1
+        ]
+        need = max(0, last + 1 - len(seq.pages)) + len(shared)
+        if not self.allocator.can_allocate(need):
+            return False
+        for i in shared:
+            (new,) = self.allocator.allocate(1)
+            self._copies.append((seq.pages[i], new))
+            self.allocator.free([seq.pages[i]])
+            seq.pages[i] = new
+            self._updates.append((seq.table_row, i, new))
+        self._append_pages(seq, self.allocator.allocate(need - len(shared)))
+        return True
+
+    def _append_pages(self, seq: Sequence, pages: list[int]) -> None:
+        for p in pages:
+            self._updates.append((seq.table_row, len(seq.pages), p))
+            seq.pages.append(p)
+
+    def _fork(self, parent: Sequence, parent_row: int) -> list[Row]:
+        """Forks n - 1 children sharing every page of the parent; they sample from its row."""
+        parent.needs_fork = False
+        rows = []
+        group = parent.group
+        for index, table_row in enumerate(self._reserved_rows.pop(parent.seq_id), start=1):
+            child = self._new_seq(
+                group, index, list(parent.token_ids), seed=hash((parent.seed, index)) % 2**63
+            )
+            child.table_row = table_row
+            child.status = SeqStatus.RUNNING
+            child.num_computed_tokens = parent.num_tokens  # computed by the parent's step
+            child.page_hashes = list(parent.page_hashes)
+            for p in parent.pages:
+                self.allocator.share(p)
+            self._append_pages(child, list(parent.pages))
+            group.seqs.append(child)
+            self.running.append(child)
+            rows.append((child, 0, child.num_computed_tokens, parent_row, True, None))
+        return rows
+
+    def _new_seq(self, group: RequestGroup, index: int, token_ids: list[int], seed: int):
+        seq = Sequence(
+            seq_id=self._next_seq_id,
+            group=group,
+            index=index,
+            token_ids=token_ids,
+            num_prompt_tokens=len(group.prompt_token_ids),
+            seed=seed,
+        )
+        seq.sampling_constants = step_plan.sampling_constants(
+            group.params, seeds_to_key_data([seed])[0]
+        )
+        self._seqs[seq.seq_id] = seq
+        self._next_seq_id += 1
+        return seq
+
+    def _preempt(self, seq: Sequence, *, allow_swap: bool = True, last: bool = False) -> None:
+        """Queues a running sequence first in line (last: at the back). Swaps its computed pages out when swap is
+        configured, the host has room and it has a token left to compute (a resumed sequence
+        must have one, to sample from); otherwise it is recomputed from scratch."""
+        self.running.remove(seq)
+        num_pages = math.ceil(seq.num_computed_tokens / self.page_size)
+        swap = (
+            allow_swap
+            and self.swap_allocator is not None
+            and 0 < seq.num_computed_tokens < seq.num_planned_tokens
+            and self.swap_allocator.can_allocate(num_pages)
+        )
+        if swap:
+            # Every page is copied, shared ones too: it comes back into private pages.
+            seq.swap_pages = self.swap_allocator.allocate(num_pages)
+            self._swap_out.extend(zip(seq.pages[:num_pages], seq.swap_pages))
+            self.num_swaps_out += 1
+        else:
+            seq.num_computed_tokens = 0
+        self._release(seq)
+        seq.status = SeqStatus.WAITING
+        if last:
+            self.waiting.append(seq)
+        else:
+            self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _drop_swap(self, seq: Sequence) -> None:
+        if seq.swap_pages:
+            self.swap_allocator.free(seq.swap_pages)
+            seq.swap_pages = []
+
+    def _release(self, seq: Sequence) -> None:
+        """Frees a sequence's pages (tail first) and its page-table row(s). The device row keeps
+        stale entries until the row's next owner overwrites them; nothing reads past a
+        sequence's context length."""
+        self.allocator.free(seq.pages[::-1])
+        seq.pages = []
+        seq.page_hashes = []
+        self._free_rows.append(seq.table_row)
+        self._free_rows.extend(self._reserved_rows.pop(seq.seq_id, []))
+        seq.table_row = -1
+
+    # -- results ---------------------------------------------------------------------------
+    def dispatched(self, plan: StepPlan) -> None:
+        """The plan's step is on the device: its tokens count as computed, and each sampling
+        row that may continue holds a placeholder for its token (see the module docstring)."""
+        max_len = self.sched.max_model_len
+        ends = plan.context_lens.tolist()
+        for seq_id, end, keep in zip(plan.seq_ids.tolist(), ends, plan.keep_sample.tolist()):
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                continue
+            seq.num_computed_tokens = end
+            if not keep:
+                continue
+            n = seq.num_placeholders + 1  # tokens in flight, this one included
+            max_tokens = seq.params.max_tokens
+            if (max_tokens is None or seq.num_output_tokens + n < max_tokens) and (
+                seq.num_tokens + n < max_len
+            ):
+                seq.num_placeholders = n
+
+    def commit(self, plan: StepPlan, out) -> list[Sequence]:
+        """Applies a step's SamplerOutput (numpy, rows in plan order); returns the sequences
+        that got new tokens. Rows of finished sequences are dropped; a sequence preempted
+        after the step was dispatched still gets its token."""
+        if out.num_accepted is not None:
+            return self._commit_verified(plan, out)
+        result = []
+        tokens = out.tokens.tolist()
+        logprobs = out.logprobs.tolist()
+        ends = plan.context_lens.tolist()
+        keep = plan.keep_sample.tolist()
+        for i, seq_id in enumerate(plan.seq_ids.tolist()):
+            seq = self._seqs.get(seq_id)
+            if seq is None:  # finished (or aborted) since the plan was made
+                continue
+            if seq.status is SeqStatus.RUNNING:
+                seq.num_computed_tokens = max(seq.num_computed_tokens, ends[i])
+                self._cache_full_pages(seq, ends[i])  # only pages of real tokens
+            if not keep[i]:
+                continue
+            if seq.num_placeholders:
+                seq.num_placeholders -= 1
+            token = tokens[i]
+            seq.token_ids.append(token)
+            seq.cumulative_logprob += logprobs[i]
+            n = seq.params.logprobs
+            if n is not None:
+                top = zip(out.top_ids[i, :n].tolist(), out.top_logprobs[i, :n].tolist())
+                # Tokens a grammar forbids have -inf: not among the most likely.
+                seq.logprobs.append({token: logprobs[i], **{t: x for t, x in top if x > -1e30}})
+            result.append(seq)
+            self._check_stop(seq, token)
+        return result
+
+    def _commit_verified(self, plan: StepPlan, out) -> list[Sequence]:
+        """A speculative step's tokens: row i emits out.spec_tokens[i, :a + 1] (its a accepted
+        proposals, then the target's token), checked for stops one by one. Only the verified
+        positions count as computed: the pages past them (rejected proposals' K/V) go back to
+        the pool, and prefix caching registers only verified pages.
+
+            positions   start .. start + a - 1 | start + a | .. start + n - 1
+            tokens      last, accepted         | new token | rejected (freed)
+        """
+        result = []
+        accepted = out.num_accepted.tolist()
+        tokens, logprobs = out.spec_tokens.tolist(), out.spec_logprobs.tolist()
+        ends = plan.context_lens.tolist()
+        keep = plan.keep_sample.tolist()
+        proposed = plan.num_proposed.tolist() if plan.num_proposed is not None else [0] * len(plan)
+        ps = self.page_size
+        for i, seq_id in enumerate(plan.seq_ids.tolist()):
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                continue
+            a = accepted[i]
+            if keep[i]:
+                seq.num_placeholders = max(seq.num_placeholders - 1, 0)
+                n = seq.params.logprobs
+                for j in range(a + 1):
+                    token = tokens[i][j]
+                    seq.token_ids.append(token)
+                    seq.cumulative_logprob += logprobs[i][j]
+                    if n is not None:
+                        top = zip(
+                            out.top_ids[i, j, :n].tolist(), out.top_logprobs[i, j, :n].tolist()
+                        )
+                        entry = {t: x for t, x in top if x > -1e30}
+                        seq.logprobs.append({token: logprobs[i][j], **entry})
+                    self._check_stop(seq, token)
+                    if seq.is_finished:
+                        break
+                result.append(seq)
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            verified = ends[i] - proposed[i] + a  # the K/V of these positions is valid
+            seq.num_computed_tokens = verified
+            needed = -(-verified // ps)
+            if proposed[i] and len(seq.pages) > needed and self._paged:
+                self.allocator.free(seq.pages[needed:][::-1])  # the rejected proposals' pages
+                del seq.pages[needed:]
+            self._cache_full_pages(seq, verified)
+        return result
+
+    def mark_computed(self, plan: StepPlan) -> list[Sequence]:
+        """Commits a step's computed tokens but appends none of its samples: the caller picks
+        each sequence's next token itself (beam search). Returns, in row order, the running
+        sequence of each row whose sample is its next token, or None."""
+        sampled: list[Sequence | None] = []
+        for seq_id, end, keep in zip(
+            plan.seq_ids.tolist(), plan.context_lens.tolist(), plan.keep_sample.tolist()
+        ):
+            seq = self._seqs.get(seq_id)
+            if seq is not None and seq.status is SeqStatus.RUNNING:
+                seq.num_computed_tokens = end
+                self._cache_full_pages(seq, end)
+            sampled.append(
+                seq if keep and seq is not None and seq.status is SeqStatus.RUNNING else None
+            )
+        return sampled
+
+    def preempt(self, seq: Sequence) -> None:
+        """Frees a running sequence's pages and queues it last, to be recomputed after the
+        waiting ones (beam search makes room so for beams that must run before it). Never
+        swaps: the beam's next tokens are chosen outside the scheduler."""
+        self._preempt(seq, allow_swap=False, last=True)
+
+    def fork(self, parent: Sequence) -> Sequence:
+        """A new sequence of parent's group with parent's tokens (beam search's fork).
+
+        A running parent's child takes a free page-table row and shares every page of the
+        parent (a write into a shared partly filled page copies it first, in _grow); with no
+        free row, or a parent that is not running, the child waits and is recomputed (prefix
+        hits).
+        """
+        group = parent.group
+        child = self._new_seq(group, len(group.seqs), list(parent.token_ids), parent.seed)
+        group.seqs.append(child)
+        if parent.status is not SeqStatus.RUNNING or not self._free_rows:
+            self.waiting.append(child)
+            return child
+        child.table_row = self._free_rows.pop()
+        child.status = SeqStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.page_hashes = list(parent.page_hashes)
+        for p in parent.pages:
+            self.allocator.share(p)
+        self._append_pages(child, list(parent.pages))
+        self.running.append(child)
+        return child
+
+    def _cache_full_pages(self, seq: Sequence, num_tokens: int) -> None:
+        """Registers the full pages among seq's first num_tokens (computed) tokens."""
+        if not self.allocator.enable_prefix_caching:
+            return
+        ps, salt = self.page_size, seq.group.cache_salt
+        parent = seq.page_hashes[-1] if seq.page_hashes else None
+        for i in range(len(seq.page_hashes), num_tokens // ps):
+            tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
+            h = page_hash(parent, tokens, salt)
+            prev = seq.pages[i - 1] if i else None
+            self.allocator.cache_page(seq.pages[i], h, tokens, parent=prev, salt=salt)
+            seq.page_hashes.append(h)
+            parent = h
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                self.finish(seq, "stop")
+                return
+            if token in p.stop_token_ids:
+                self.finish(seq, "stop", token)
+                return
+        if (
+            p.max_tokens is not None
+            and seq.num_output_tokens >= p.max_tokens
+            or seq.num_tokens >= self.sched.max_model_len
+        ):
+            self.finish(seq, "length")

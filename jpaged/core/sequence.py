@@ -1,0 +1,100 @@
+"""Requests and their sequences, as the scheduler sees them.
+
+A request (RequestGroup) has one prompt and n completions; each completion is a Sequence.
+A request with n > 1 starts as one sequence (the parent); when its prompt is computed the
+scheduler forks n - 1 children that share the parent's pages. From then on each sequence is
+independent: it is scheduled, preempted and finished on its own.
+
+A sequence moves toward its num_tokens by num_computed_tokens; there are no separate
+prefill and decode phases: a prefill is a sequence with many tokens still to compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from jpaged.sample.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    cache_salt: str | None = None
+    seqs: list[Sequence] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    aborted: bool = False  # an n > 1 request aborted before its fork never gets n sequences
+    # prompt_logprobs: [None, {id: logprob} for prompt tokens 1..] as prefill computes them
+    prompt_logprobs: list | None = None
+    error: str | None = None  # a constraint's error that ended a sequence ("error")
+
+    @property
+    def finished(self) -> bool:
+        return (self.aborted or len(self.seqs) == self.params.n) and all(
+            s.status is SeqStatus.FINISHED for s in self.seqs
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    group: RequestGroup
+    index: int  # completion index within the group
+    token_ids: list[int]  # prompt + generated
+    num_prompt_tokens: int
+    seed: int  # sampling stream of this sequence: key = fold_in(seed, num_output_tokens)
+    num_computed_tokens: int = 0
+    # Tokens sampled by steps still in flight (async scheduling), not yet in token_ids; the
+    # scheduler plans as if they were there.
+    num_placeholders: int = 0
+    # The sequence's row of the page table while running (its pages are the host copy of
+    # that row, owned by the scheduler; the device table is edited by each plan's updates).
+    pages: list[int] = dataclasses.field(default_factory=list)
+    page_hashes: list[int] = dataclasses.field(default_factory=list)  # of the full pages
+    table_row: int = -1  # row of the device page table while running, else -1
+    # Host swap pages holding the K/V of the computed tokens while swapped out (waiting with
+    # num_computed_tokens kept); empty otherwise.
+    swap_pages: list[int] = dataclasses.field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    needs_fork: bool = False  # an unforked parent of an n > 1 request
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    # (temperature or 0, top_k or 0, top_p, min_p, key high, key low): set at creation.
+    sampling_constants: tuple = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """num_tokens counting the placeholders of steps in flight."""
+        return len(self.token_ids) + self.num_placeholders
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.group.params
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

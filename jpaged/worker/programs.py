@@ -1,0 +1,333 @@
+"""Device programs: the jitted step, the page-table prelude and the swap copies.
+
+Pure functions over explicit pytrees, the state donated:
+
+    step(params, state, inputs, prev_tokens) -> (SamplerOutput, tokens, state)
+    prelude(state, updates, copies) -> state                 # overflow of a step's page edits
+    gather_pages(state, ids) -> pages                          # swap out
+    scatter_pages(state, ids, pages) -> state                  # swap in
+
+prev_tokens (int32[max_num_seqs]) are the previous step's sampled tokens, still on the device:
+a decode token the host does not know yet is read from them (inputs.src_rows). `tokens` is
+this step's sampled tokens padded to max_num_seqs, the next step's prev_tokens.
+
+`Programs` compiles them ahead of time, one executable per StepKey, and counts every
+compilation (with its seconds). Under a mesh (tensor parallelism, models/sharding.py) each
+body runs inside one shard_map over the replica's devices: params and pools arrive as shards
+(pools split over KV heads), step inputs and the page table are replicated, the logits are
+all-gathered and every device samples the same tokens; still one jit, with explicit in/out
+shardings and the state donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jpaged.sample.logits_processors import apply_logit_bias, apply_token_bitmask
+from jpaged.sample.rejection_sampler import draft_sample, verify
+from jpaged.sample.sampler import SamplerOutput, prompt_logprobs, sample
+from jpaged.worker.map_count import MapBudget
+from jpaged.worker.step_inputs import StepInputs, StepKey
+from models import sharding
+from models.config import ModelConfig
+from models.llama import compute_logits, forward
+
+logger = logging.getLogger(__name__)
+
+PRELUDE_UPDATES = 256  # page-table updates per prelude call (overflow of a step's share)
+PRELUDE_COPIES = 64
+SWAP_PAGES = 32  # pages per swap call: one compiled gather and one scatter
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DeviceState:
+    kv_pages: list  # per layer (k_pages, v_pages): [num_kv_heads, num_pages, page_size, head_dim]
+    page_table: jax.Array  # int32[max_num_seqs + 1, max_pages_per_seq]; last row is scratch
+
+
+def _copy_pages(kv_pages, copies):
+    src, dst = copies[:, 0], copies[:, 1]
+    return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_pages]
+
+
+def _apply_updates(page_table, updates):
+    return page_table.at[updates[:, 0], updates[:, 1]].set(updates[:, 2])
+
+
+def prelude(state: DeviceState, updates, copies) -> DeviceState:
+    """updates int32[U, 3] (row, column, page), copies int32[C, 2] (src, dst)."""
+    return DeviceState(
+        _copy_pages(state.kv_pages, copies), _apply_updates(state.page_table, updates)
+    )
+
+
+def gather_pages(state: DeviceState, ids):
+    """-> [num_layers, 2, num_kv_heads, len(ids), page_size, head_dim]"""
+    return jnp.stack([jnp.stack([k[:, ids], v[:, ids]]) for k, v in state.kv_pages])
+
+
+def scatter_pages(state: DeviceState, ids, pages) -> DeviceState:
+    """Writes pages ([num_layers, 2, H, len(ids), page_size, head_dim]) into the pool at ids."""
+    kv = [
+        (k.at[:, ids].set(pages[i, 0]), v.at[:, ids].set(pages[i, 1]))
+        for i, (k, v) in enumerate(state.kv_pages)
+    ]
+    return DeviceState(kv, state.page_table)
+
+
+def step(
+    params,
+    state: DeviceState,
+    inputs: StepInputs,
+    prev_tokens,
+    *,
+    model_config: ModelConfig,
+    key: StepKey,
+    backend: str | None,
+    tp_axis=None,
+):
+    src = inputs.src_rows
+    token_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], inputs.token_ids)
+    page_table = _apply_updates(state.page_table, inputs.page_updates)
+    kv_pages = _copy_pages(state.kv_pages, inputs.page_copies)
+    table = page_table[inputs.table_rows, : key.num_page_cols]  # [S, P]
+    hidden, kv_pages = forward(
+        params,
+        model_config,
+        kv_pages,
+        token_ids,
+        inputs.positions,
+        inputs.slot_mapping,
+        inputs.context_lens,
+        table,
+        inputs.query_start,
+        decode_only=key.decode_only,
+        max_query_len=key.spec_k + 1 if key.spec_k else None,
+        attention_backend=backend,
+        tp_axis=tp_axis,
+    )
+    if key.draft:
+        logits = compute_logits(params, model_config, hidden[inputs.logits_indices], tp_axis)
+        tokens, probs = draft_sample(logits, inputs.sampling, inputs.draft_offset)
+        out = SamplerOutput(tokens, jnp.zeros(tokens.shape, jnp.float32), None, None)
+        out = out._replace(draft_probs=probs)
+    elif key.spec_k:
+        out = _verify(params, model_config, hidden, inputs, key, tp_axis)
+    else:
+        logits = compute_logits(params, model_config, hidden[inputs.logits_indices], tp_axis)
+        out = sample(logits, inputs.sampling, num_logprobs=key.num_logprobs)
+    if key.prompt_logprobs:  # the LM head over every token of the step
+        all_logits = compute_logits(params, model_config, hidden, tp_axis)
+        lp, top_ids, top_lp = prompt_logprobs(all_logits, inputs.prompt_targets)
+        out = out._replace(prompt_logprobs=lp, prompt_top_ids=top_ids, prompt_top_logprobs=top_lp)
+    # jnp.pad, not .at[:num_seqs].set(): when num_seqs is the whole length, that scatter's
+    # index array is a zero-size constant, and jax 0.11's CPU compiler crashes on a zero-size
+    # constant inside shard_map (tests/parallel/test_zero_size_constant.py).
+    tokens = jnp.pad(out.tokens, (0, prev_tokens.shape[0] - key.num_seqs))
+    return out, tokens, DeviceState(kv_pages, page_table)
+
+
+def _verify(params, model_config, hidden, inputs: StepInputs, key: StepKey, tp_axis):
+    """A speculative step's sampling: the target's logits after each row's last token and
+    after each proposal, then rejection sampling (jpaged/sample/rejection_sampler.py). A row's
+    grammar mask and logit bias apply at every position (rows with either never propose)."""
+    num_seqs, width = inputs.logits_indices.shape
+    flat = hidden[inputs.logits_indices.reshape(-1)]
+    logits = compute_logits(params, model_config, flat, tp_axis)  # [S * (K+1), V]
+    sampling = inputs.sampling
+    rows = jnp.repeat(jnp.arange(num_seqs), width)
+    if sampling.token_bitmask is not None:
+        logits = jax.lax.cond(
+            sampling.use_bitmask,
+            lambda x: apply_token_bitmask(x, sampling.token_bitmask[rows]),
+            lambda x: x,
+            logits,
+        )
+    if sampling.bias_ids is not None:
+        logits = apply_logit_bias(logits, sampling.bias_ids[rows], sampling.bias_values[rows])
+    v = verify(
+        logits.reshape(num_seqs, width, -1),
+        inputs.proposals,
+        inputs.num_proposed,
+        sampling,
+        inputs.draft_probs if key.spec_draft else None,
+        num_banned_positions=sampling.num_banned_positions,
+        num_logprobs=key.num_logprobs,
+    )
+    return SamplerOutput(
+        tokens=v.tokens[:, 0],
+        logprobs=v.logprobs[:, 0],
+        top_ids=v.top_ids,
+        top_logprobs=v.top_logprobs,
+        num_accepted=v.num_accepted,
+        spec_tokens=v.tokens,
+        spec_logprobs=v.logprobs,
+    )
+
+
+class Programs:
+    """Compiles and keeps one replica's device programs; counts compilations.
+
+    Args:
+      model_config: the model the step runs.
+      attention_backend: EngineConfig.attention_backend.
+      mesh: the replica's Mesh params are sharded over, or None for one device.
+    """
+
+    def __init__(self, model_config: ModelConfig, attention_backend: str | None, mesh=None):
+        self.model_config = model_config
+        self.attention_backend = attention_backend
+        self.mesh = mesh
+        self._steps: dict[StepKey, object] = {}
+        self._prelude = None
+        self._swappers = None
+        self.num_compiles = 0  # every program compiled, the prelude and swap copies included
+        self.compile_seconds = 0.0
+        self.warmed_up = False  # set after warm-up: a new step program then is a recompile
+        self.num_recompiles = 0
+        self.map_budget = MapBudget()  # Linux's cap on mappings: an error, not an abort
+        if mesh is not None:
+            num_layers = model_config.num_layers
+            self.state_specs = DeviceState(
+                kv_pages=[(sharding.POOL_SPEC,) * 2] * num_layers, page_table=P()
+            )
+            self.param_specs = sharding.param_specs(model_config, sharding.tp_size(mesh))
+
+    @property
+    def num_step_programs(self) -> int:
+        return len(self._steps)
+
+    @property
+    def num_compiled(self) -> int:
+        swap = 2 if self._swappers is not None else 0
+        return len(self._steps) + (self._prelude is not None) + swap
+
+    def step_keys(self) -> list[StepKey]:
+        return list(self._steps)
+
+    def executable(self, key: StepKey):
+        return self._steps.get(key)
+
+    # -- state -----------------------------------------------------------------------------
+    def init_state(self, num_pages: int, page_size: int, table_shape, dtype) -> DeviceState:
+        """A zero pool and page table (made in place on every device under a mesh)."""
+        cfg = self.model_config
+        shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+
+        def zeros():
+            return DeviceState(
+                kv_pages=[
+                    (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                    for _ in range(cfg.num_layers)
+                ],
+                page_table=jnp.zeros(table_shape, jnp.int32),
+            )
+
+        if self.mesh is None:
+            return zeros()
+        return jax.jit(zeros, out_shardings=self._named(self.state_specs))()
+
+    def zeros(self, n: int):
+        """int32[n] zeros (replicated under a mesh): the first step's prev_tokens."""
+        if self.mesh is None:
+            return jnp.zeros(n, jnp.int32)
+        return jax.jit(
+            lambda: jnp.zeros(n, jnp.int32), out_shardings=NamedSharding(self.mesh, P())
+        )()
+
+    # -- compilation -----------------------------------------------------------------------
+    def _compiled(self, fn, *args, name: str):
+        before = self.map_budget.check(name)
+        t0 = time.perf_counter()
+        exe = fn.lower(*args).compile()
+        seconds = time.perf_counter() - t0
+        self.map_budget.record(before)
+        self.num_compiles += 1
+        self.compile_seconds += seconds
+        logger.debug("compiled %s in %.2fs", name, seconds)
+        return exe
+
+    def step(self, key: StepKey, params, state, inputs, prev_tokens):
+        """The step executable of key, compiled on first use."""
+        exe = self._steps.get(key)
+        if exe is None:
+            if self.warmed_up:
+                logger.warning("compiling a new step shape after warm-up: %s", key)
+                self.num_recompiles += 1
+            body = functools.partial(
+                step, model_config=self.model_config, key=key, backend=self.attention_backend
+            )
+            if self.mesh is None:
+                fn = jax.jit(body, donate_argnums=(1,))
+            else:
+                fn = self._sharded_jit(
+                    functools.partial(body, tp_axis=sharding.TP),
+                    in_specs=(self.param_specs, self.state_specs, P(), P()),
+                    out_specs=(P(), P(), self.state_specs),
+                    donate=1,
+                )
+            exe = self._compiled(fn, params, state, inputs, prev_tokens, name=str(key))
+            self._steps[key] = exe
+        return exe
+
+    def prelude(self, state):
+        if self._prelude is None:
+            updates = np.zeros((PRELUDE_UPDATES, 3), np.int32)
+            copies = np.zeros((PRELUDE_COPIES, 2), np.int32)
+            if self.mesh is None:
+                fn = jax.jit(prelude, donate_argnums=(0,))
+            else:
+                specs = self.state_specs
+                fn = self._sharded_jit(
+                    prelude, in_specs=(specs, P(), P()), out_specs=specs, donate=0
+                )
+            self._prelude = self._compiled(fn, state, updates, copies, name="prelude")
+        return self._prelude
+
+    def swappers(self, state, swap_shape: tuple[int, ...], dtype):
+        """(gather, scatter) for a swap space of swap_shape, compiled once each."""
+        if self._swappers is None:
+            ids = np.zeros(SWAP_PAGES, np.int32)
+            pages = np.zeros((*swap_shape[:3], SWAP_PAGES, *swap_shape[4:]), dtype)
+            if self.mesh is None:
+                gather = jax.jit(gather_pages)
+                scatter = jax.jit(scatter_pages, donate_argnums=(0,))
+            else:
+                specs, pages_spec = self.state_specs, P(None, None, sharding.POOL_SPEC[0])
+                gather = self._sharded_jit(
+                    gather_pages, in_specs=(specs, P()), out_specs=pages_spec, donate=None
+                )
+                scatter = self._sharded_jit(
+                    scatter_pages, in_specs=(specs, P(), pages_spec), out_specs=specs, donate=0
+                )
+            self._swappers = (
+                self._compiled(gather, state, ids, name="swap gather"),
+                self._compiled(scatter, state, ids, pages, name="swap scatter"),
+            )
+        return self._swappers
+
+    def _named(self, specs):
+        return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs)
+
+    def _sharded_jit(self, body, *, in_specs, out_specs, donate: int | None):
+        """One jit over the mesh: the body runs per device inside shard_map; argument
+        `donate` (None: none) is donated."""
+        mapped = jax.shard_map(
+            body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
+        return jax.jit(
+            mapped,
+            in_shardings=self._named(in_specs),
+            out_shardings=self._named(out_specs),
+            donate_argnums=() if donate is None else (donate,),
+        )

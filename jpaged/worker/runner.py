@@ -1,0 +1,284 @@
+"""ModelRunner: the only code that moves data between host and device.
+
+It owns the device state (the K/V page pools and the device page table, jpaged.worker.programs
+DeviceState), the previous step's sampled tokens on the device, and the host swap space.
+Per step it packs the plan (jpaged.worker.step_inputs.pack), runs the compiled step
+(jpaged.worker.programs.Programs) and later fetches the sampled tokens:
+
+    step = runner.dispatch(plan, prev_plan)   # packed, started; nothing waits
+    out = runner.fetch(step)                  # numpy SamplerOutput, rows in plan order
+
+Page-table edits that do not fit a step's share go through the prelude program first. Swap
+(preemption_mode="swap"): the host swap space is numpy [num_layers, 2 (K, V), num_kv_heads,
+num_swap_pages + 1, page_size, head_dim] (host page 0 unused, like the null page); a plan's
+swap-outs gather their device pages in calls of SWAP_PAGES and device_get them, its swap-ins
+scatter host pages back, pool donated; both before the step (`swap`).
+
+Across processes (jax.distributed) a broadcast object (jpaged.worker.multihost.StepBroadcast) is
+passed in: process 0 sends each device call's inputs through it before making the call, and
+the other processes replay them (`follow`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from jpaged.config import EngineConfig
+from jpaged.sample.sampler import SamplerOutput
+from jpaged.worker.programs import PRELUDE_COPIES, PRELUDE_UPDATES, SWAP_PAGES, Programs
+from jpaged.worker.step_inputs import (
+    WARM_UP_RUNS,
+    StepInputs,
+    StepKey,
+    bucket_keys,
+    pack,
+    pad_rows,
+    step_key,
+    update_capacity,
+    warm_up_inputs,
+    warm_up_keys,
+)
+from jpaged.worker.step_plan import StepPlan, empty_plan
+from models.config import ModelConfig
+
+
+@dataclasses.dataclass(eq=False)
+class InFlightStep:
+    """A dispatched step whose sampled tokens have not been fetched (`ModelRunner.fetch`)."""
+
+    key: StepKey
+    plan: StepPlan
+    out: SamplerOutput  # device arrays
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        params,
+        num_pages: int,
+        dtype,
+        *,
+        mesh=None,
+        num_swap_pages: int = 0,
+        broadcast=None,
+    ) -> None:
+        """mesh: the replica's Mesh (models/sharding.py) params are sharded over, or None.
+        num_swap_pages: host pages of swap space (0: no swap). broadcast: a StepBroadcast
+        when the model spans processes, else None."""
+        if num_swap_pages and broadcast is not None:
+            raise ValueError('preemption_mode="swap" is not supported across processes')
+        self.config = config
+        self.model_config = model_config
+        self.params = params
+        self.num_pages = num_pages
+        self.page_size = config.cache.page_size
+        self.scratch_row = config.scheduler.max_num_seqs
+        self.mesh = mesh
+        self.broadcast = broadcast
+        self.programs = Programs(model_config, config.attention_backend, mesh)
+        self._warmed: set[StepKey] = set()  # step programs precompile has run (warm_up_inputs)
+        self.mask_words = -(-model_config.vocab_size // 32)
+        self._device_all_allowed: dict[int, object] = {}  # rows -> all-ones bitmask on device
+        self.dtype = dtype
+        self.reset_state()
+        self.swap_space = None
+        if num_swap_pages:  # zeros: the OS maps host pages on first write
+            h, d = model_config.num_kv_heads, model_config.head_dim
+            self.swap_space = np.zeros(
+                (model_config.num_layers, 2, h, num_swap_pages + 1, self.page_size, d),
+                np.dtype(dtype),
+            )
+
+    def reset_state(self) -> None:
+        """A zero pool and page table, and zero previous tokens (at start, and after a failed
+        step, whose donated buffers may be gone)."""
+        sched = self.config.scheduler
+        table_shape = (sched.max_num_seqs + 1, self.config.max_pages_per_seq)
+        self.state = self.programs.init_state(
+            self.num_pages, self.page_size, table_shape, self.dtype
+        )
+        # The latest step's sampled tokens, padded to max_num_seqs: the next step's prev_tokens.
+        self.last_tokens = self.programs.zeros(sched.max_num_seqs)
+
+    # -- compilation -----------------------------------------------------------------------
+    def num_buckets(self) -> int:
+        """Programs the engine can need: every step key, the prelude (and swap copies)."""
+        return len(bucket_keys(self.config)) + 1 + (2 if self.swap_space is not None else 0)
+
+    def warm_up_keys(self, context_len: int) -> list[StepKey]:
+        """The step keys short requests (up to context_len tokens) meet first."""
+        return warm_up_keys(self.config, context_len)
+
+    def precompile(self, keys: list[StepKey] | None = None) -> float:
+        """Compiles the step programs of keys (default: every bucket of sequences up to
+        config.precompile_max_len tokens), the prelude and the swap copies, and runs each
+        step program on its warm-up inputs (jpaged.worker.step_inputs.warm_up_inputs); returns the
+        seconds it took.
+
+        The runs matter on XLA:CPU: a program's first run leaves about 1 MiB on XLA's
+        intra-op threads, so a server whose programs first ran under load grew by that at
+        each shape the load met first (docs/serving.md, issue 16.12). They change nothing
+        a request reads. Not across processes, whose followers replay process 0's device
+        calls only once they follow.
+        """
+        t0 = time.perf_counter()
+        if keys is None:
+            keys = bucket_keys(self.config, self.config.precompile_max_len)
+        for key in keys:
+            self.programs.step(
+                key, self.params, self.state, self.dummy_inputs(key), self.last_tokens
+            )
+        if self.broadcast is None:
+            self._warm_up_runs([k for k in dict.fromkeys(keys) if k not in self._warmed])
+        self.programs.prelude(self.state)
+        if self.swap_space is not None:
+            self._swappers()
+        return time.perf_counter() - t0
+
+    def dummy_inputs(self, key: StepKey) -> StepInputs:
+        """Inputs of key's shapes that change nothing (every row padding)."""
+        inputs = self._pack(empty_plan(), key)
+        if key.spec_draft:
+            shape = (key.num_seqs, key.spec_k, self.model_config.vocab_size)
+            inputs.draft_probs = np.zeros(shape, np.float32)
+        if key.draft:
+            inputs.draft_offset = np.int32(0)
+        return inputs
+
+    def _warm_up_runs(self, keys: list[StepKey]) -> None:
+        if not keys:
+            return
+        for key in keys:
+            for run in range(WARM_UP_RUNS):
+                self.run_step(key, self._warm_up_inputs(key, run))
+        self._warmed.update(keys)
+        jax.block_until_ready(self.state)
+        # The runs' samples are no request's: the next step's prev_tokens are zeros again.
+        self.last_tokens = self.programs.zeros(self.config.scheduler.max_num_seqs)
+
+    def _warm_up_inputs(self, key: StepKey, run: int) -> StepInputs:
+        inputs = warm_up_inputs(self.dummy_inputs(key), key, self.page_size, run)
+        if key.spec_draft:  # a uniform draft distribution (zeros would divide by zero)
+            inputs.draft_probs[:] = 1.0 / self.model_config.vocab_size
+        return inputs
+
+    def _pack(self, plan: StepPlan, key: StepKey, **kwargs) -> StepInputs:
+        return pack(
+            plan,
+            key,
+            scratch_row=self.scratch_row,
+            page_size=self.page_size,
+            mask_words=self.mask_words,
+            **kwargs,
+        )
+
+    def _swappers(self):
+        return self.programs.swappers(self.state, self.swap_space.shape, self.swap_space.dtype)
+
+    # -- execution -------------------------------------------------------------------------
+    def swap(self, plan: StepPlan) -> None:
+        """Runs a plan's swap-outs (device -> host), then its swap-ins (host -> device)."""
+        if not (len(plan.swap_out) or len(plan.swap_in)):
+            return
+        gather, scatter = self._swappers()
+        for i in range(0, len(plan.swap_out), SWAP_PAGES):
+            chunk = plan.swap_out[i : i + SWAP_PAGES]
+            ids = np.zeros(SWAP_PAGES, np.int32)  # padding gathers the null page
+            ids[: len(chunk)] = chunk[:, 0]
+            pages = jax.device_get(gather(self.state, ids))
+            self.swap_space[:, :, :, chunk[:, 1]] = pages[:, :, :, : len(chunk)]
+        for i in range(0, len(plan.swap_in), SWAP_PAGES):
+            chunk = plan.swap_in[i : i + SWAP_PAGES]
+            host = np.zeros(SWAP_PAGES, np.int32)  # padding writes host page 0 to the null page
+            dev = np.zeros(SWAP_PAGES, np.int32)
+            host[: len(chunk)], dev[: len(chunk)] = chunk[:, 0], chunk[:, 1]
+            self.state = scatter(self.state, dev, self.swap_space[:, :, :, host])
+
+    def execute(self, plan: StepPlan) -> SamplerOutput:
+        """Runs one step; returns numpy arrays of the sampled tokens (row order of the plan)."""
+        return self.fetch(self.dispatch(plan))
+
+    def dispatch(
+        self,
+        plan: StepPlan,
+        prev_plan: StepPlan | None = None,
+        token_bitmask: np.ndarray | None = None,
+        *,
+        draft_probs=None,
+        draft_offset: int | None = None,
+    ) -> InFlightStep:
+        """Packs a plan and starts its step on the device without waiting for it.
+
+        prev_plan: the step dispatched before, whose samples this plan's PLACEHOLDER tokens
+        are (async scheduling). token_bitmask: int32[len(plan), ceil(vocab / 32)], the
+        structured-output masks of the rows (None: no row is constrained). draft_probs: the
+        draft model's proposal distributions, float32[seq bucket, K, V] on the device (a
+        verification of draft proposals); draft_offset: the proposal index a draft model's
+        own step samples (jpaged/spec_decode/draft_model.py).
+        """
+        key = step_key(plan, self.config)
+        if draft_offset is not None:
+            key = dataclasses.replace(key, draft=True)
+        cap = update_capacity(key, self.page_size)
+        updates, copies = plan.page_updates, plan.page_copies
+        # What does not fit the step's share goes through the prelude first.
+        while len(updates) > cap or len(copies) > key.num_seqs:
+            upd = updates[:PRELUDE_UPDATES] if len(updates) > cap else updates[:0]
+            cps = copies[:PRELUDE_COPIES] if len(copies) > key.num_seqs else copies[:0]
+            updates, copies = updates[len(upd) :], copies[len(cps) :]
+            self.run_prelude(
+                pad_rows(upd, PRELUDE_UPDATES, (self.scratch_row, 0, 0)),
+                pad_rows(cps, PRELUDE_COPIES, (0, 0)),
+            )
+        if len(updates) != len(plan.page_updates) or len(copies) != len(plan.page_copies):
+            plan = dataclasses.replace(plan, page_updates=updates, page_copies=copies)
+        inputs = self._pack(plan, key, prev_plan=prev_plan, token_bitmask=token_bitmask)
+        if key.spec_draft:
+            inputs.draft_probs = draft_probs
+        if key.draft:
+            inputs.draft_offset = np.int32(draft_offset)
+        return InFlightStep(key, plan, self.run_step(key, inputs))
+
+    def fetch(self, step: InFlightStep) -> SamplerOutput:
+        """Waits for a dispatched step; returns numpy arrays of its sampled tokens."""
+        out = step.out
+        if self.broadcast is not None:  # replicated: this process's shard is the whole value
+            out = [None if x is None else x.addressable_data(0) for x in out]
+        return SamplerOutput(*jax.device_get(tuple(out)))
+
+    def run_prelude(self, updates: np.ndarray, copies: np.ndarray) -> None:
+        if self.broadcast is not None:
+            updates, copies = self.broadcast.prelude(updates, copies)
+        self.state = self.programs.prelude(self.state)(self.state, updates, copies)
+
+    def run_step(self, key: StepKey, inputs: StepInputs) -> SamplerOutput:
+        if self.broadcast is not None:
+            inputs = self.broadcast.step(key, inputs)
+        elif not inputs.sampling.use_bitmask:  # no constrained row: the mask is not read
+            inputs.sampling.token_bitmask = self._all_allowed(key.num_seqs)
+        exe = self.programs.step(key, self.params, self.state, inputs, self.last_tokens)
+        out, self.last_tokens, self.state = exe(self.params, self.state, inputs, self.last_tokens)
+        return out
+
+    def _all_allowed(self, num_rows: int):
+        """A device-resident all-ones bitmask (no transfer per step)."""
+        mask = self._device_all_allowed.get(num_rows)
+        if mask is None:
+            mask = jax.device_put(np.full((num_rows, self.mask_words), -1, np.int32))
+            self._device_all_allowed[num_rows] = mask
+        return mask
+
+    def follow(self) -> None:
+        """Processes other than 0: replay process 0's device calls until it stops."""
+        self.broadcast.follow(self)
+
+    def stop_followers(self) -> None:
+        """Process 0: release the processes waiting in `follow` (no-op in one process)."""
+        if self.broadcast is not None:
+            self.broadcast.stop()

@@ -1,0 +1,117 @@
+"""The command line end to end on the demo model: generate, batch (with a malformed line)."""
+
+import json
+import subprocess
+import sys
+
+ENGINE = [
+    "--model",
+    "demo-random",  # the random demo model, in the JPAGED_CACHE_DIR the tests point at
+    "--max-num-seqs",
+    "4",
+    "--max-model-len",
+    "128",
+    "--max-num-batched-tokens",
+    "64",
+    "--num-pages",
+    "40",
+]
+
+
+def run(args, env):
+    return subprocess.run(
+        [sys.executable, "-m", "jpaged.entrypoints.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+
+
+def test_generate_and_batch(demo_model_dir, tmp_path, monkeypatch):
+    import os
+
+    env = dict(os.environ, JPAGED_CACHE_DIR=str(demo_model_dir.parent), JAX_PLATFORMS="cpu")
+    res = run(
+        [
+            "generate",
+            "Hello there",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            *ENGINE,
+        ],
+        env,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "5 tokens, finish_reason=length" in res.stderr
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(
+        json.dumps({"prompt": "one", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+        + "\n"
+        + "{not json\n"
+        + json.dumps({"prompt": "two", "max_tokens": 2, "top_p": 7, "id": "bad-top-p"})
+        + "\n"
+        + json.dumps({"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "id": "x"})
+        + "\n"
+        + json.dumps({"prompt_token_ids": [8, 9], "max_tokens": 2, "ignore_eos": True})
+        + "\n"
+    )
+    out = tmp_path / "out.jsonl"
+    res = run(["batch", str(inp), str(out), *ENGINE], env)
+    assert res.returncode == 1, res.stderr  # some lines were malformed or invalid
+    assert f"{inp}:2: invalid JSON" in res.stderr
+    assert f"{inp}:3: top_p must be in (0, 1]" in res.stderr
+    assert "1 malformed line(s), 1 invalid line(s)" in res.stderr  # counted apart
+    assert "output tokens/s" in res.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["line"] for r in rows] == [1, 2, 3, 4, 5]
+    assert len(rows[0]["outputs"][0]["token_ids"]) == 3
+    assert rows[1]["error"].startswith("invalid JSON") and rows[1]["id"] is None
+    assert rows[2]["error"].startswith("top_p") and rows[2]["id"] == "bad-top-p"  # id kept
+    assert rows[3]["id"] == "x" and len(rows[3]["outputs"][0]["token_ids"]) == 4
+    assert len(rows[4]["outputs"][0]["token_ids"]) == 2  # prompt_token_ids lines run too
+
+
+class Recorder:
+    """A stdout that keeps every write separately."""
+
+    def __init__(self):
+        self.writes: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.writes.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_generate_stream_writes_the_same_text_piece_by_piece(demo_model_dir, monkeypatch):
+    from jpaged.entrypoints import cli
+
+    monkeypatch.setenv("JPAGED_CACHE_DIR", str(demo_model_dir.parent))
+    args = [
+        "generate",
+        "Once upon",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        *ENGINE,
+    ]
+    streamed, whole = Recorder(), Recorder()
+    monkeypatch.setattr("sys.stdout", streamed)
+    assert cli.main([*args, "--stream"]) == 0
+    monkeypatch.setattr("sys.stdout", whole)
+    assert cli.main(args) == 0
+    text = "".join(whole.writes)
+    assert text.strip()
+    assert "".join(streamed.writes) == text
+    pieces = [w for w in streamed.writes if w.strip()]
+    assert len(pieces) >= 4  # written as tokens arrive, not once at the end

@@ -1,0 +1,96 @@
+"""The mapping budget: a compile near vm.max_map_count is refused with an error, not an abort."""
+
+import pytest
+
+from jpaged import LLM, SamplingParams
+from jpaged.core.engine import EngineStepError
+from jpaged.worker.map_count import MAX_MAP_COUNT, MIN_MARGIN, MapBudget, MapCountError, map_usage
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def test_map_usage_counts_the_lines_of_the_maps_file_and_reads_the_limit(tmp_path):
+    maps, limit = tmp_path / "maps", tmp_path / "max_map_count"
+    maps.write_text("a\nb\nc\n")
+    limit.write_text("100\n")
+    assert map_usage(str(maps), str(limit)) == (3, 100)
+    assert map_usage(str(maps), str(tmp_path / "absent")) is None
+    limit.write_text("many\n")
+    assert map_usage(str(maps), str(limit)) is None
+
+
+def test_map_usage_of_this_process():
+    usage = map_usage()
+    if usage is None:
+        pytest.skip("no /proc/sys/vm/max_map_count here (not Linux)")
+    count, limit = usage
+    with open(MAX_MAP_COUNT) as f:
+        assert limit == int(f.read())
+    with open("/proc/self/maps") as f:
+        assert abs(count - sum(1 for _ in f)) < 50  # the process maps a few more meanwhile
+
+
+def test_the_budget_refuses_a_compile_within_its_margin_of_the_cap():
+    usage = [(65530 - MIN_MARGIN, 65530)]
+    budget = MapBudget(usage=lambda: usage[-1])
+    assert budget.margin == MIN_MARGIN == 1024
+    assert budget.check("prelude") == (64506, 65530)
+    usage.append((64507, 65530))
+    with pytest.raises(MapCountError) as err:
+        budget.check("prelude")
+    assert str(err.value) == (
+        "not compiling prelude: this process has 64507 memory mappings, vm.max_map_count is "
+        "65530 and a compile may add 1024; raise it (sysctl -w vm.max_map_count=262144) or "
+        "compile fewer programs (a smaller --precompile-max-len, --max-num-seqs or "
+        "--max-model-len)"
+    )
+    assert isinstance(err.value, OSError)  # the CLI's one-line error, exit status 1
+
+
+def test_the_budget_learns_the_largest_compile():
+    usage = [(1000, 65530)]
+    budget = MapBudget(usage=lambda: usage[-1])
+    before = budget.check("a")
+    usage.append((1800, 65530))
+    budget.record(before)
+    assert (budget.largest_increase, budget.margin) == (800, 1200)
+    before = budget.check("b")
+    usage.append((2100, 65530))
+    budget.record(before)
+    assert (budget.largest_increase, budget.margin) == (800, 1200)  # 300 is not larger
+    usage.append((65530 - 1200, 65530))
+    assert budget.check("c") == (64330, 65530)
+    usage.append((64331, 65530))
+    with pytest.raises(MapCountError, match="a compile may add 1200;"):
+        budget.check("c")
+
+
+def test_without_proc_the_budget_checks_nothing():
+    budget = MapBudget(usage=lambda: None)
+    assert budget.check("a") is None
+    budget.record(None)
+    assert budget.largest_increase == 0
+
+
+def test_the_engine_fails_the_step_that_needs_a_refused_compile_and_serves_on(
+    demo_model_dir, monkeypatch
+):
+    llm = LLM(str(demo_model_dir), max_num_seqs=4, max_model_len=64, num_pages=32)
+    engine = llm.llm_engine
+    programs = engine.runner.programs
+    one = [list(range(3, 8))]
+    four = [list(range(3, 3 + n)) for n in (30, 31, 32, 33)]
+    want_one = [o.outputs[0].token_ids for o in llm.generate(one, GREEDY)]
+    compiled = programs.num_compiles
+    monkeypatch.setattr(programs, "map_budget", MapBudget(usage=lambda: (65000, 65530)))
+    # The programs one short prompt needs are compiled: no compile, no check.
+    assert [o.outputs[0].token_ids for o in llm.generate(one, GREEDY)] == want_one
+    with pytest.raises(EngineStepError, match="vm.max_map_count is 65530") as err:
+        llm.generate(four, GREEDY)  # four 30-token prompts need a new step program
+    assert isinstance(err.value.__cause__, MapCountError)
+    assert programs.num_compiles == compiled
+    assert engine.stats()["pages_used"] == 0
+    monkeypatch.setattr(programs, "map_budget", MapBudget())
+    outs = llm.generate(four, GREEDY)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4, 4, 4]
+    assert programs.num_compiles > compiled

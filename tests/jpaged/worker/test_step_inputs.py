@@ -1,0 +1,280 @@
+"""Host packing: the scheduler's plan as plain arrays, padded into a bucket (exact arrays)."""
+
+import numpy as np
+import pytest
+
+from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
+from jpaged.core.page_allocator import PageAllocator
+from jpaged.core.scheduler import Scheduler
+from jpaged.core.sequence import RequestGroup
+from jpaged.sample.sampler import SamplerOutput
+from jpaged.sample.sampling_params import SamplingParams
+from jpaged.worker.step_inputs import (
+    WARM_UP_RUNS,
+    StepKey,
+    bucket_keys,
+    pack,
+    step_key,
+    update_capacity,
+    warm_up_inputs,
+)
+from jpaged.worker.step_plan import PLACEHOLDER, empty_plan
+
+SCRATCH = 4  # max_num_seqs: the scratch page-table row
+
+
+def make():
+    config = EngineConfig(
+        cache=CacheConfig(page_size=4, num_pages=16),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32),
+    )
+    return Scheduler(config, PageAllocator(16), eos_token_ids=(0,)), config
+
+
+def add(sched, rid, prompt, **params):
+    group = RequestGroup(rid, None, list(prompt), SamplingParams(**params), arrival=0)
+    sched.add(group, seed=7)
+    return group
+
+
+def feed(sched, plan, tokens):
+    out = SamplerOutput(np.asarray(tokens, np.int32), np.zeros(len(plan), np.float32), None, None)
+    sched.commit(plan, out)
+
+
+def test_a_prefill_plan_is_plain_arrays_and_packs_into_its_bucket():
+    sched, config = make()
+    add(sched, "a", [11, 12, 13, 14, 15], temperature=0.0, max_tokens=4)  # pages 1, 2
+    add(sched, "b", [21, 22], temperature=0.5, top_k=3, min_tokens=2, max_tokens=4)  # page 3
+    plan = sched.schedule()
+    assert plan.seq_ids.tolist() == [0, 1]
+    assert plan.table_rows.tolist() == [0, 1]
+    assert plan.starts.tolist() == [0, 0] and plan.num_new_tokens.tolist() == [5, 2]
+    assert plan.query_start.tolist() == [0, 5, 7]
+    assert plan.token_ids.tolist() == [11, 12, 13, 14, 15, 21, 22]
+    assert plan.positions.tolist() == [0, 1, 2, 3, 4, 0, 1]
+    # page * 4 + offset: a's positions 0-3 in page 1, 4 in page 2; b's in page 3
+    assert plan.slot_mapping.tolist() == [4, 5, 6, 7, 8, 12, 13]
+    assert plan.page_updates.tolist() == [[0, 0, 1], [0, 1, 2], [1, 0, 3]]
+    assert plan.max_pages == 2 and not plan.decode_only
+    assert plan.sampling.banned.tolist()[1][:1] == [0]  # b: EOS banned before min_tokens
+
+    key = step_key(plan, config)
+    assert key == StepKey(num_tokens=16, num_seqs=4, num_page_cols=4, decode_only=False)
+    assert key in bucket_keys(config)
+    inputs = pack(plan, key, scratch_row=SCRATCH, page_size=4, mask_words=2)
+    assert inputs.token_ids.tolist() == [11, 12, 13, 14, 15, 21, 22] + [0] * 9
+    assert inputs.src_rows.tolist() == [-1] * 16
+    assert inputs.slot_mapping.tolist() == [4, 5, 6, 7, 8, 12, 13] + [0] * 9  # pad: null page
+    assert inputs.table_rows.tolist() == [0, 1, SCRATCH, SCRATCH]
+    assert inputs.context_lens.tolist() == [5, 2, 0, 0]
+    assert inputs.query_start.tolist() == [0, 5, 7, 7, 7]
+    assert inputs.logits_indices.tolist() == [4, 6, 0, 0]
+    cap = update_capacity(key, 4)
+    assert inputs.page_updates.shape == (cap, 3)
+    assert inputs.page_updates.tolist() == [[0, 0, 1], [0, 1, 2], [1, 0, 3]] + [
+        [SCRATCH, 0, 0]
+    ] * (cap - 3)
+    assert inputs.page_copies.tolist() == [[0, 0]] * 4
+    s = inputs.sampling
+    assert s.temperature.tolist() == [0.0, 0.5, 0.0, 0.0]
+    assert s.top_k.tolist() == [0, 3, 0, 0] and s.top_p.tolist() == [1.0] * 4
+    assert s.num_generated.tolist() == [0, 0, 0, 0]
+    assert s.key_data.tolist()[:2] == [[0, 7], [0, 7]] and s.penalties is None
+    assert s.token_bitmask.tolist() == [[-1, -1]] * 4 and not s.use_bitmask  # no grammar
+    assert s.bias_ids is None and inputs.prompt_targets is None
+
+
+def test_masks_biases_and_prompt_targets_are_packed_per_row():
+    sched, config = make()
+    add(sched, "a", [11, 12, 13], temperature=0.0, max_tokens=4, logit_bias={7: 2.5, 9: -1.0})
+    add(sched, "b", [21, 22, 23, 24], temperature=0.0, max_tokens=4, prompt_logprobs=2)
+    plan = sched.schedule()
+    assert plan.sampling.bias_ids.tolist()[0][:3] == [7, 9, -1]
+    assert plan.sampling.bias_ids.shape == (2, 16) and plan.sampling.bias_ids[1].max() == -1
+    # b's tokens 21..23 predict 22..24; its last prompt token predicts the first output.
+    assert plan.prompt_targets.tolist() == [-1, -1, -1, 22, 23, 24, -1]
+    key = step_key(plan, config)
+    assert (key.bias_width, key.prompt_logprobs) == (16, True)
+    mask = np.array([[-1, 5], [3, 0]], np.int32)  # rows' masks (2 words: vocab <= 64)
+    inputs = pack(plan, key, scratch_row=SCRATCH, page_size=4, mask_words=2, token_bitmask=mask)
+    assert inputs.sampling.use_bitmask
+    assert inputs.sampling.token_bitmask.tolist() == [[-1, 5], [3, 0], [-1, -1], [-1, -1]]
+    assert inputs.sampling.bias_values.tolist()[0][:2] == [2.5, -1.0]
+    assert inputs.prompt_targets.tolist() == [-1, -1, -1, 22, 23, 24, -1] + [-1] * 9
+
+
+def test_decode_tokens_still_on_the_device_read_the_previous_steps_rows():
+    sched, config = make()
+    add(sched, "a", [11, 12, 13], temperature=0.0, max_tokens=8)
+    add(sched, "b", [21, 22, 23, 24], temperature=0.0, max_tokens=8)
+    first = sched.schedule()
+    sched.dispatched(first)  # async: the next plan is made before first's tokens are known
+    second = sched.schedule()
+    assert second.decode_only
+    assert second.token_ids.tolist() == [PLACEHOLDER, PLACEHOLDER]
+    assert second.positions.tolist() == [3, 4]
+    assert second.slot_mapping.tolist() == [4 + 3, 3 * 4]  # a: page 1 slot 3; b: new page 3
+    key = step_key(second, config)
+    assert key == StepKey(num_tokens=4, num_seqs=4, num_page_cols=4, decode_only=True)
+    inputs = pack(second, key, scratch_row=SCRATCH, page_size=4, mask_words=2, prev_plan=first)
+    assert inputs.src_rows.tolist() == [0, 1, -1, -1]  # rows of first that sampled them
+    assert inputs.token_ids.tolist() == [0, 0, 0, 0]
+    assert inputs.sampling.num_generated.tolist() == [1, 1, 0, 0]  # placeholders count
+    sched.dispatched(second)
+    feed(sched, first, [31, 41])
+    feed(sched, second, [32, 42])
+    seqs = [sched.sequence(i) for i in (0, 1)]
+    assert [s.token_ids[-2:] for s in seqs] == [[31, 32], [41, 42]]
+
+
+def test_penalty_rows_carry_their_token_histories():
+    sched, config = make()
+    add(sched, "p", [5, 6, 5], temperature=0.0, presence_penalty=0.5, max_tokens=4)
+    add(sched, "q", [9], temperature=0.0, max_tokens=4)
+    plan = sched.schedule()
+    feed(sched, plan, [7, 8])
+    plan = sched.schedule()
+    p = plan.sampling.penalties
+    assert plan.sampling.uses_penalties.tolist() == [True, False]
+    assert p.prompt_tokens.shape == (2, 16) and p.output_tokens.shape == (2, 16)
+    assert p.prompt_tokens[0, :4].tolist() == [5, 6, 5, -1]
+    assert p.output_tokens[0, :2].tolist() == [7, -1]
+    assert p.prompt_tokens[1].tolist() == [-1] * 16  # rows without penalties stay empty
+    assert p.presence.tolist() == [0.5, 0.0] and p.repetition.tolist() == [1.0, 1.0]
+    key = step_key(plan, config)
+    assert key.penalty_shape == (16, 16)
+    inputs = pack(plan, key, scratch_row=SCRATCH, page_size=4, mask_words=2)
+    assert inputs.sampling.penalties.prompt_tokens.shape == (4, 16)
+    assert inputs.sampling.penalties.presence.tolist() == [0.5, 0.0, 0.0, 0.0]
+
+
+def test_forks_pad_the_tokens_to_the_rows_so_every_key_is_a_bucket_key():
+    config = EngineConfig(
+        cache=CacheConfig(page_size=4, num_pages=64),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=64, max_model_len=32),
+    )
+    sched = Scheduler(config, PageAllocator(64), eos_token_ids=(0,))
+    add(sched, "a", [11, 12, 13], temperature=1.0, n=20, max_tokens=2)
+    plan = sched.schedule()
+    assert plan.num_tokens == 3 and len(plan) == 20  # the parent's 3 tokens; 19 forks
+    key = step_key(plan, config)
+    assert key == StepKey(num_tokens=32, num_seqs=32, num_page_cols=4, decode_only=False)
+    assert key in bucket_keys(config)
+
+
+def test_bucket_keys_are_the_reachable_shapes_up_to_max_len():
+    config = EngineConfig(
+        cache=CacheConfig(page_size=16, num_pages=64),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256),
+    )
+    assert config.seq_buckets == (4, 8, 16) and config.token_buckets == (16, 32, 64)
+    assert config.page_buckets == (4, 8, 16)
+    ragged = {(k.num_tokens, k.num_seqs) for k in bucket_keys(config) if not k.decode_only}
+    # 9..16 rows carry at least 9 tokens, which the smallest token bucket (16) holds
+    assert ragged == {(16, 4), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8), (16, 16),
+                      (32, 16), (64, 16)}
+    assert len(bucket_keys(config)) == 3 * 3 + 9 * 3
+    short = bucket_keys(config, max_len=100)  # 7 pages: page buckets 4 and 8
+    assert {k.num_page_cols for k in short} == {4, 8}
+    assert len(short) == 3 * 2 + 9 * 2
+    assert set(short) < set(bucket_keys(config))
+    big = EngineConfig(
+        cache=CacheConfig(page_size=16, num_pages=64),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=64, max_model_len=64),
+    )
+    # 33..64 rows: at least 33 tokens, so the 64-token bucket only
+    assert {k.num_tokens for k in bucket_keys(big) if k.num_seqs == 64} == {64}
+    assert {k.num_tokens for k in bucket_keys(big) if k.num_seqs == 32} == {32, 64}
+
+
+def test_a_verification_of_every_row_runs_exactly_its_tokens():
+    """8 rows each verifying k = 4 proposals run 40 tokens (not the 64-token bucket); 7 rows
+    verifying and one decoding (36 tokens) too; 6 and 2 (32 tokens) fit the 32 bucket. Every
+    such key is one bucket_keys lists."""
+    config = EngineConfig(
+        cache=CacheConfig(page_size=4, num_pages=128),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 4}',
+    )
+    assert config.seq_buckets == (4, 8) and config.token_buckets == (16, 32, 64)
+    for proposing, tokens in ((8, 40), (7, 40), (6, 32)):
+        sched = Scheduler(config, PageAllocator(128), eos_token_ids=(0,))
+        for i in range(8):
+            add(sched, f"r{i}", [5 + i, 6, 7], max_tokens=20)
+        plan = sched.schedule()
+        feed(sched, plan, [9] * len(plan))
+        ids = [seq.seq_id for seq in sched.running]
+        plan = sched.schedule({i: [1, 2, 3, 4] for i in ids[:proposing]})
+        assert plan.num_tokens == 5 * proposing + (8 - proposing)
+        key = step_key(plan, config)
+        assert (key.num_tokens, key.num_seqs, key.spec_k) == (tokens, 8, 4)
+        assert key in bucket_keys(config)
+
+
+def _padded_inputs(key: StepKey, page_size: int = 4):
+    return pack(empty_plan(), key, scratch_row=8, page_size=page_size, mask_words=2)
+
+
+def test_warm_up_runs_lay_a_ragged_keys_tokens_over_one_two_and_every_row():
+    key = StepKey(8, 4, 2, False)  # 2 page columns of 4 tokens: every row's context is 8
+    runs = [warm_up_inputs(_padded_inputs(key), key, 4, run) for run in range(WARM_UP_RUNS)]
+    assert WARM_UP_RUNS == 3
+    assert [x.query_start.tolist() for x in runs] == [
+        [0, 8, 8, 8, 8], [0, 4, 8, 8, 8], [0, 2, 4, 6, 8]]
+    assert [x.context_lens.tolist() for x in runs] == [
+        [8, 0, 0, 0], [8, 8, 0, 0], [8, 8, 8, 8]]
+    assert [x.positions.tolist() for x in runs] == [
+        list(range(8)), [4, 5, 6, 7] * 2, [6, 7] * 4]
+    assert [x.logits_indices.tolist() for x in runs] == [
+        [7, 0, 0, 0], [3, 7, 0, 0], [1, 3, 5, 7]]
+    assert [x.sampling.temperature.tolist() for x in runs] == [
+        [0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    assert [x.sampling.top_p.tolist() for x in runs] == [
+        [1, 1, 1, 1], [1, 1, 1, 1], pytest.approx([0.9] * 4)]
+    assert [bool(x.sampling.use_bitmask) for x in runs] == [False, False, True]
+    assert (runs[2].sampling.token_bitmask == -1).all()  # the mask allows every token
+    padded = _padded_inputs(key)
+    for x in runs:  # nothing a request reads: the scratch row, the null page's slot 0
+        assert x.table_rows.tolist() == [8] * 4
+        assert x.slot_mapping.tolist() == [0] * 8
+        np.testing.assert_array_equal(x.page_updates, padded.page_updates)
+        np.testing.assert_array_equal(x.page_copies, padded.page_copies)
+        assert (x.src_rows == -1).all()
+
+
+def test_warm_up_rows_never_hold_more_tokens_than_their_context():
+    key = StepKey(16, 2, 1, False)  # one page column: a row's context is 4 tokens
+    x = warm_up_inputs(_padded_inputs(key), key, 4, 0)
+    assert x.query_start.tolist() == [0, 4, 4]  # the other 12 tokens are padding
+    assert x.positions.tolist() == [0, 1, 2, 3] + [0] * 12
+    assert x.context_lens.tolist() == [4, 0]
+
+
+def test_warm_up_runs_of_a_decode_key_give_every_row_a_full_context():
+    key = StepKey(4, 4, 3, True)
+    for run in range(WARM_UP_RUNS):
+        x = warm_up_inputs(_padded_inputs(key), key, 4, run)
+        assert x.query_start.tolist() == [0, 1, 2, 3, 4]
+        assert x.context_lens.tolist() == [12] * 4
+        assert x.positions.tolist() == [11] * 4
+        assert x.logits_indices.tolist() == [0, 1, 2, 3]
+        assert x.sampling.temperature.tolist() == [min(run, 1)] * 4
+
+
+def test_the_last_warm_up_run_of_a_verification_key_verifies_every_proposal_it_can():
+    key = StepKey(8, 2, 2, False, spec_k=3)
+    x = warm_up_inputs(_padded_inputs(key), key, 4, 2)
+    assert x.num_proposed.tolist() == [3, 3]
+    assert x.proposals.tolist() == [[1, 1, 1], [1, 1, 1]]
+    assert x.logits_indices.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    first = warm_up_inputs(_padded_inputs(key), key, 4, 0)
+    assert first.num_proposed.tolist() == [0, 0]
+    assert first.proposals.tolist() == [[-1, -1, -1]] * 2
+    assert first.logits_indices.tolist() == [[7] * 4, [0] * 4]
+
+
+def test_a_warm_up_run_outside_the_runs_is_refused():
+    key = StepKey(8, 4, 2, False)
+    with pytest.raises(ValueError, match=r"warm-up run must be in \[0, 3\), got 3"):
+        warm_up_inputs(_padded_inputs(key), key, 4, 3)
