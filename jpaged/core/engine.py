@@ -24,6 +24,7 @@ anything about them is stored, so the engine stays usable.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -101,6 +102,41 @@ def resolve_num_pages(
     return max(2, int(free * cache.kv_memory_fraction) // per_device_page + 1)
 
 
+def fit_max_model_len(config: EngineConfig, num_pages: int, *, given: bool) -> EngineConfig:
+    """config with a max_model_len one sequence of which fits a pool of num_pages pages.
+
+    A sequence of max_model_len tokens needs ceil(max_model_len / page_size) pages of the
+    pool's num_pages - 1 (page 0 is the null page; a draft model's K/V uses the same page ids,
+    inside the same memory budget): a pool with fewer could never hold it, whatever is
+    preempted. Speculative proposals need no page past it: LLMEngine._proposals caps them so
+    that a verifying step writes positions below max_model_len only.
+
+    Raises ValueError (both figures and the fixes) when max_model_len was given and does not
+    fit; when it was not given, lowers it to the largest that fits and logs that once.
+    """
+    ps = config.cache.page_size
+    max_len = config.scheduler.max_model_len
+    usable = num_pages - 1
+    fits = usable * ps
+    if max_len <= fits:
+        return config
+    need = -(-max_len // ps)
+    fixes = "raise --kv-cache-memory-bytes or --num-pages"
+    if given or fits < 2:
+        lower = f"lower --max-model-len to {fits} or less, or " if fits >= 2 else ""
+        raise ValueError(
+            f"max_model_len {max_len} needs {need} KV pages of {ps} tokens for one sequence, "
+            f"but the pool has {usable} usable pages ({fits} tokens); {lower}{fixes}"
+        )
+    logger.warning(
+        "max_model_len lowered from %d to %d tokens: the KV pool has %d usable pages of %d "
+        "tokens and one sequence must fit; %s for longer sequences",
+        max_len, fits, usable, ps, fixes,
+    )  # fmt: skip
+    scheduler = dataclasses.replace(config.scheduler, max_model_len=fits)
+    return dataclasses.replace(config, scheduler=scheduler)
+
+
 def resolve_num_swap_pages(config: EngineConfig, model_config: ModelConfig, itemsize: int) -> int:
     """Host swap pages: 0 unless preemption_mode is "swap"; then num_swap_pages, or as many
     pages as swap_space_bytes (default 4 GiB) holds."""
@@ -154,6 +190,7 @@ def _keeps_proposals(seq: Sequence) -> bool:
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, loaded=None) -> None:
         t0 = time.perf_counter()
+        max_len_given = config.scheduler.max_model_len is not None
         self.compilation_cache_dir = compilation_cache.enable(config.compilation_cache_dir)
         if loaded is None:
             loaded = load_for_config(config)  # sharded when config.parallel asks for it
@@ -185,6 +222,8 @@ class LLMEngine:
         self.num_pages = resolve_num_pages(
             config.cache, config, self.model_config, itemsize, extra_bytes_per_page=extra
         )
+        self.config = config = fit_max_model_len(config, self.num_pages, given=max_len_given)
+        self.max_model_len = config.scheduler.max_model_len
         self.num_swap_pages = resolve_num_swap_pages(config, self.model_config, itemsize)
         self._new_host_state()
         broadcast = None
@@ -503,9 +542,9 @@ class LLMEngine:
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"
             )
         text, token_ids = self.tokenize_prompt(prompt)
-        budget = self.config.scheduler.max_num_seqs
-        if params.n > budget:
-            raise ValueError(f"n must be <= max_num_seqs ({budget}), got {params.n}")
+        unservable = self.scheduler.unservable(len(token_ids), params.n)
+        if unservable is not None:  # no preemption could ever make room for it
+            raise ValueError(unservable)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         vocab = self.model_config.vocab_size

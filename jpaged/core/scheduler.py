@@ -27,6 +27,20 @@ private pages on resumption, num_computed_tokens kept; a full swap space falls b
 recompute. The plan names the copies; the runner moves the data, swap-outs before swap-ins
 before the step, so a page freed and reused within one plan is read before it is written.
 A write into a page shared with another sequence copies it first (copy-on-write).
+
+Liveness: the oldest running sequence is never preempted (victims are the newest) and, since
+the pool holds one sequence of max_model_len tokens (the engine checks it at start; a request
+that could never fit is refused by `unservable` before it is queued), it computes at least one
+token every step and ends within max_model_len + 1 steps; with nothing running, the waiting
+head is admitted in the same step. Admission has no head-of-line blocking: the waiting queue
+is scanned in order and a sequence that does not fit this step (pages, rows, token budget) is
+passed over, so smaller ones behind it are admitted. No starvation: a waiting sequence counts
+the steps in which one behind it was admitted while it was not, over its whole life
+(preemption keeps the count, and requeues it first in line); once it has been passed over
+MAX_PASSED_STEPS steps, nothing behind it is admitted while it waits. From then on only
+sequences ahead of it in line, or running, can run before it: a finite set (new arrivals
+queue behind it, and a running sequence newer than it is preempted before it, so it queues
+behind it too), each of which ends within max_model_len + 1 steps once it is the oldest.
 """
 
 from __future__ import annotations
@@ -40,6 +54,13 @@ from jpaged.core.sequence import RequestGroup, SeqStatus, Sequence
 from jpaged.sample.sampler import seeds_to_key_data
 from jpaged.worker import step_plan
 from jpaged.worker.step_plan import StepPlan
+
+# Steps a waiting sequence may be passed over (one behind it admitted while it is not)
+# before nothing behind it is admitted while it waits (see the module docstring).
+MAX_PASSED_STEPS = 16
+# Waiting sequences that do not fit looked at per step before the scan stops (each look
+# walks the sequence's prefix-cache pages; the queue may be long).
+MAX_BLOCKED_PER_STEP = 32
 
 # A scheduled row while a plan is made: (seq, num_new_tokens, start, sample_row, keep_sample,
 # proposals). num_new_tokens is 0 for a fresh fork, which samples from its parent's row
@@ -78,6 +99,7 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
         self._next_seq_id = 0
+        self._passed: dict[int, int] = {}  # seq_id -> steps it was passed over while waiting
         self.num_preemptions = 0
         self.num_swaps_out = 0  # preemptions that swapped (the others recompute)
         self.num_swaps_in = 0
@@ -106,9 +128,35 @@ class Scheduler:
             self._drop_swap(seq)
         seq.status = SeqStatus.FINISHED
         self._seqs.pop(seq.seq_id, None)
+        self._passed.pop(seq.seq_id, None)
         seq.num_placeholders = 0
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+
+    def unservable(self, num_prompt_tokens: int, n: int) -> str | None:
+        """Why a request of num_prompt_tokens and n sequences could never be admitted, even
+        with nothing else running, or None. Checked before it is queued: the engine refuses it."""
+        s = self.sched
+        if num_prompt_tokens >= s.max_model_len:
+            return (
+                f"prompt has {num_prompt_tokens} tokens; it must be shorter than max_model_len "
+                f"({s.max_model_len}) to leave room for one generated token"
+            )
+        if n > s.max_num_seqs:
+            return f"n must be <= max_num_seqs ({s.max_num_seqs}), got {n}"
+        if not s.enable_chunked_prefill and num_prompt_tokens > s.max_num_batched_tokens:
+            return (
+                f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens "
+                f"({s.max_num_batched_tokens}) and chunked prefill is off"
+            )
+        need = math.ceil((num_prompt_tokens + 1) / self.page_size)
+        if need > self.allocator.num_usable_pages:
+            return (
+                f"prompt of {num_prompt_tokens} tokens needs {need} KV pages of "
+                f"{self.page_size} tokens with its first generated token; the pool has "
+                f"{self.allocator.num_usable_pages}"
+            )
+        return None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -153,27 +201,29 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING:
                 rows.append(self._row(seq, num_new, len(rows)))
                 budget -= num_new
-        while self.waiting and budget > 0 and not preempted:
-            seq = self.waiting[0]
-            num_new = self._admit(seq, budget)
-            if num_new == 0:
-                break
-            rows.append(self._row(seq, num_new, len(rows)))
-            budget -= num_new
+        if not preempted:  # a step that preempted admits nothing (it would thrash)
+            self._admit_waiting(rows, budget)
         for i in range(len(rows)):
             seq, keep = rows[i][0], rows[i][4]
             if seq.needs_fork and keep:
                 rows.extend(self._fork(seq, i))
+        # A plan without rows is not dispatched: its page-table edits wait for the next plan.
+        # One plan's edits are one scatter on the device, where the order of two writes of
+        # one entry is not defined: only the last edit of each entry is kept (a beam forked
+        # into a row since the last plan and copying its shared last page in this one).
+        edits = rows and list({(r, c): (r, c, p) for r, c, p in self._updates}.values())
         plan = step_plan.build(
             rows,
             page_size=self.page_size,
             eos_token_ids=self._eos_list,
-            page_updates=self._updates,
-            page_copies=self._copies,
+            page_updates=edits or [],
+            page_copies=self._copies if rows else [],
             swap_out=self._swap_out,
             swap_in=self._swap_in,
         )
-        self._updates, self._copies, self._swap_out, self._swap_in = [], [], [], []
+        if rows:
+            self._updates, self._copies = [], []
+        self._swap_out, self._swap_in = [], []
         return plan
 
     def _row(self, seq: Sequence, num_new: int, row: int, proposals=None) -> Row:
@@ -181,8 +231,32 @@ class Scheduler:
         keep = start + num_new - len(proposals or ()) == seq.num_planned_tokens
         return (seq, num_new, start, row, keep, proposals)
 
+    def _admit_waiting(self, rows: list[Row], budget: int) -> None:
+        """Admits waiting sequences in queue order while they fit, passing over those that
+        do not, except one passed over MAX_PASSED_STEPS steps already: nothing behind it is
+        admitted (see the module docstring)."""
+        blocked: list[Sequence] = []  # passed over so far this step, in queue order
+        num_passed = 0  # of them, those with an admission behind them
+        for seq in list(self.waiting):
+            if budget <= 0 or not self._free_rows or not self.allocator.num_free():
+                break  # nothing more can be admitted this step
+            num_new = self._admit(seq, budget)
+            if num_new:
+                rows.append(self._row(seq, num_new, len(rows)))
+                budget -= num_new
+                num_passed = len(blocked)
+                continue
+            if self._passed.get(seq.seq_id, 0) >= MAX_PASSED_STEPS:
+                break  # its turn: nothing behind it goes first
+            blocked.append(seq)
+            if len(blocked) == MAX_BLOCKED_PER_STEP:
+                break
+        for seq in blocked[:num_passed]:
+            self._passed[seq.seq_id] = self._passed.get(seq.seq_id, 0) + 1
+
     def _admit(self, seq: Sequence, budget: int) -> int:
-        """Admits the waiting head if slots, pages and budget allow; returns its new tokens."""
+        """Admits a waiting sequence if slots, pages and budget allow; returns its new tokens
+        (0: it stays waiting, nothing changed)."""
         slots_needed = seq.group.params.n if seq.needs_fork else 1
         if len(self.running) + slots_needed > self.sched.max_num_seqs:
             return 0
@@ -208,7 +282,7 @@ class Scheduler:
         need = math.ceil(upto / self.page_size) - len(hits)
         if need > self.allocator.num_free() - revived:
             return 0
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         for p in hits:
             self.allocator.take_cached(p)
         seq.table_row = self._free_rows.pop()

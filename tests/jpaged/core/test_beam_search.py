@@ -172,10 +172,10 @@ def test_beams_share_pages(llm, hf_model, prompts):
 
 
 def test_small_pool_preempts_beams(checkpoint, hf_model, prompts):
-    """13 usable pages hold neither two requests' beams nor one request's four beams at
-    their longest (5 prompt pages + 4 x 3): beams are preempted and recomputed (with prefix
-    hits), and the results are still transformers'."""
-    small = LLM(str(checkpoint), page_size=PAGE_SIZE, num_pages=14, **ENGINE_ARGS)
+    """16 usable pages (one sequence of max_model_len) hold neither two requests' beams nor
+    one request's four beams at their longest (5 prompt pages + 4 x 3): beams are preempted
+    and recomputed (with prefix hits), and the results are still transformers'."""
+    small = LLM(str(checkpoint), page_size=PAGE_SIZE, num_pages=17, **ENGINE_ARGS)
     long_prompts = [(p * 4)[:20] for p in prompts[:3]]
     params = BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS, length_penalty=0.5)
     outs = small.beam_search(long_prompts, params)

@@ -113,7 +113,7 @@ def test_seeded_sampling_is_batch_independent(speculative):
 def test_a_pool_too_small_preempts_and_changes_no_greedy_token(demo_model_dir, reference, mode):
     small = one_bucket(
         demo_model_dir,
-        num_pages=14,  # 13 usable pages of 8 tokens for 4 sequences of up to 59 tokens
+        num_pages=17,  # 16 usable pages of 8 tokens (one 128-token sequence) for 4 of up to 59
         speculative_config=NGRAM,
         preemption_mode=mode,
         **({"num_swap_pages": 64} if mode == "swap" else {}),
@@ -181,7 +181,7 @@ def test_another_draft_changes_no_greedy_token_under_preemption(
 ):
     llm = one_bucket(
         demo_model_dir,
-        num_pages=14,
+        num_pages=17,
         speculative_config=draft_config(small_draft, k=2),
         preemption_mode=mode,
         **({"num_swap_pages": 64} if mode == "swap" else {}),
