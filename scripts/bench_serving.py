@@ -10,9 +10,21 @@ between messages that carry tokens) at p50/p90/p99, TPOT, errors by status, the 
 pages in use once idle (GetModelInfo over gRPC, which the HTTP runs use too), and the
 server's RSS after each run.
 
+Mixed sizes (--long-fraction F): a share F of the requests are long ones (--long-prompt-len,
+--long-output-len; near max_model_len against a small pool, they do not fit beside many
+others), the rest short. Each run then also reports end-to-end latency and time to first
+token of the short and the long requests apart; with --compare-without-long every run is
+made twice, with the long requests and without them (the same short requests at the same
+arrival times), so the short ones' p50/p99 show what the long ones cost them.
+
     # against a server it starts itself (its RSS is read from /proc):
     python scripts/bench_serving.py --launch "--max-num-seqs 64" --num-requests 2000 \
         --concurrency 256 --rate 100 --repeats 3 [--protocol http]
+    # mixed sizes against a small pool (19 pages of 16 tokens: one 256-token sequence):
+    python scripts/bench_serving.py --launch "--model demo-random --max-num-seqs 8 \
+        --max-model-len 256 --num-pages 20" --num-requests 400 --rate 10 --prompt-len 8:16 \
+        --output-len 8:16 --long-fraction 0.1 --long-prompt-len 200:220 \
+        --long-output-len 20:30 --compare-without-long --warmup 1 --repeats 3
     # against a running server (gRPC port for its stats, HTTP port for --protocol http):
     python scripts/bench_serving.py --port 50051 --http-port 8000 --server-pid 1234
 """
@@ -187,14 +199,16 @@ async def http_request(client: SSEClient, req: dict, timeout: float) -> dict:
     return timeline.result(code)
 
 
-async def run_once(args, send, vocab: int, seed: int) -> dict:
+async def run_once(args, send, vocab: int, seed: int, *, with_long: bool = True) -> dict:
+    """One run of args.num_requests requests; with_long=False leaves the long ones out (their
+    draws and arrival gaps are kept, so the short ones are the same, sent at the same times)."""
     rng = random.Random(seed)
     sem = asyncio.Semaphore(args.concurrency)
     results = []
 
-    async def worker(req):
+    async def worker(req, kind: str):
         try:
-            results.append(await send(req))
+            results.append({**await send(req), "kind": kind})
         finally:
             sem.release()
 
@@ -203,15 +217,20 @@ async def run_once(args, send, vocab: int, seed: int) -> dict:
     for i in range(args.num_requests):
         if args.rate != float("inf"):
             await asyncio.sleep(rng.expovariate(args.rate))
-        plen, olen = rng.randint(*args.prompt_len), rng.randint(*args.output_len)
+        long = rng.random() < args.long_fraction
+        prompt_len = args.long_prompt_len if long else args.prompt_len
+        output_len = args.long_output_len if long else args.output_len
+        plen, olen = rng.randint(*prompt_len), rng.randint(*output_len)
         req = {
             "prompt": [rng.randrange(3, vocab) for _ in range(plen)],
             "max_tokens": olen,
             "temperature": args.temperature,
             "seed": rng.randrange(2**31),
         }
+        if long and not with_long:
+            continue
         await sem.acquire()
-        tasks.append(asyncio.create_task(worker(req)))
+        tasks.append(asyncio.create_task(worker(req, "long" if long else "short")))
     await asyncio.gather(*tasks)
     duration = time.perf_counter() - t0
     ok = [r for r in results if r["code"] == "OK"]
@@ -232,7 +251,21 @@ async def run_once(args, send, vocab: int, seed: int) -> dict:
         "itl_s": percentiles([g for r in ok for g in r["itl"]]),
         "tpot_s": percentiles(tpot),
         "errors": dict(collections.Counter(r["code"] for r in results if r["code"] != "OK")),
+        **({"with_long": with_long, **by_kind(ok)} if args.long_fraction else {}),
     }
+
+
+def by_kind(ok: list[dict]) -> dict:
+    """End-to-end latency and time to first token of the short and the long requests."""
+    out = {}
+    for kind in ("short", "long"):
+        rs = [r for r in ok if r["kind"] == kind]
+        out[kind] = {
+            "requests": len(rs),
+            "latency_s": percentiles([r["end"] - r["start"] for r in rs]),
+            "ttft_s": percentiles([r["first"] - r["start"] for r in rs if r["first"] is not None]),
+        }
+    return out
 
 
 async def wait_idle(stub, metadata=None, timeout: float = 30) -> pb.EngineStats:
@@ -275,22 +308,46 @@ async def bench(args, server_pid: int | None) -> list[dict]:
             file=sys.stderr,
         )
         runs = []
+        modes = (True, False) if args.compare_without_long else (True,)
         for i in range(args.warmup + args.repeats):
-            result = await run_once(args, send, vocab, args.seed + i)
-            stats = await wait_idle(stub, metadata)
-            result.update(
-                warmup=i < args.warmup,
-                pages_used_after=stats.pages_used,
-                pages_cached_after=stats.pages_cached,
-                num_preemptions_total=stats.num_preemptions,
-                server_rss_mib_after=rss_mib(server_pid),
-                compiles_total=await compiles_total(args),
-            )
-            runs.append(result)
-            print(json.dumps(result), flush=True)
+            for with_long in modes:
+                result = await run_once(args, send, vocab, args.seed + i, with_long=with_long)
+                stats = await wait_idle(stub, metadata)
+                result.update(
+                    warmup=i < args.warmup,
+                    pages_used_after=stats.pages_used,
+                    pages_cached_after=stats.pages_cached,
+                    num_preemptions_total=stats.num_preemptions,
+                    server_rss_mib_after=rss_mib(server_pid),
+                    compiles_total=await compiles_total(args),
+                )
+                runs.append(result)
+                print(json.dumps(result), flush=True)
+        if args.long_fraction:
+            summarize(runs)
     if http is not None:
         await http.aclose()
     return runs
+
+
+def summarize(runs: list[dict]) -> None:
+    """The short requests' latency with and without the long ones, per reported run."""
+    for r in runs:
+        if r["warmup"]:
+            continue
+        short = r["short"]
+        lat, ttft = short["latency_s"], short["ttft_s"]
+        print(
+            f"short requests {'with' if r['with_long'] else 'without'} long ones "
+            f"({short['requests']} short, {r['long']['requests']} long): latency p50 "
+            f"{fmt(lat['p50'])} p99 {fmt(lat['p99'])}, TTFT p50 {fmt(ttft['p50'])} p99 "
+            f"{fmt(ttft['p99'])}; errors {r['errors']}",
+            file=sys.stderr,
+        )
+
+
+def fmt(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f}s"
 
 
 def auth_headers(args) -> dict[str, str]:
@@ -391,6 +448,19 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=float("inf"), help="requests/s (Poisson)")
     p.add_argument("--prompt-len", type=parse_range, default=(16, 128), help="LO:HI tokens")
     p.add_argument("--output-len", type=parse_range, default=(8, 64), help="LO:HI tokens")
+    p.add_argument(
+        "--long-fraction",
+        type=float,
+        default=0.0,
+        help="share of long requests (mixed sizes; default 0: all drawn from the ranges above)",
+    )
+    p.add_argument("--long-prompt-len", type=parse_range, default=(400, 440), help="LO:HI")
+    p.add_argument("--long-output-len", type=parse_range, default=(40, 60), help="LO:HI")
+    p.add_argument(
+        "--compare-without-long",
+        action="store_true",
+        help="also run each repeat without the long requests (the same short ones)",
+    )
     p.add_argument("--max-token-id", type=int, default=None, help="draw prompt ids below this")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--timeout", type=float, default=600, help="per-request deadline, s")
