@@ -3,7 +3,8 @@
 CacheConfig sizes the page pool; SchedulerConfig bounds each step; ParallelConfig says how
 many devices a replica spans (tensor parallel) and how many replicas serve (data parallel);
 EngineConfig holds them with the model path and numeric settings; SpeculativeConfig is
-what `speculative_config` holds (parsed from its canonical JSON). The shape buckets every
+what `speculative_config` holds (parsed from its canonical JSON), StructuredOutputsConfig
+what `structured_outputs_config` holds. The shape buckets every
 step is padded into are derived here, so the number of compiled programs is known before anything runs.
 
 These dataclasses are the one declaration of the engine's settings: every field carries its
@@ -25,6 +26,8 @@ ATTENTION_BACKENDS = (None, "reference", "pallas", "pallas_interpret")
 GENERATION_CONFIGS = ("auto", "vllm")
 DEFAULT_SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap space
 DEFAULT_MAX_MODEL_LEN = 2048  # the cap on the model's own context length by default
+# EngineConfig.scan_layers when it is None, by platform (docs/benchmarks.md, "Scanned layers").
+SCAN_LAYERS_DEFAULT = {"cpu": True, "gpu": True, "tpu": True}
 
 
 def setting(default, help: str, **kwargs):
@@ -175,6 +178,14 @@ class EngineConfig:
     precompile: bool = setting(
         False, "compiling (and running once) every shape bucket at start-up"
     )
+    # Decoder layers under lax.scan over stacked weights: one traced and compiled layer per
+    # step program (start-up seconds instead of minutes) against an unrolled loop of every
+    # layer. None: the measured better trade of the platform (SCAN_LAYERS_DEFAULT).
+    scan_layers: bool | None = setting(
+        None,
+        "the decoder layers as one scanned layer (fast compiles)",
+        default_label="on",
+    )
     precompile_max_len: int | None = setting(
         None,
         "with --precompile: compile the shapes of sequences of up to this many tokens "
@@ -203,6 +214,14 @@ class EngineConfig:
         'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (default: off)',
     )
+    # vLLM's structured_outputs_config: JSON text or a dict (kept as canonical JSON), e.g.
+    # {"disable_any_whitespace": false} for vLLM's whitespace in JSON outputs.
+    structured_outputs_config: str | dict | None = setting(
+        None,
+        'structured outputs, as JSON: {"disable_any_whitespace": true} makes JSON outputs '
+        "compact, false lets them put any whitespace between tokens (default: one space after "
+        "',' and ':' only, unless a request says)",
+    )
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -220,6 +239,9 @@ class EngineConfig:
                 raise ValueError(f"speculative_config: {e}") from None
             canonical = json.dumps(dataclasses.asdict(spec), sort_keys=True)
             object.__setattr__(self, "speculative_config", canonical)
+        if self.structured_outputs_config is not None:
+            canonical = StructuredOutputsConfig.parse(self.structured_outputs_config).to_json()
+            object.__setattr__(self, "structured_outputs_config", canonical)
         _positive("precompile_max_len", self.precompile_max_len, allow_none=True)
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(
@@ -238,6 +260,17 @@ class EngineConfig:
         if self.speculative_config is None:
             return None
         return SpeculativeConfig.from_json(self.speculative_config)
+
+    def scans_layers(self, platform: str) -> bool:
+        """Whether the layers run under lax.scan on platform ("cpu", "gpu", "tpu", ...)."""
+        if self.scan_layers is not None:
+            return self.scan_layers
+        return SCAN_LAYERS_DEFAULT.get("gpu" if platform in ("cuda", "rocm") else platform, True)
+
+    @property
+    def structured_outputs(self) -> StructuredOutputsConfig:
+        """The StructuredOutputsConfig (below; its defaults when the setting is unset)."""
+        return StructuredOutputsConfig.parse(self.structured_outputs_config or {})
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -390,3 +423,59 @@ class SpeculativeConfig:
                 f"the draft model's vocabulary ({draft_vocab_size} tokens) must equal the "
                 f"target's ({target_vocab_size})"
             )
+
+
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")  # llguidance is the one backend
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StructuredOutputsConfig:
+    """Engine-wide structured-output settings, vLLM's names (unknown keys are an error).
+
+    backend: "auto" or "guidance" (llguidance, the only one here).
+    disable_any_whitespace: the whitespace JSON outputs of requests that set none of their
+        own get: True none (compact JSON), False any run between tokens (vLLM's default);
+        None: jpaged's default, one space after "," and ":" and none elsewhere.
+    """
+
+    backend: str = "auto"
+    disable_any_whitespace: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(
+                f"structured_outputs_config.backend must be one of "
+                f"{STRUCTURED_OUTPUTS_BACKENDS} (llguidance), got {self.backend!r}"
+            )
+        if self.disable_any_whitespace is not None and not isinstance(
+            self.disable_any_whitespace, bool
+        ):
+            raise ValueError(
+                "structured_outputs_config.disable_any_whitespace must be true or false, "
+                f"got {self.disable_any_whitespace!r}"
+            )
+
+    @classmethod
+    def parse(cls, value: str | Mapping) -> StructuredOutputsConfig:
+        """From `--structured-outputs-config JSON` or a mapping."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"structured_outputs_config is not valid JSON ({e.msg}): {value!r}"
+                ) from None
+        if not isinstance(value, Mapping):
+            raise ValueError(  # noqa: TRY004 - a bad setting is a ValueError, as the others
+                f"structured_outputs_config must be a JSON object, got {value!r}"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(
+                f"unknown structured_outputs_config keys {unknown}; known: {sorted(names)}"
+            )
+        return cls(**value)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)

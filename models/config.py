@@ -6,7 +6,8 @@ explicit head_dim, tied embeddings, rope scaling, sliding window).
 
 Params layout (a pytree of arrays; every loader and initializer produces exactly this):
   embed:      [vocab, hidden]
-  layers:     list (num_layers) of dicts:
+  layers:     list (num_layers) of dicts (or, stacked for lax.scan by models/llama.py
+              stack_layers, one dict of the same names with a leading [num_layers] dim):
     input_norm [hidden], post_attn_norm [hidden]
     wq [hidden, num_heads, head_dim], wk/wv [hidden, num_kv_heads, head_dim]
     wo [num_heads, head_dim, hidden]

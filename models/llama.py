@@ -4,8 +4,10 @@
 into its slot of the paged pool and attends over the sequence's pages. The pool comes in and
 goes out (the caller donates it), so under jit the update is in place.
 
-Layer loop: unrolled in Python over per-layer pools, so each layer's attention reads a plain
-[num_kv_heads, num_pages, page_size, head_dim] array (a kernel operand), never a slice copy.
+One pool for every layer: K and V are each [num_kv_heads, num_layers * N, page_size,
+head_dim], layer l's pages at l * N .. l * N + N - 1, so a layer's attention reads the whole
+pool (a kernel operand, never a slice copy) through its page table offset by l * N, and the
+layers can run under lax.scan with the pool as the loop's carry, updated in place.
 
 Tensor parallelism: with `tp_axis` set, the functions run inside shard_map on one device's
 shards (layout of models/sharding.py): the same code over local heads and columns, plus one
@@ -31,8 +33,8 @@ _ATTENTION_BACKENDS = {
     "pallas_interpret": {"interpret": True},
 }
 
-# Per-layer (k_pages, v_pages), each [num_kv_heads, num_pages, page_size, head_dim].
-KVCaches = list[tuple[jax.Array, jax.Array]]
+# (k_pages, v_pages), each [num_kv_heads, num_layers * pages_per_layer, page_size, head_dim].
+KVPool = tuple[jax.Array, jax.Array]
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -103,23 +105,35 @@ def _write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.
     return flat.reshape(hkv, num_pages, page_size, dh)
 
 
+def layer_offsets(cfg: ModelConfig, k_pages: jax.Array) -> jax.Array:
+    """int32[num_layers]: the first physical page of each layer's part of the pool."""
+    return jnp.arange(cfg.num_layers, dtype=jnp.int32) * (k_pages.shape[1] // cfg.num_layers)
+
+
 def forward(
     params: dict,
     cfg: ModelConfig,
-    kv_caches: KVCaches,
+    kv_pages: KVPool,
     token_ids: jax.Array,  # int32[T]
     positions: jax.Array,  # int32[T]
-    slot_mapping: jax.Array,  # int32[T]: flat pool slot of each token (padding -> null page)
+    slot_mapping: jax.Array,  # int32[T]: flat slot (page * page_size + offset) in one layer
     context_lens: jax.Array,  # int32[S]: cached tokens per sequence after this step
-    page_table: jax.Array,  # int32[S, P]
+    page_table: jax.Array,  # int32[S, P]: pages of one layer (0 = the null page)
     query_start: jax.Array,  # int32[S + 1]
     *,
     decode_only: bool = False,
     max_query_len: int | None = None,
     attention_backend: str | None = None,
     tp_axis: str | tuple[str, ...] | None = None,
-) -> tuple[jax.Array, KVCaches]:
+) -> tuple[jax.Array, KVPool]:
     """Runs the decoder over a ragged batch; returns final hidden states [T, D] and the pool.
+
+    The pool holds every layer: layer l's page p is physical page l * N + p (N pages per
+    layer), so each layer's attention reads the whole pool through its page table offset by
+    l * N (layer_offsets), a plain kernel operand, never a slice copy; page 0 of each layer
+    is that layer's null page. Layers run under lax.scan when params["layers"] is stacked
+    (a dict of [num_layers, ...] arrays, models/config.py), unrolled when it is a list of
+    per-layer dicts; the same layer function runs either way.
 
     decode_only (static): every sequence has exactly one query token and row s of the
     token arrays belongs to sequence s (T == S), so the decode kernel can serve the step.
@@ -134,8 +148,13 @@ def forward(
     )
     cos, sin = _computed_once(*rope_cos_sin(positions, rope_inv_freq(cfg)))
     x = _embed(params["embed"], cfg, token_ids, tp_axis)  # [T, D]
-    new_caches = []
-    for layer, (k_pages, v_pages) in zip(params["layers"], kv_caches, strict=True):
+    k_pages, v_pages = kv_pages
+    page_size = k_pages.shape[2]
+    offsets = layer_offsets(cfg, k_pages)
+
+    def run_layer(carry, layer_and_offset):
+        x, k_pages, v_pages = carry
+        layer, offset = layer_and_offset
         h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
         q = jnp.einsum("td,dhk->thk", h, layer["wq"])
         k = jnp.einsum("td,dhk->thk", h, layer["wk"])
@@ -147,23 +166,58 @@ def forward(
             k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
         q = rotate(q, cos, sin)
         k = rotate(k, cos, sin)
-        k_pages = _write_kv(k_pages, k, slot_mapping)
-        v_pages = _write_kv(v_pages, v, slot_mapping)
+        slots = slot_mapping + offset * page_size
+        k_pages = _write_kv(k_pages, k, slots)
+        v_pages = _write_kv(v_pages, v, slots)
+        table = page_table + offset
         if decode_only:
             attn = pallas_kernels.paged_decode_attention(
-                q, k_pages, v_pages, context_lens, page_table, **attn_kwargs
+                q, k_pages, v_pages, context_lens, table, **attn_kwargs
             )
         else:
             attn = pallas_kernels.paged_prefill_attention(
-                q, k_pages, v_pages, context_lens, page_table, query_start,
+                q, k_pages, v_pages, context_lens, table, query_start,
                 max_query_len=max_query_len, **attn_kwargs
             )
         x = x + _reduce(jnp.einsum("thk,hkd->td", attn, layer["wo"]), tp_axis)
         h = rms_norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)
         gate = jax.nn.silu(h @ layer["w_gate"])
         x = x + _reduce((gate * (h @ layer["w_up"])) @ layer["w_down"], tp_axis)
-        new_caches.append((k_pages, v_pages))
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_caches
+        return (x, k_pages, v_pages), None
+
+    carry = (x, k_pages, v_pages)
+    layers = params["layers"]
+    if isinstance(layers, dict):  # stacked: one traced layer
+        carry, _ = jax.lax.scan(run_layer, carry, (layers, offsets))
+    else:
+        for i, layer in enumerate(layers):
+            carry, _ = run_layer(carry, (layer, i * (k_pages.shape[1] // cfg.num_layers)))
+    x, k_pages, v_pages = carry
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), (k_pages, v_pages)
+
+
+def stack_layers(params: dict, place=None) -> dict:
+    """params with "layers" as one dict of [num_layers, ...] arrays (for lax.scan); params
+    itself is not changed. place(name, array), if given, puts each stacked array where it
+    belongs (its sharding). params without layers (a runner that only replays device calls)
+    are returned as they are."""
+    layers = params.get("layers")
+    if not layers or isinstance(layers, dict):
+        return params
+    stacked = {}
+    for name in layers[0]:
+        array = jnp.stack([layer[name] for layer in layers])
+        stacked[name] = array if place is None else place(name, array)
+    return {**params, "layers": stacked}
+
+
+def unstack_layers(params: dict) -> dict:
+    """params with "layers" as a list of per-layer dicts (for the unrolled loop)."""
+    layers = params.get("layers")
+    if not isinstance(layers, dict):
+        return params
+    num = len(next(iter(layers.values())))
+    return {**params, "layers": [{k: v[i] for k, v in layers.items()} for i in range(num)]}
 
 
 def compute_logits(

@@ -32,7 +32,8 @@ DATA = "data"
 KV = "kv"
 REP = "rep"
 TP = (KV, REP)  # the tensor-parallel axis (kv-major)
-POOL_SPEC = P(KV, None, None, None)  # [num_kv_heads, num_pages, page_size, head_dim]
+# [num_kv_heads, num_layers * num_pages, page_size, head_dim]: split over KV heads
+POOL_SPEC = P(KV, None, None, None)
 
 
 def tp_split(num_kv_heads: int, tensor_parallel_size: int) -> tuple[int, int]:
@@ -90,8 +91,9 @@ def vocab_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> bool:
     return cfg.vocab_size % tensor_parallel_size == 0
 
 
-def param_specs(cfg: ModelConfig, tensor_parallel_size: int) -> dict:
-    """PartitionSpecs in the params layout of models/config.py."""
+def param_specs(cfg: ModelConfig, tensor_parallel_size: int, *, stacked: bool = False) -> dict:
+    """PartitionSpecs in the params layout of models/config.py; stacked: "layers" as one
+    dict of [num_layers, ...] arrays (models/llama.py stack_layers), each spec led by None."""
     vocab = TP if vocab_parallel(cfg, tensor_parallel_size) else None
     col = P(None, TP)  # [hidden, F]
     heads_q = P(None, TP, None)  # [hidden, H, Dh]
@@ -113,7 +115,11 @@ def param_specs(cfg: ModelConfig, tensor_parallel_size: int) -> dict:
         layer.update(q_norm=P(), k_norm=P())
     specs = {
         "embed": P(vocab, None),
-        "layers": [dict(layer) for _ in range(cfg.num_layers)],
+        "layers": (
+            {name: P(None, *spec) for name, spec in layer.items()}
+            if stacked
+            else [dict(layer) for _ in range(cfg.num_layers)]
+        ),
         "final_norm": P(),
     }
     if not cfg.tie_word_embeddings:

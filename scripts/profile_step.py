@@ -108,14 +108,10 @@ def _state(cfg, num_pages, page_size, table, dtype):
 
     from jpaged.worker.programs import DeviceState
 
-    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    shape = (cfg.num_kv_heads, cfg.num_layers * num_pages, page_size, cfg.head_dim)
     rng = np.random.default_rng(1)
-    kv = [
-        (jnp.asarray(rng.normal(size=shape).astype(dtype)),
-         jnp.asarray(rng.normal(size=shape).astype(dtype)))
-        for _ in range(cfg.num_layers)
-    ]
-    return DeviceState(kv_pages=kv, page_table=jnp.asarray(table))
+    k, v = (jnp.asarray(rng.normal(size=shape).astype(dtype)) for _ in range(2))
+    return DeviceState(k, v, jnp.asarray(table))
 
 
 class StepBench:
@@ -225,7 +221,8 @@ def profile(bench: StepBench, *, sampling: bool) -> None:
     from models import llama
 
     cfg, params, inputs, key = bench.cfg, bench.params, bench.inputs, bench.key
-    layers = params["layers"]
+    layers = llama.unstack_layers(params)["layers"]  # the parts below time layer by layer
+    per_layer = bench.state.k_pages.shape[1] // cfg.num_layers  # pages of one layer
     num_tokens = key.num_tokens
     bench.time_step()
 
@@ -250,7 +247,7 @@ def profile(bench: StepBench, *, sampling: bool) -> None:
             else "paged_prefill_attention", no_attention)
     without("rope", llama, "rotate", lambda x, cos, sin: x)
     without("K/V writes", llama, "_write_kv", lambda pages, new, slots: pages)
-    without("page copies (CoW)", programs, "_copy_pages", lambda kv_pages, copies: kv_pages)
+    without("page copies (CoW)", programs, "_copy_pages", lambda k, v, copies, n: (k, v))
     without("page-table update", programs, "_apply_updates", lambda table, updates: table)
     if sampling:
         without("sampling", programs, "sample", greedy_only)
@@ -290,25 +287,33 @@ def profile(bench: StepBench, *, sampling: bool) -> None:
     q = jax.random.normal(jax.random.key(1), (num_tokens, hq, dh), jnp.float32)
     k = jax.random.normal(jax.random.key(2), (num_tokens, hkv, dh), jnp.float32)
 
+    page_size = bench.state.k_pages.shape[2]
+
     def write(kv, k, slots):
-        return [(llama._write_kv(kp, k, slots), llama._write_kv(vp, k, slots)) for kp, vp in kv]
+        kp, vp = kv
+        for layer in range(cfg.num_layers):
+            at = slots + layer * per_layer * page_size
+            kp, vp = llama._write_kv(kp, k, at), llama._write_kv(vp, k, at)
+        return [kp, vp]  # a list: time_part feeds a tuple's first item back, a list whole
 
     kv = bench.state.kv_pages
     bench.time_part("K/V writes, all layers", write, kv, k, inputs.slot_mapping, donate=(0,))
-    kv = bench.state.kv_pages = [
-        (jnp.zeros_like(a), jnp.zeros_like(b)) for a, b in bench.state.kv_pages
-    ]  # the donated pool was consumed above: fresh buffers for what follows
+    # The donated pool was consumed above: fresh buffers for what follows.
+    kv = (jnp.zeros_like(bench.state.k_pages), jnp.zeros_like(bench.state.v_pages))
+    bench.state = programs.DeviceState(*kv, bench.state.page_table)
 
     attn_kwargs = {"sm_scale": cfg.sm_scale, "sliding_window": cfg.sliding_window}
 
     def attention(q, kv, context_lens, table, query_start):
         outs = []
-        for kp, vp in kv:
+        kp, vp = kv
+        for layer in range(cfg.num_layers):
+            at = table + layer * per_layer
             if key.decode_only:
-                o = pallas_kernels.paged_decode_attention(q, kp, vp, context_lens, table,
+                o = pallas_kernels.paged_decode_attention(q, kp, vp, context_lens, at,
                                                           **attn_kwargs)
             else:
-                o = pallas_kernels.paged_prefill_attention(q, kp, vp, context_lens, table,
+                o = pallas_kernels.paged_prefill_attention(q, kp, vp, context_lens, at,
                                                            query_start, **attn_kwargs)
             outs.append(o.sum())
         return jnp.stack(outs)
@@ -340,6 +345,9 @@ def main(argv=None) -> None:
                    help="time the parts too (default on)")
     p.add_argument("--ops", action="store_true", help="jax's profiler: time per compiled op")
     p.add_argument("--top", type=int, default=30, help="op groups printed with --ops")
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="the step with its layers under lax.scan (default on; the parts are "
+                        "timed layer by layer either way)")
     args = p.parse_args(argv)
 
     import jax
@@ -354,7 +362,11 @@ def main(argv=None) -> None:
         args.model = str(ensure_smollm2())
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=jnp.float32)
+    from models.llama import stack_layers
+
     cfg, params = loaded.config, loaded.params
+    if args.scan_layers:
+        params = stack_layers(params)
     print(f"model {args.model} loaded in {time.perf_counter() - t0:.1f}s; jax {jax.__version__}, "
           f"{jax.devices()[0].device_kind}", flush=True)
     ps = args.page_size

@@ -83,7 +83,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + meta.get("flag", name).replace("_", "-")
         kind = _flag_type(f)
         if kind is bool:
-            on_off = "on" if f.default else "off"
+            on_off = meta.get("default_label") or ("on" if f.default else "off")
             group.add_argument(
                 flag,
                 dest=_dest(name),

@@ -39,7 +39,7 @@ from jpaged.worker.map_count import MapBudget
 from jpaged.worker.step_inputs import StepInputs, StepKey
 from models import sharding
 from models.config import ModelConfig
-from models.llama import compute_logits, forward
+from models.llama import compute_logits, forward, stack_layers, unstack_layers
 
 logger = logging.getLogger(__name__)
 
@@ -51,38 +51,55 @@ SWAP_PAGES = 32  # pages per swap call: one compiled gather and one scatter
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DeviceState:
-    kv_pages: list  # per layer (k_pages, v_pages): [num_kv_heads, num_pages, page_size, head_dim]
+    # K and V of every layer: [num_kv_heads, num_layers * num_pages, page_size, head_dim];
+    # layer l's page p is physical page l * num_pages + p (models/llama.py forward).
+    k_pages: jax.Array
+    v_pages: jax.Array
     page_table: jax.Array  # int32[max_num_seqs + 1, max_pages_per_seq]; last row is scratch
 
+    @property
+    def kv_pages(self) -> tuple[jax.Array, jax.Array]:
+        return self.k_pages, self.v_pages
 
-def _copy_pages(kv_pages, copies):
-    src, dst = copies[:, 0], copies[:, 1]
-    return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_pages]
+
+def every_layer(pages, num_layers: int, num_pages: int):
+    """int32[len(pages)] page ids -> int32[num_layers * len(pages)]: each page in every
+    layer's part of the pool, layer-major."""
+    offsets = jnp.arange(num_layers, dtype=pages.dtype)[:, None] * num_pages
+    return (pages[None, :] + offsets).reshape(-1)
+
+
+def _copy_pages(k_pages, v_pages, copies, num_layers: int):
+    """Copy-on-write copies int32[C, 2] (src, dst) of every layer's page."""
+    num_pages = k_pages.shape[1] // num_layers
+    src = every_layer(copies[:, 0], num_layers, num_pages)
+    dst = every_layer(copies[:, 1], num_layers, num_pages)
+    return k_pages.at[:, dst].set(k_pages[:, src]), v_pages.at[:, dst].set(v_pages[:, src])
 
 
 def _apply_updates(page_table, updates):
     return page_table.at[updates[:, 0], updates[:, 1]].set(updates[:, 2])
 
 
-def prelude(state: DeviceState, updates, copies) -> DeviceState:
+def prelude(state: DeviceState, updates, copies, *, num_layers: int) -> DeviceState:
     """updates int32[U, 3] (row, column, page), copies int32[C, 2] (src, dst)."""
-    return DeviceState(
-        _copy_pages(state.kv_pages, copies), _apply_updates(state.page_table, updates)
-    )
+    k, v = _copy_pages(state.k_pages, state.v_pages, copies, num_layers)
+    return DeviceState(k, v, _apply_updates(state.page_table, updates))
 
 
-def gather_pages(state: DeviceState, ids):
-    """-> [num_layers, 2, num_kv_heads, len(ids), page_size, head_dim]"""
-    return jnp.stack([jnp.stack([k[:, ids], v[:, ids]]) for k, v in state.kv_pages])
+def gather_pages(state: DeviceState, ids, *, num_layers: int):
+    """ids int32[n] -> [2, num_kv_heads, num_layers * n, page_size, head_dim]: K and V of
+    each page in every layer, layer-major (the host swap space's layout)."""
+    every = every_layer(ids, num_layers, state.k_pages.shape[1] // num_layers)
+    return jnp.stack([state.k_pages[:, every], state.v_pages[:, every]])
 
 
-def scatter_pages(state: DeviceState, ids, pages) -> DeviceState:
-    """Writes pages ([num_layers, 2, H, len(ids), page_size, head_dim]) into the pool at ids."""
-    kv = [
-        (k.at[:, ids].set(pages[i, 0]), v.at[:, ids].set(pages[i, 1]))
-        for i, (k, v) in enumerate(state.kv_pages)
-    ]
-    return DeviceState(kv, state.page_table)
+def scatter_pages(state: DeviceState, ids, pages, *, num_layers: int) -> DeviceState:
+    """Writes pages (gather_pages' layout) into the pool at ids, in every layer."""
+    every = every_layer(ids, num_layers, state.k_pages.shape[1] // num_layers)
+    k = state.k_pages.at[:, every].set(pages[0])
+    v = state.v_pages.at[:, every].set(pages[1])
+    return DeviceState(k, v, state.page_table)
 
 
 def step(
@@ -99,7 +116,9 @@ def step(
     src = inputs.src_rows
     token_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], inputs.token_ids)
     page_table = _apply_updates(state.page_table, inputs.page_updates)
-    kv_pages = _copy_pages(state.kv_pages, inputs.page_copies)
+    kv_pages = _copy_pages(
+        state.k_pages, state.v_pages, inputs.page_copies, model_config.num_layers
+    )
     table = page_table[inputs.table_rows, : key.num_page_cols]  # [S, P]
     hidden, kv_pages = forward(
         params,
@@ -134,7 +153,7 @@ def step(
     # index array is a zero-size constant, and jax 0.11's CPU compiler crashes on a zero-size
     # constant inside shard_map (tests/parallel/test_zero_size_constant.py).
     tokens = jnp.pad(out.tokens, (0, prev_tokens.shape[0] - key.num_seqs))
-    return out, tokens, DeviceState(kv_pages, page_table)
+    return out, tokens, DeviceState(*kv_pages, page_table)
 
 
 def _verify(params, model_config, hidden, inputs: StepInputs, key: StepKey, tp_axis):
@@ -182,10 +201,20 @@ class Programs:
       model_config: the model the step runs.
       attention_backend: EngineConfig.attention_backend.
       mesh: the replica's Mesh params are sharded over, or None for one device.
+      scan_layers: whether params["layers"] is stacked (the layers run under lax.scan) or a
+        list (unrolled); it only sets the params' sharding specs, forward follows the params.
     """
 
-    def __init__(self, model_config: ModelConfig, attention_backend: str | None, mesh=None):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        attention_backend: str | None,
+        mesh=None,
+        *,
+        scan_layers: bool = True,
+    ):
         self.model_config = model_config
+        self.scan_layers = scan_layers
         self.attention_backend = attention_backend
         self.mesh = mesh
         self._steps: dict[StepKey, object] = {}
@@ -197,11 +226,22 @@ class Programs:
         self.num_recompiles = 0
         self.map_budget = MapBudget()  # Linux's cap on mappings: an error, not an abort
         if mesh is not None:
-            num_layers = model_config.num_layers
-            self.state_specs = DeviceState(
-                kv_pages=[(sharding.POOL_SPEC,) * 2] * num_layers, page_table=P()
+            self.state_specs = DeviceState(sharding.POOL_SPEC, sharding.POOL_SPEC, P())
+            self.param_specs = sharding.param_specs(
+                model_config, sharding.tp_size(mesh), stacked=scan_layers
             )
-            self.param_specs = sharding.param_specs(model_config, sharding.tp_size(mesh))
+
+    def layout_params(self, params):
+        """params (either layers layout, models/config.py) in the layout the programs run:
+        stacked under scan_layers (moved layer by layer, each on its sharding), else a list."""
+        if not self.scan_layers:
+            return unstack_layers(params)
+        if self.mesh is None:
+            return stack_layers(params)
+        specs = self.param_specs["layers"]
+        return stack_layers(
+            params, place=lambda name, a: jax.device_put(a, NamedSharding(self.mesh, specs[name]))
+        )
 
     @property
     def num_step_programs(self) -> int:
@@ -220,17 +260,14 @@ class Programs:
 
     # -- state -----------------------------------------------------------------------------
     def init_state(self, num_pages: int, page_size: int, table_shape, dtype) -> DeviceState:
-        """A zero pool and page table (made in place on every device under a mesh)."""
+        """A zero pool (num_pages per layer) and page table (made in place on every device
+        under a mesh)."""
         cfg = self.model_config
-        shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+        shape = (cfg.num_kv_heads, cfg.num_layers * num_pages, page_size, cfg.head_dim)
 
         def zeros():
             return DeviceState(
-                kv_pages=[
-                    (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                    for _ in range(cfg.num_layers)
-                ],
-                page_table=jnp.zeros(table_shape, jnp.int32),
+                jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros(table_shape, jnp.int32)
             )
 
         if self.mesh is None:
@@ -284,31 +321,35 @@ class Programs:
         if self._prelude is None:
             updates = np.zeros((PRELUDE_UPDATES, 3), np.int32)
             copies = np.zeros((PRELUDE_COPIES, 2), np.int32)
+            body = functools.partial(prelude, num_layers=self.model_config.num_layers)
             if self.mesh is None:
-                fn = jax.jit(prelude, donate_argnums=(0,))
+                fn = jax.jit(body, donate_argnums=(0,))
             else:
                 specs = self.state_specs
-                fn = self._sharded_jit(
-                    prelude, in_specs=(specs, P(), P()), out_specs=specs, donate=0
-                )
+                fn = self._sharded_jit(body, in_specs=(specs, P(), P()), out_specs=specs, donate=0)
             self._prelude = self._compiled(fn, state, updates, copies, name="prelude")
         return self._prelude
 
-    def swappers(self, state, swap_shape: tuple[int, ...], dtype):
-        """(gather, scatter) for a swap space of swap_shape, compiled once each."""
+    def swappers(self, state, page_shape: tuple[int, ...], dtype):
+        """(gather, scatter) of SWAP_PAGES pages at a time, compiled once each; page_shape:
+        (num_kv_heads, page_size, head_dim) of one page of one layer."""
         if self._swappers is None:
+            num_layers = self.model_config.num_layers
             ids = np.zeros(SWAP_PAGES, np.int32)
-            pages = np.zeros((*swap_shape[:3], SWAP_PAGES, *swap_shape[4:]), dtype)
+            h, *rest = page_shape
+            pages = np.zeros((2, h, num_layers * SWAP_PAGES, *rest), dtype)
+            gather_body = functools.partial(gather_pages, num_layers=num_layers)
+            scatter_body = functools.partial(scatter_pages, num_layers=num_layers)
             if self.mesh is None:
-                gather = jax.jit(gather_pages)
-                scatter = jax.jit(scatter_pages, donate_argnums=(0,))
+                gather = jax.jit(gather_body)
+                scatter = jax.jit(scatter_body, donate_argnums=(0,))
             else:
-                specs, pages_spec = self.state_specs, P(None, None, sharding.POOL_SPEC[0])
+                specs, pages_spec = self.state_specs, P(None, sharding.POOL_SPEC[0])
                 gather = self._sharded_jit(
-                    gather_pages, in_specs=(specs, P()), out_specs=pages_spec, donate=None
+                    gather_body, in_specs=(specs, P()), out_specs=pages_spec, donate=None
                 )
                 scatter = self._sharded_jit(
-                    scatter_pages, in_specs=(specs, P(), pages_spec), out_specs=specs, donate=0
+                    scatter_body, in_specs=(specs, P(), pages_spec), out_specs=specs, donate=0
                 )
             self._swappers = (
                 self._compiled(gather, state, ids, name="swap gather"),

@@ -9,7 +9,7 @@ Per step it packs the plan (jpaged.worker.step_inputs.pack), runs the compiled s
     out = runner.fetch(step)                  # numpy SamplerOutput, rows in plan order
 
 Page-table edits that do not fit a step's share go through the prelude program first. Swap
-(preemption_mode="swap"): the host swap space is numpy [num_layers, 2 (K, V), num_kv_heads,
+(preemption_mode="swap"): the host swap space is numpy [2 (K, V), num_kv_heads, num_layers,
 num_swap_pages + 1, page_size, head_dim] (host page 0 unused, like the null page); a plan's
 swap-outs gather their device pages in calls of SWAP_PAGES and device_get them, its swap-ins
 scatter host pages back, pool donated; both before the step (`swap`).
@@ -75,13 +75,14 @@ class ModelRunner:
             raise ValueError('preemption_mode="swap" is not supported across processes')
         self.config = config
         self.model_config = model_config
-        self.params = params
         self.num_pages = num_pages
         self.page_size = config.cache.page_size
         self.scratch_row = config.scheduler.max_num_seqs
         self.mesh = mesh
         self.broadcast = broadcast
-        self.programs = Programs(model_config, config.attention_backend, mesh)
+        scan = config.scans_layers(jax.default_backend())
+        self.programs = Programs(model_config, config.attention_backend, mesh, scan_layers=scan)
+        self.params = self.programs.layout_params(params)
         self._warmed: set[StepKey] = set()  # step programs precompile has run (warm_up_inputs)
         self.mask_words = -(-model_config.vocab_size // 32)
         self._device_all_allowed: dict[int, object] = {}  # rows -> all-ones bitmask on device
@@ -91,7 +92,7 @@ class ModelRunner:
         if num_swap_pages:  # zeros: the OS maps host pages on first write
             h, d = model_config.num_kv_heads, model_config.head_dim
             self.swap_space = np.zeros(
-                (model_config.num_layers, 2, h, num_swap_pages + 1, self.page_size, d),
+                (2, h, model_config.num_layers, num_swap_pages + 1, self.page_size, d),
                 np.dtype(dtype),
             )
 
@@ -179,7 +180,8 @@ class ModelRunner:
         )
 
     def _swappers(self):
-        return self.programs.swappers(self.state, self.swap_space.shape, self.swap_space.dtype)
+        h, _, _, page_size, d = self.swap_space.shape[1:]
+        return self.programs.swappers(self.state, (h, page_size, d), self.swap_space.dtype)
 
     # -- execution -------------------------------------------------------------------------
     def swap(self, plan: StepPlan) -> None:
@@ -187,18 +189,21 @@ class ModelRunner:
         if not (len(plan.swap_out) or len(plan.swap_in)):
             return
         gather, scatter = self._swappers()
+        space = self.swap_space  # [2, H, L, host pages, page_size, D]
+        by_layer = (*space.shape[:2], space.shape[2], SWAP_PAGES, *space.shape[4:])
         for i in range(0, len(plan.swap_out), SWAP_PAGES):
             chunk = plan.swap_out[i : i + SWAP_PAGES]
             ids = np.zeros(SWAP_PAGES, np.int32)  # padding gathers the null page
             ids[: len(chunk)] = chunk[:, 0]
-            pages = jax.device_get(gather(self.state, ids))
-            self.swap_space[:, :, :, chunk[:, 1]] = pages[:, :, :, : len(chunk)]
+            pages = jax.device_get(gather(self.state, ids)).reshape(by_layer)
+            space[:, :, :, chunk[:, 1]] = pages[:, :, :, : len(chunk)]
         for i in range(0, len(plan.swap_in), SWAP_PAGES):
             chunk = plan.swap_in[i : i + SWAP_PAGES]
             host = np.zeros(SWAP_PAGES, np.int32)  # padding writes host page 0 to the null page
             dev = np.zeros(SWAP_PAGES, np.int32)
             host[: len(chunk)], dev[: len(chunk)] = chunk[:, 0], chunk[:, 1]
-            self.state = scatter(self.state, dev, self.swap_space[:, :, :, host])
+            pages = space[:, :, :, host].reshape(*space.shape[:2], -1, *space.shape[4:])
+            self.state = scatter(self.state, dev, pages)
 
     def execute(self, plan: StepPlan) -> SamplerOutput:
         """Runs one step; returns numpy arrays of the sampled tokens (row order of the plan)."""

@@ -1,4 +1,5 @@
-"""The model over the paged pool: prefill logits equal transformers'; decode equals prefill."""
+"""The model over the paged pool: prefill logits equal transformers'; decode equals prefill;
+the layers scanned (stacked weights) and unrolled give the same logits."""
 
 import jax
 import jax.numpy as jnp
@@ -8,20 +9,24 @@ import torch
 import transformers
 from checkpoints import ARCHS
 
-from models.llama import compute_logits, forward
+from models.llama import compute_logits, forward, stack_layers
 from models.loader import load_hf_model
 
 PAGE = 8
 _forward = jax.jit(forward, static_argnums=(1,), static_argnames=("decode_only",))
 
 
-def paged_logits(loaded, chunks: list[int], token_ids: list[int], *, num_pages=64, shuffle=True):
+def paged_logits(
+    loaded, chunks: list[int], token_ids: list[int], *, num_pages=64, shuffle=True, params=None
+):
     """Runs one sequence through forward() in chunks (a chunk of 1 is a decode step) over a
-    shuffled page table; returns the logits of every position [len(token_ids), vocab]."""
+    shuffled page table; returns the logits of every position [len(token_ids), vocab].
+    params: loaded.params in another layers layout (stacked), if given."""
     cfg = loaded.config
-    shape = (cfg.num_kv_heads, num_pages, PAGE, cfg.head_dim)
+    params = loaded.params if params is None else params
+    shape = (cfg.num_kv_heads, cfg.num_layers * num_pages, PAGE, cfg.head_dim)
     # Unused pages hold NaN: masking must keep them out of every result.
-    caches = [(jnp.full(shape, jnp.nan), jnp.full(shape, jnp.nan)) for _ in range(cfg.num_layers)]
+    caches = (jnp.full(shape, jnp.nan), jnp.full(shape, jnp.nan))
     pages = np.arange(1, num_pages)
     if shuffle:
         pages = np.random.default_rng(0).permutation(pages)
@@ -32,7 +37,7 @@ def paged_logits(loaded, chunks: list[int], token_ids: list[int], *, num_pages=6
     for n in chunks:
         pos = np.arange(start, start + n)
         hidden, caches = _forward(
-            loaded.params,
+            params,
             cfg,
             caches,
             jnp.asarray(token_ids[start : start + n], jnp.int32),
@@ -43,7 +48,7 @@ def paged_logits(loaded, chunks: list[int], token_ids: list[int], *, num_pages=6
             jnp.asarray([0, n], jnp.int32),
             decode_only=n == 1,
         )
-        out.append(np.asarray(compute_logits(loaded.params, cfg, hidden)))
+        out.append(np.asarray(compute_logits(params, cfg, hidden)))
         start += n
     return np.concatenate(out)
 
@@ -72,3 +77,15 @@ def test_decode_step_by_step_equals_one_shot_prefill(tiny_checkpoints, arch):
     stepwise = paged_logits(loaded, [5, 8] + [1] * 8, ids)  # chunked prefill, then decodes
     assert np.isfinite(stepwise).all()
     np.testing.assert_allclose(stepwise, one_shot, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_scanned_layers_equal_the_unrolled_loop(tiny_checkpoints, arch):
+    loaded = load_hf_model(tiny_checkpoints[arch])
+    ids = np.random.default_rng(3).integers(0, loaded.config.vocab_size, 19).tolist()
+    unrolled = paged_logits(loaded, [11, 1, 1, 6], ids)
+    stacked = stack_layers(load_hf_model(tiny_checkpoints[arch]).params)
+    assert isinstance(stacked["layers"], dict)
+    assert stacked["layers"]["wq"].shape[0] == loaded.config.num_layers
+    scanned = paged_logits(loaded, [11, 1, 1, 6], ids, params=stacked)
+    np.testing.assert_allclose(scanned, unrolled, atol=2e-6, rtol=0)

@@ -59,17 +59,21 @@ def _generate(llm) -> dict:
 
 
 def _layout(runner) -> dict:
-    """Spec and per-device shape of each weight of layer 0 and the top level, and pool bytes."""
+    """Spec and per-device shape of each weight of the layers (stacked: "layers.wq"; a list:
+    layer 0's, "layers.0.wq") and the top level, and pool bytes."""
     p = runner.params
     named = {"embed": p["embed"], "final_norm": p["final_norm"], "lm_head": p.get("lm_head")}
-    named.update({f"layers.0.{k}": v for k, v in p["layers"][0].items()})
+    if isinstance(p["layers"], dict):
+        named.update({f"layers.{k}": v for k, v in p["layers"].items()})
+    else:
+        named.update({f"layers.0.{k}": v for k, v in p["layers"][0].items()})
     weights = {}
     for name, x in named.items():
         if x is None:
             continue
         spec = getattr(x.sharding, "spec", None)
         weights[name] = [str(spec), list(x.addressable_shards[0].data.shape)]
-    k = runner.state.kv_pages[0][0]
+    k = runner.state.k_pages
     return {
         "weights": weights,
         "pool_total_bytes": k.nbytes,
@@ -110,7 +114,7 @@ def run_tp(ckpt: str, orbax_dir: str) -> dict:
         res["layout"] = _layout(replicas[0].runner)
         res["replica_steps"] = [r.runner.programs.num_compiled for r in replicas]
         res["replica_devices"] = [
-            sorted(d.id for d in r.runner.state.kv_pages[0][0].sharding.device_set)
+            sorted(d.id for d in r.runner.state.k_pages.sharding.device_set)
             for r in replicas
         ]
         if t > 1:
@@ -118,12 +122,18 @@ def run_tp(ckpt: str, orbax_dir: str) -> dict:
         if (t, d) == (4, 1):
             hf_params = engine.runner.params
         results[f"{t}x{d}"] = res
+    # The unrolled layer loop (scan_layers off) under T = 2: same tokens, per-layer weights.
+    llm = LLM(ckpt, tensor_parallel_size=2, scan_layers=False, **ENGINE)
+    res = _generate(llm)
+    res["layout"] = _layout(llm.llm_engine.runner)
+    res["collectives"] = _collectives(llm.llm_engine.runner)
+    results["unrolled_2x1"] = res
     for t in (2, 8):  # swap preemption: 4 usable pages for 5 prompts of up to 3 pages
         engine = dict(ENGINE, num_pages=5, preemption_mode="swap", num_swap_pages=16)
         llm = LLM(ckpt, tensor_parallel_size=t, **engine)
         res = _generate(llm)
         res["stats"] = llm.stats()
-        res["pool_spec"] = str(llm.llm_engine.runner.state.kv_pages[0][0].sharding.spec)
+        res["pool_spec"] = str(llm.llm_engine.runner.state.k_pages.sharding.spec)
         results[f"swap_{t}x1"] = res
     convert_hf_to_orbax(ckpt, orbax_dir)
     llm = LLM(orbax_dir, tensor_parallel_size=4, **ENGINE)

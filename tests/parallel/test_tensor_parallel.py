@@ -40,28 +40,39 @@ def test_swap_preemption_under_tp_gives_the_single_device_tokens(tp_results, t):
 @pytest.mark.parametrize(("t", "d"), CONFIGS)
 def test_pool_bytes_per_device(tp_results, t, d):
     layout = tp_results[f"{t}x{d}"]["layout"]
-    total = 4 * 32 * 16 * 8 * 4  # kv heads x pages x page size x head dim x f32
+    total = NUM_LAYERS * 4 * 32 * 16 * 8 * 4  # layers x kv heads x pages x page size x dim x f32
     assert layout["pool_total_bytes"] == total
     assert layout["pool_devices"] == t
     assert layout["pool_device_bytes"] == [total // min(t, KV_HEADS)] * t
 
 
-def _expected_layout(t: int) -> dict:
+def _expected_layout(t: int, *, stacked: bool = True) -> dict:
+    """Specs and per-device shapes; stacked (scanned layers): "layers.<name>" with a leading
+    unsplit layer dimension, else layer 0's "layers.0.<name>"."""
     kv = min(t, KV_HEADS)
-    return {
+    layers = {
+        "input_norm": ["P()", [HIDDEN]],
+        "post_attn_norm": ["P()", [HIDDEN]],
+        "wq": [f"P(None, {TP}, None)", [HIDDEN, HEADS // t, HEAD_DIM]],
+        "wk": ["P(None, 'kv', None)", [HIDDEN, KV_HEADS // kv, HEAD_DIM]],
+        "wv": ["P(None, 'kv', None)", [HIDDEN, KV_HEADS // kv, HEAD_DIM]],
+        "wo": [f"P({TP}, None, None)", [HEADS // t, HEAD_DIM, HIDDEN]],
+        "w_gate": [f"P(None, {TP})", [HIDDEN, INTER // t]],
+        "w_up": [f"P(None, {TP})", [HIDDEN, INTER // t]],
+        "w_down": [f"P({TP}, None)", [INTER // t, HIDDEN]],
+    }
+    out = {
         "embed": [f"P({TP}, None)", [VOCAB // t, HIDDEN]],
         "lm_head": [f"P(None, {TP})", [HIDDEN, VOCAB // t]],
         "final_norm": ["P()", [HIDDEN]],
-        "layers.0.input_norm": ["P()", [HIDDEN]],
-        "layers.0.post_attn_norm": ["P()", [HIDDEN]],
-        "layers.0.wq": [f"P(None, {TP}, None)", [HIDDEN, HEADS // t, HEAD_DIM]],
-        "layers.0.wk": ["P(None, 'kv', None)", [HIDDEN, KV_HEADS // kv, HEAD_DIM]],
-        "layers.0.wv": ["P(None, 'kv', None)", [HIDDEN, KV_HEADS // kv, HEAD_DIM]],
-        "layers.0.wo": [f"P({TP}, None, None)", [HEADS // t, HEAD_DIM, HIDDEN]],
-        "layers.0.w_gate": [f"P(None, {TP})", [HIDDEN, INTER // t]],
-        "layers.0.w_up": [f"P(None, {TP})", [HIDDEN, INTER // t]],
-        "layers.0.w_down": [f"P({TP}, None)", [INTER // t, HIDDEN]],
     }
+    for name, (spec, shape) in layers.items():
+        if stacked:
+            spec = "P(None,)" if spec == "P()" else spec.replace("P(", "P(None, ", 1)
+            out[f"layers.{name}"] = [spec, [NUM_LAYERS, *shape]]
+        else:
+            out[f"layers.0.{name}"] = [spec, shape]
+    return out
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])
@@ -71,21 +82,28 @@ def test_weight_shardings(tp_results, t):
 
 def test_single_device_path_has_no_mesh(tp_results):
     weights = tp_results["1x1"]["layout"]["weights"]
-    assert weights["layers.0.wq"] == ["None", [HIDDEN, HEADS, HEAD_DIM]]
+    assert weights["layers.wq"] == ["None", [NUM_LAYERS, HIDDEN, HEADS, HEAD_DIM]]
+
+
+def test_unrolled_layers_under_tp_give_the_scanned_tokens(tp_results):
+    res = tp_results["unrolled_2x1"]
+    assert res["tokens"] == tp_results["2x1"]["tokens"] == tp_results["1x1"]["tokens"]
+    assert res["layout"]["weights"] == _expected_layout(2, stacked=False)
+    for prog in res["collectives"]:  # every layer's two all-reduces in the program
+        assert (prog["all_reduce"], prog["all_gather"]) == (2 * NUM_LAYERS + 1, 1), prog["key"]
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])
 def test_step_is_one_program_with_expected_collectives(tp_results, t):
-    """Per step: one all-reduce after each row-parallel matmul (wo, w_down) in every layer,
-    one for the vocab-parallel embedding, one all-gather of the logits; nothing else."""
+    """Per step: one all-reduce after each row-parallel matmul (wo, w_down) of the scanned
+    layer (the loop body, run once per layer), one for the vocab-parallel embedding, one
+    all-gather of the logits; nothing else."""
     programs = tp_results[f"{t}x1"]["collectives"]
     assert len(programs) == 3  # two prefill token buckets and one decode bucket were used
     for prog in programs:
-        assert (prog["modules"], prog["all_reduce"], prog["all_gather"]) == (
-            1,
-            2 * NUM_LAYERS + 1,
-            1,
-        ), prog["key"]
+        assert (prog["modules"], prog["all_reduce"], prog["all_gather"]) == (1, 2 + 1, 1), prog[
+            "key"
+        ]
 
 
 def test_data_parallel_replicas_own_their_devices(tp_results):

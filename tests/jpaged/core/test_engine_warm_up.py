@@ -73,10 +73,13 @@ def test_warm_up_runs_each_program_on_rows_that_change_nothing_a_request_reads(
     llm.llm_engine.warm_up(64)
     keys = runner.warm_up_keys(64)
     assert ran == [key for key in keys for _ in range(WARM_UP_RUNS)]
-    # The runs wrote the null page's first slot and nothing else; their samples are gone.
-    written = [(np.asarray(k), np.asarray(v)) for k, v in runner.state.kv_pages]
-    assert all(k[:, 1:].max() == 0 == v[:, 1:].max() for k, v in written)
-    assert all(np.abs(k[:, 0, 0]).max() > 0 for k, _ in written)
+    # The runs wrote each layer's null page's first slot and nothing else; their samples
+    # are gone.
+    num_layers = llm.llm_engine.model_config.num_layers
+    for pages in runner.state.kv_pages:  # [H, layers * pages, page_size, D], layer-major
+        by_layer = np.asarray(pages).reshape(pages.shape[0], num_layers, -1, *pages.shape[2:])
+        assert np.abs(by_layer[:, :, 1:]).max() == 0 == np.abs(by_layer[:, :, 0, 1:]).max()
+        assert (np.abs(by_layer[:, :, 0, 0]).max(axis=(0, 2)) > 0).all()  # every layer
     assert np.asarray(runner.state.page_table).max() == 0
     assert np.asarray(runner.last_tokens).max() == 0
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
