@@ -341,7 +341,12 @@ def generation_defaults(metadata: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_gguf_model(
-    path: str | os.PathLike, *, dtype: Any = None, mesh: Any = None, on_host: bool = False
+    path: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    mesh: Any = None,
+    on_host: bool = False,
+    stacked: bool = False,
 ) -> hf_checkpoint.LoadedModel:
     """Loads a GGUF file, dequantized into dtype.
 
@@ -350,6 +355,7 @@ def load_gguf_model(
       dtype: dtype of every param (default as models.hf_checkpoint.resolve_dtype).
       mesh: a Mesh of models.sharding (None: every param on the default device).
       on_host: keep params as numpy arrays, ignoring mesh.
+      stacked: the layers stacked for lax.scan (hf_checkpoint.build_params), unless on_host.
 
     Returns:
       LoadedModel with the tokenizer, chat template, BOS/EOS texts and sampling defaults the
@@ -399,7 +405,7 @@ def load_gguf_model(
         return w
 
     params = hf_checkpoint.build_params(
-        config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host
+        config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host, stacked=stacked
     )
     return hf_checkpoint.LoadedModel(
         config=config,

@@ -246,21 +246,42 @@ def build_params(
     dtype: Any,
     mesh: Any = None,
     on_host: bool = False,
+    stacked: bool = False,
 ) -> dict[str, Any]:
     """The params pytree: read(spec) gives each tensor in its Hugging Face shape (the reader
-    checks it), here turned into the layout, cast to dtype and placed on its devices."""
-    shardings = _shardings(config, mesh)
-    params: dict[str, Any] = {"layers": [{} for _ in range(config.num_layers)]}
+    checks it), here turned into the layout, cast to dtype and placed on its devices.
+
+    stacked: "layers" as one dict of [num_layers, ...] arrays (the scanned layout,
+    models/llama.py stack_layers), filled on the host and placed name by name, each host
+    array dropped once placed: the load holds the model once on the host and once on the
+    devices at most, never a second device copy."""
+    stacked = stacked and not on_host
+    shardings = _shardings(config, mesh, stacked=stacked)
+    params: dict[str, Any] = {"layers": {} if stacked else [{} for _ in range(config.num_layers)]}
+    host: dict[str, np.ndarray] = {}  # stacked: name -> [num_layers, ...] on the host
     for key, spec in specs.items():
         # Cast on the host (ml_dtypes for bfloat16): jnp.asarray(x, dtype=...) would compile
         # one XLA convert per distinct tensor shape.
         value = np.ascontiguousarray(spec.to_layout(read(spec)), dtype=dtype)
+        if stacked and key[0] == "layers":
+            name = key[2]
+            if name not in host:
+                host[name] = np.empty((config.num_layers, *value.shape), value.dtype)
+            host[name][key[1]] = value
+            continue
         _set(params, key, value if on_host else _place(value, shardings.get(key)))
+    for name in list(host):
+        params["layers"][name] = _place(host.pop(name), shardings.get(("layers", name)))
     return params
 
 
 def load_hf_model(
-    path: str | os.PathLike, *, dtype: Any = None, mesh: Any = None, on_host: bool = False
+    path: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    mesh: Any = None,
+    on_host: bool = False,
+    stacked: bool = False,
 ) -> LoadedModel:
     """Loads a Hugging Face model directory.
 
@@ -274,6 +295,7 @@ def load_hf_model(
       mesh: a Mesh of models.sharding; each tensor is read once on the host and each device
         receives only its shard (None: every param on the default device).
       on_host: keep params as numpy arrays (for conversion), ignoring mesh.
+      stacked: the layers stacked for lax.scan (build_params), unless on_host.
 
     Returns:
       LoadedModel. tokenizer is None when there is no tokenizer.json (the engine can still
@@ -328,7 +350,9 @@ def load_hf_model(
                 )
             return array
 
-        params = build_params(config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host)
+        params = build_params(
+            config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host, stacked=stacked
+        )
     return directory_model(model_dir, config, params, mesh)
 
 
@@ -418,15 +442,16 @@ def _chat_template(model_dir: Path, tok_config: dict[str, Any], source: Path) ->
     )
 
 
-def _shardings(config: ModelConfig, mesh: Any) -> dict[tuple, Any]:
-    """params path -> NamedSharding ({} without a mesh)."""
+def _shardings(config: ModelConfig, mesh: Any, *, stacked: bool = False) -> dict[tuple, Any]:
+    """params path -> NamedSharding ({} without a mesh); stacked: the layers' paths are
+    ("layers", name)."""
     if mesh is None:
         return {}
     import jax
 
     from models.sharding import param_shardings
 
-    flat = jax.tree_util.tree_flatten_with_path(param_shardings(config, mesh))[0]
+    flat = jax.tree_util.tree_flatten_with_path(param_shardings(config, mesh, stacked=stacked))[0]
     return {tuple(getattr(k, "key", getattr(k, "idx", None)) for k in p): s for p, s in flat}
 
 

@@ -16,6 +16,7 @@ working; this module imports the loaders and none of them imports it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -45,6 +46,7 @@ def load_model(
     dtype: Any = None,
     mesh: Any = None,
     revision: str | None = None,
+    stacked: bool = False,
 ) -> LoadedModel:
     """Loads any model jpaged reads (see the module docstring).
 
@@ -53,6 +55,9 @@ def load_model(
       dtype: dtype of every param (default: bfloat16 on an accelerator, float32 on CPU).
       mesh: a Mesh of models.sharding (None: every param on the default device).
       revision: branch, tag or commit of a Hub repo (default "main").
+      stacked: params["layers"] as one dict of [num_layers, ...] arrays (for lax.scan),
+        built on the host by the HF and GGUF loaders; an Orbax checkpoint (saved per layer)
+        is restored per layer and stacked on the devices (models/llama.py stack_layers).
 
     Raises:
       FileNotFoundError, ValueError: as the chosen loader; ValueError for a repo that cannot
@@ -61,10 +66,22 @@ def load_model(
     local = hub.resolve_model_path(str(path), revision)
     gguf_file = gguf.find_gguf(local)
     if gguf_file is not None:
-        return gguf.load_gguf_model(gguf_file, dtype=dtype, mesh=mesh)
+        return gguf.load_gguf_model(gguf_file, dtype=dtype, mesh=mesh, stacked=stacked)
     if orbax_checkpoint.is_orbax_dir(local):
-        return orbax_checkpoint.load_orbax_model(local, dtype=dtype, mesh=mesh)
-    return load_hf_model(local, dtype=dtype, mesh=mesh)
+        loaded = orbax_checkpoint.load_orbax_model(local, dtype=dtype, mesh=mesh)
+        if not stacked:
+            return loaded
+        from models.llama import stack_layers
+        from models.sharding import param_shardings
+
+        place = None
+        if mesh is not None:
+            import jax
+
+            layers = param_shardings(loaded.config, mesh, stacked=True)["layers"]
+            place = lambda name, a: jax.device_put(a, layers[name])  # noqa: E731
+        return dataclasses.replace(loaded, params=stack_layers(loaded.params, place))
+    return load_hf_model(local, dtype=dtype, mesh=mesh, stacked=stacked)
 
 
 def read_config(path: str | os.PathLike, *, revision: str | None = None) -> ModelConfig:

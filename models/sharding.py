@@ -127,9 +127,9 @@ def param_specs(cfg: ModelConfig, tensor_parallel_size: int, *, stacked: bool = 
     return specs
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
-    """NamedShardings in the params layout (replicated over "data")."""
-    specs = param_specs(cfg, tp_size(mesh))
+def param_shardings(cfg: ModelConfig, mesh: Mesh, *, stacked: bool = False) -> dict:
+    """NamedShardings in the params layout (replicated over "data"); stacked as param_specs."""
+    specs = param_specs(cfg, tp_size(mesh), stacked=stacked)
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs)
 
 

@@ -283,6 +283,7 @@ def engine_kwargs(args, workload: Workload, prefix_caching: bool = True) -> dict
         "data_parallel_size": args.data_parallel_size,
         "enable_prefix_caching": prefix_caching,
         "async_scheduling": args.async_scheduling,
+        "scan_layers": args.scan_layers,
     }
 
 
@@ -551,6 +552,12 @@ def parse_args(argv=None):
         help="plan the next step while the device runs this one (default on)",
     )
     p.add_argument(
+        "--scan-layers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the layers under lax.scan (default: the engine's platform default)",
+    )
+    p.add_argument(
         "--compilation-cache-dir",
         default="auto",
         help="jpaged's persistent compilation cache for the main run ('off': none)",
@@ -721,6 +728,8 @@ def _engine_flags(args) -> list[str]:
     ]
     flags += ["--precompile"] if args.precompile else []
     flags += [] if args.async_scheduling else ["--no-async-scheduling"]
+    if args.scan_layers is not None:
+        flags += ["--scan-layers" if args.scan_layers else "--no-scan-layers"]
     if args.simulate_cpu_devices:
         flags += ["--simulate-cpu-devices", str(args.simulate_cpu_devices)]
     return flags
@@ -791,7 +800,7 @@ def report(r: dict, args) -> None:
     print(
         f"jpaged: max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
         f"{args.max_num_batched_tokens}, page_size {args.page_size}, precompile {args.precompile}, "
-        f"async scheduling {args.async_scheduling}"
+        f"async scheduling {args.async_scheduling}, scan layers {args.scan_layers}"
     )
     print(f"{'engine':<40}{'output tokens/s':>16}")
     print(f"{'jpaged':<40}{ours['tokens_per_s']:>16.1f}")

@@ -24,6 +24,7 @@ def load_for_config(config: EngineConfig, *, data_parallel: bool = False) -> Loa
     """The model of config, sharded over a mesh when it asks for more than one device.
 
     Without data_parallel the mesh is replica 0's (T devices); with it, all D x T devices.
+    The layers come stacked when the engine scans them (EngineConfig.scans_layers).
     """
     import jax
 
@@ -34,4 +35,10 @@ def load_for_config(config: EngineConfig, *, data_parallel: bool = False) -> Loa
         d = p.data_parallel_size if data_parallel else 1
         cfg = read_config(path, revision=config.revision)
         mesh = sharding.make_mesh(cfg, p.tensor_parallel_size, d)
-    return load_model(path, dtype=config.dtype, mesh=mesh, revision=config.revision)
+    return load_model(
+        path,
+        dtype=config.dtype,
+        mesh=mesh,
+        revision=config.revision,
+        stacked=config.scans_layers(jax.default_backend()),
+    )

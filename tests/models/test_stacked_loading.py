@@ -1,0 +1,65 @@
+"""The scanned layout straight from the loaders: stacked=True gives every layer's weights,
+bitwise, in one [num_layers, ...] array per name, from a Hugging Face directory, a GGUF file
+and an Orbax checkpoint; and the engine runs that layout (its runner does not stack again)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numpy_checkpoints import make_llama_checkpoint
+
+from models.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_llama_checkpoint(tmp_path_factory.mktemp("stacked") / "llama", layers=3)
+
+
+def _assert_stacked_equals(stacked: dict, per_layer: dict) -> None:
+    layers = per_layer["layers"]
+    assert sorted(stacked["layers"]) == sorted(layers[0])
+    for name, array in stacked["layers"].items():
+        assert array.shape == (len(layers), *layers[0][name].shape), name
+        for i, layer in enumerate(layers):
+            np.testing.assert_array_equal(np.asarray(array[i]), np.asarray(layer[name]))
+    for name in ("embed", "final_norm"):
+        np.testing.assert_array_equal(np.asarray(stacked[name]), np.asarray(per_layer[name]))
+
+
+def test_hf_directory_loads_stacked(checkpoint):
+    _assert_stacked_equals(
+        load_model(checkpoint, stacked=True).params, load_model(checkpoint).params
+    )
+
+
+def test_orbax_checkpoint_loads_stacked(checkpoint, tmp_path):
+    from models.orbax_checkpoint import convert_hf_to_orbax
+
+    out = convert_hf_to_orbax(checkpoint, tmp_path / "orbax")
+    _assert_stacked_equals(load_model(out, stacked=True).params, load_model(checkpoint).params)
+
+
+def test_the_engine_takes_the_loaded_stacked_layers_as_they_are(checkpoint):
+    from jpaged import LLM, SamplingParams
+
+    kw = {"max_num_seqs": 2, "max_model_len": 32, "max_num_batched_tokens": 16,
+          "page_size": 8, "num_pages": 9}
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    scanned = LLM(str(checkpoint), **kw)
+    runner = scanned.llm_engine.runner
+    assert isinstance(runner.params["layers"], dict)
+    assert runner.params["layers"]["wq"].shape[0] == 3
+    unrolled = LLM(str(checkpoint), scan_layers=False, **kw)
+    assert isinstance(unrolled.llm_engine.runner.params["layers"], list)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]
+    tokens = [o.outputs[0].token_ids for o in scanned.generate(prompts, greedy)]
+    assert tokens == [o.outputs[0].token_ids for o in unrolled.generate(prompts, greedy)]
+
+
+def test_gguf_file_loads_stacked(checkpoint, tmp_path):
+    from checkpoints import write_gguf
+
+    path = tmp_path / "llama.gguf"
+    write_gguf(checkpoint, path, "Q8_0")
+    _assert_stacked_equals(load_model(path, stacked=True).params, load_model(path).params)
