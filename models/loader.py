@@ -79,7 +79,7 @@ def load_model(
             import jax
 
             layers = param_shardings(loaded.config, mesh, stacked=True)["layers"]
-            place = lambda name, a: jax.device_put(a, layers[name])  # noqa: E731
+            place = lambda name, a: jax.device_put(a, layers[name])
         return dataclasses.replace(loaded, params=stack_layers(loaded.params, place))
     return load_hf_model(local, dtype=dtype, mesh=mesh, stacked=stacked)
 
