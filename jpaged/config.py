@@ -116,7 +116,17 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = setting(True, "chunked prefill")
     min_token_bucket: int = setting(16, "smallest token bucket", cli=False)
     min_seq_bucket: int = setting(4, "smallest sequence bucket", cli=False)
-    min_page_bucket: int = setting(4, "smallest page-column bucket", cli=False)
+    # Page-table columns a step reads come in buckets from this up to max_pages_per_seq. None:
+    # by platform (EngineConfig.resolve): 4 on accelerators, whose kernels' grids follow the
+    # width; on CPU one bucket, the full width (the reference attention loops only over the
+    # key blocks a row's context needs, so a wide table costs nothing, and a chat whose
+    # context grows meets no new program).
+    min_page_bucket: int | None = setting(None, "smallest page-column bucket", cli=False)
+    # Decode-only steps (one token per sequence) get programs of their own, which run the
+    # decode kernel. None: by platform (EngineConfig.resolve): on accelerators; on CPU a
+    # decode step runs the ragged program of its token and sequence buckets (the same
+    # reference attention), so decoding meets no program a prefill has not compiled.
+    decode_programs: bool | None = setting(None, "decode-only step programs", cli=False)
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -277,17 +287,25 @@ class EngineConfig:
         spec = self.speculative
         return 0 if spec is None else spec.num_speculative_tokens
 
-    def resolve(self, model_max_len: int) -> EngineConfig:
+    def resolve(self, model_max_len: int, platform: str | None = None) -> EngineConfig:
         """This config with the model-dependent defaults filled in: max_model_len (the
         model's context length, at most DEFAULT_MAX_MODEL_LEN) and max_num_batched_tokens
-        (max(512, max_num_seqs)). Validates the result."""
+        (max(512, max_num_seqs)); with platform ("cpu", "gpu", ...), the step shapes' defaults
+        (SchedulerConfig.min_page_bucket, decode_programs). Validates the result."""
         s = self.scheduler
+        cpu = platform == "cpu"
         max_len = s.max_model_len or min(model_max_len, DEFAULT_MAX_MODEL_LEN)
-        batched = s.max_num_batched_tokens or max(512, s.max_num_seqs)
-        if max_len == s.max_model_len and batched == s.max_num_batched_tokens:
+        changes = {
+            "max_model_len": max_len,
+            "max_num_batched_tokens": s.max_num_batched_tokens or max(512, s.max_num_seqs),
+        }
+        if platform is not None and s.min_page_bucket is None:
+            changes["min_page_bucket"] = math.ceil(max_len / self.cache.page_size) if cpu else 4
+        if platform is not None and s.decode_programs is None:
+            changes["decode_programs"] = not cpu
+        if all(getattr(s, k) == v for k, v in changes.items()):
             return self
-        scheduler = dataclasses.replace(s, max_model_len=max_len, max_num_batched_tokens=batched)
-        return dataclasses.replace(self, scheduler=scheduler)
+        return dataclasses.replace(self, scheduler=dataclasses.replace(s, **changes))
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -308,7 +326,13 @@ class EngineConfig:
     @property
     def page_buckets(self) -> tuple[int, ...]:
         m = self.max_pages_per_seq
-        return powers_of_two(min(self.scheduler.min_page_bucket, m), m)
+        lo = self.scheduler.min_page_bucket
+        return powers_of_two(min(4 if lo is None else lo, m), m)
+
+    @property
+    def decode_programs(self) -> bool:
+        """Whether decode-only steps run programs of their own (SchedulerConfig)."""
+        return self.scheduler.decode_programs is not False
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -195,7 +195,9 @@ class LLMEngine:
         if loaded is None:
             loaded = load_for_config(config)  # sharded when config.parallel asks for it
         self.model_config: ModelConfig = loaded.config
-        self.config = config = config.resolve(self.model_config.max_position_embeddings)
+        self.config = config = config.resolve(
+            self.model_config.max_position_embeddings, jax.default_backend()
+        )
         self.eos_token_ids = tuple(loaded.eos_token_ids)
         self.tokenizer = (
             Tokenizer(loaded.tokenizer, self.eos_token_ids)

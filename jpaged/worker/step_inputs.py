@@ -91,7 +91,7 @@ def step_key(plan: StepPlan, config: EngineConfig) -> StepKey:
         "spec_k": config.num_speculative_tokens if plan.proposals is not None else 0,
         "spec_draft": plan.proposals is not None and config.speculative.method == "draft_model",
     }
-    if plan.decode_only:
+    if plan.decode_only and config.decode_programs:
         return StepKey(num_seqs, num_seqs, cols, True, **extra)
     # At least a token per row (forks of an n > 1 request have none; max_num_seqs <=
     # max_num_batched_tokens), so num_tokens >= num_seqs' lower neighbour and the ragged
@@ -139,6 +139,16 @@ def _ragged_shapes(config: EngineConfig) -> list[tuple[int, int]]:
     return shapes
 
 
+def _decode_shapes(config: EngineConfig) -> list[tuple[int, int]]:
+    """(tokens, sequences) buckets of decode steps without decode programs: r rows (one token
+    each) in sequence bucket s, for every r that bucket takes."""
+    shapes, below = [], 0
+    for s in config.seq_buckets:
+        shapes += [(bucket(config.token_buckets, r), s) for r in range(below + 1, s + 1)]
+        below = s
+    return list(dict.fromkeys(shapes))
+
+
 def bucket_keys(config: EngineConfig, max_len: int | None = None) -> list[StepKey]:
     """Every step shape the scheduler can produce (without logprobs, penalties, logit bias
     or prompt logprobs): decode steps, ragged steps, and with speculative decoding the
@@ -146,7 +156,7 @@ def bucket_keys(config: EngineConfig, max_len: int | None = None) -> list[StepKe
     max_len tokens (page-column buckets up to its own)."""
     c = config
     pages = c.page_buckets if max_len is None else _page_buckets_up_to(c, max_len)
-    keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in pages]
+    keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in pages if c.decode_programs]
     spec = c.speculative
     drafted = spec is not None and spec.method == "draft_model"
     for spec_k in sorted({0, c.num_speculative_tokens}):
@@ -167,14 +177,20 @@ def bucket_keys(config: EngineConfig, max_len: int | None = None) -> list[StepKe
 def warm_up_keys(config: EngineConfig, context_len: int) -> list[StepKey]:
     """The step shapes short requests meet first: one request's prompt of up to context_len
     tokens (every token bucket up to its own, the smallest sequence bucket), and decode steps
-    of every sequence bucket, each at every page-column bucket up to context_len's. With
+    of every sequence bucket (their own programs, or without decode programs the ragged
+    shapes decode steps pad to), each at every page-column bucket up to context_len's. With
     speculative decoding, the ragged steps that verify proposals too. A subset of
     bucket_keys(config)."""
     c = config
     context_len = max(1, min(context_len, c.scheduler.max_model_len))
     tokens = bucket(c.token_buckets, min(context_len, c.scheduler.max_num_batched_tokens))
     pages = _page_buckets_up_to(c, context_len)
-    keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in pages]
+    if c.decode_programs:
+        keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in pages]
+    else:  # a decode step of r rows runs the ragged program (bucket(r) tokens, bucket(r) rows)
+        keys = [
+            StepKey(t, s, p, False) for t, s in _decode_shapes(c) for p in pages
+        ]
     spec = c.speculative
     drafted = spec is not None and spec.method == "draft_model"
     keys += [
@@ -183,6 +199,7 @@ def warm_up_keys(config: EngineConfig, context_len: int) -> list[StepKey]:
         if t <= tokens
         for p in pages
     ]
+    keys = list(dict.fromkeys(keys))
     k = c.num_speculative_tokens
     if k > 0:  # decoding rows verify k proposals each: s * (k + 1) tokens
         keys += [

@@ -39,9 +39,10 @@ def test_a_short_request_after_warm_up_compiles_no_step_program(demo_model_dir, 
 
 
 def test_precompile_up_to_max_len_compiles_those_buckets_and_nothing_later(demo_model_dir):
+    # An accelerator's step shapes (page-column buckets from 4, decode programs), on CPU.
     llm = LLM(str(demo_model_dir), max_num_seqs=8, max_model_len=256,
               max_num_batched_tokens=64, page_size=16, num_pages=64,
-              precompile=True, precompile_max_len=64)
+              precompile=True, precompile_max_len=64, min_page_bucket=4, decode_programs=True)
     engine = llm.llm_engine
     programs = engine.runner.programs
     keys = bucket_keys(engine.config, 64)

@@ -18,4 +18,6 @@ def test_step_timer_logs_every_step_and_detaches(demo_llm):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert len(timer.log) >= 5  # a prefill, then one step per decode token
     key, rows, context, seconds = timer.log[-1]
-    assert key.decode_only and rows == 2 and context > 0 and seconds >= 0
+    # A decode step: its own program where the platform has them (on CPU the ragged one).
+    assert key.decode_only == engine.config.decode_programs
+    assert rows == 2 and context > 0 and seconds >= 0

@@ -17,6 +17,7 @@ from jpaged.worker.step_inputs import (
     step_key,
     update_capacity,
     warm_up_inputs,
+    warm_up_keys,
 )
 from jpaged.worker.step_plan import PLACEHOLDER, empty_plan
 
@@ -278,3 +279,42 @@ def test_a_warm_up_run_outside_the_runs_is_refused():
     key = StepKey(8, 4, 2, False)
     with pytest.raises(ValueError, match=r"warm-up run must be in \[0, 3\), got 3"):
         warm_up_inputs(_padded_inputs(key), key, 4, 3)
+
+
+def test_on_cpu_one_page_bucket_and_decode_steps_on_the_ragged_programs():
+    base = EngineConfig(
+        cache=CacheConfig(page_size=16, num_pages=64),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
+    )
+    gpu, cpu = base.resolve(256, "gpu"), base.resolve(256, "cpu")
+    assert gpu.page_buckets == (4, 8, 16) and gpu.decode_programs
+    assert cpu.page_buckets == (16,) and not cpu.decode_programs
+    keys = bucket_keys(cpu)
+    assert all(not k.decode_only and k.num_page_cols == 16 for k in keys)
+    assert {(k.num_tokens, k.num_seqs) for k in keys} == {
+        (16, 4), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8), (16, 16), (32, 16), (64, 16)
+    }
+    assert len(keys) == 9 and len(bucket_keys(gpu)) == 3 * 3 + 9 * 3
+    # A decode step of 1..16 rows pads to (16 tokens, its row bucket), keys precompiled.
+    assert [(k.num_tokens, k.num_seqs) for k in warm_up_keys(cpu, 64)] == [
+        (16, 4), (16, 8), (16, 16), (32, 4), (64, 4)
+    ]
+    assert set(warm_up_keys(cpu, 64)) <= set(keys)
+
+
+def test_a_decode_plan_on_cpu_runs_the_ragged_key_of_its_rows():
+    base = EngineConfig(
+        cache=CacheConfig(page_size=4, num_pages=16),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32),
+    )
+    config = base.resolve(32, "cpu")
+    sched = Scheduler(config, PageAllocator(16), eos_token_ids=(0,))
+    add(sched, "a", [5, 6, 7], max_tokens=4, ignore_eos=True)
+    add(sched, "b", [8, 9], max_tokens=4, ignore_eos=True)
+    prefill = sched.schedule()
+    feed(sched, prefill, [11, 12])
+    decode = sched.schedule()
+    assert decode.decode_only and len(decode) == 2
+    assert step_key(decode, config) == StepKey(16, 4, 8, False)
+    assert step_key(decode, base) == StepKey(4, 4, 4, True)  # with decode programs
+    assert step_key(decode, config) in bucket_keys(config)
