@@ -33,6 +33,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jpaged-test-xla-")
 
+# Compiled programs are not loaded from jpaged's executable cache in tests: tests patch
+# traced functions at run time, which its keys cannot see (tests/jpaged/worker/
+# test_executable_cache.py turns it on for itself).
+os.environ.setdefault("JPAGED_EXECUTABLE_CACHE", "off")
+
 import pytest
 
 try:  # hypothesis is a test extra; a device machine without it still runs `-m gpu`

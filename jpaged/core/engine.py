@@ -47,7 +47,7 @@ from jpaged.spec_decode.governor import AcceptanceTracker, CostGovernor
 from jpaged.spec_decode.ngram_proposer import NgramProposer, matched_prefix
 from jpaged.structured_output.manager import StructuredOutputManager
 from jpaged.tokenizer import Tokenizer
-from jpaged.worker import compilation_cache
+from jpaged.worker import compilation_cache, executable_cache
 from jpaged.worker.model_loading import load_for_config
 from jpaged.worker.runner import InFlightStep, ModelRunner
 from jpaged.worker.step_inputs import bucket
@@ -191,7 +191,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, loaded=None) -> None:
         t0 = time.perf_counter()
         max_len_given = config.scheduler.max_model_len is not None
-        self.compilation_cache_dir = compilation_cache.enable(config.compilation_cache_dir)
+        self.compilation_cache_dir = compilation_cache.enable(
+            config.compilation_cache_dir, jax_cache=not executable_cache.wanted()
+        )
         if loaded is None:
             loaded = load_for_config(config)  # sharded when config.parallel asks for it
         self.model_config: ModelConfig = loaded.config
@@ -242,6 +244,7 @@ class LLMEngine:
             mesh=loaded.mesh,
             num_swap_pages=self.num_swap_pages,
             broadcast=broadcast,
+            cache_dir=self.compilation_cache_dir,
         )
         self._arrivals = 0
         self._drafter = None
@@ -262,12 +265,13 @@ class LLMEngine:
             self.warmup_seconds = self.runner.precompile()
             self.runner.programs.warmed_up = True
         logger.info(
-            "engine ready: %s, %d pages of %d tokens, load %.1fs, warm-up %.1fs",
+            "engine ready: %s, %d pages of %d tokens, load %.1fs, warm-up %.1fs; %s",
             self.model_config.architecture,
             self.num_pages,
             config.cache.page_size,
             self.load_seconds,
             self.warmup_seconds,
+            self.runner.programs.summary(),
         )
 
     def _new_host_state(self) -> None:
@@ -520,8 +524,12 @@ class LLMEngine:
         the seconds it took. A server calls it before it reports SERVING."""
         seconds = self.runner.precompile(self.runner.warm_up_keys(context_len))
         self.warmup_seconds += seconds
+        programs = self.runner.programs
         logger.info(
-            "warm-up: %d step programs in %.1fs", self.runner.programs.num_step_programs, seconds
+            "warm-up: %d step programs in %.1fs; %s",
+            programs.num_step_programs,
+            seconds,
+            programs.summary(),
         )
         return seconds
 
@@ -947,6 +955,12 @@ class LLMEngine:
             num_buckets=self.runner.num_buckets(),
             num_compiles=programs.num_compiles,
             compile_seconds=programs.compile_seconds,
+            num_traced=programs.num_traced,
+            trace_seconds=programs.trace_seconds,
+            xla_compile_seconds=programs.xla_seconds,
+            num_xla_cache_hits=programs.num_xla_cache_hits,
+            num_loaded=programs.num_loaded,
+            load_seconds=programs.load_seconds,
             num_recompiles=programs.num_recompiles,
             num_recoveries=self.num_recoveries,
             **self._speculation_stats(),

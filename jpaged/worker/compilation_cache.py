@@ -26,8 +26,10 @@ def default_dir() -> Path:
     return cache_root() / "xla"
 
 
-def enable(path: str | None) -> str | None:
-    """Points JAX's persistent cache at path ("auto": default_dir(); None, "", "off": off).
+def enable(path: str | None, *, jax_cache: bool = True) -> str | None:
+    """The cache directory for path ("auto": default_dir(); None, "", "off": none), created;
+    JAX's persistent cache pointed at it when jax_cache (the executable cache, which keeps
+    the engine's programs whole, asks for it off: executable_cache.py says why).
 
     Returns the directory in use, or None when the cache is off.
     """
@@ -42,6 +44,9 @@ def enable(path: str | None) -> str | None:
     except OSError as e:  # a read-only home: run without the cache rather than fail
         logger.warning("compilation cache disabled: cannot create %s: %s", resolved, e)
         return None
+    if not jax_cache:
+        logger.info("compilation cache: %s (compiled programs, JAX's cache off)", resolved)
+        return str(resolved)
     jax.config.update("jax_compilation_cache_dir", str(resolved))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     # JAX decides once per process whether the cache is used; make it look again (an

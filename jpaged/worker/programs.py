@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jpaged.sample.logits_processors import apply_logit_bias, apply_token_bitmask
 from jpaged.sample.rejection_sampler import draft_sample, verify
 from jpaged.sample.sampler import SamplerOutput, prompt_logprobs, sample
+from jpaged.worker.executable_cache import ExecutableCache, cache_key
 from jpaged.worker.map_count import MapBudget
 from jpaged.worker.step_inputs import StepInputs, StepKey
 from models import sharding
@@ -42,6 +44,18 @@ from models.config import ModelConfig
 from models.llama import compute_logits, forward, stack_layers, unstack_layers
 
 logger = logging.getLogger(__name__)
+
+# JAX's persistent-cache hits in this process (jax.monitoring), for Programs' counts.
+_XLA_CACHE_HITS = [0]
+
+
+def _count_xla_cache_hit(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _XLA_CACHE_HITS[0] += 1
+
+
+jax.monitoring.register_event_listener(_count_xla_cache_hit)
+
 
 PRELUDE_UPDATES = 256  # page-table updates per prelude call (overflow of a step's share)
 PRELUDE_COPIES = 64
@@ -212,6 +226,7 @@ class Programs:
         mesh=None,
         *,
         scan_layers: bool = True,
+        cache_dir: str | None = None,
     ):
         self.model_config = model_config
         self.scan_layers = scan_layers
@@ -220,8 +235,19 @@ class Programs:
         self._steps: dict[StepKey, object] = {}
         self._prelude = None
         self._swappers = None
-        self.num_compiles = 0  # every program compiled, the prelude and swap copies included
+        # Every program made ready (traced and compiled, or loaded from the executable cache),
+        # the prelude and swap copies included, and the seconds it took; the split below.
+        self.num_compiles = 0
         self.compile_seconds = 0.0
+        self.num_traced = 0  # traced and lowered from Python, then compiled by XLA
+        self.trace_seconds = 0.0
+        self.xla_seconds = 0.0  # XLA's compiles (or reads of JAX's persistent cache)
+        self.num_xla_cache_hits = 0  # of those compiles, served by JAX's persistent cache
+        self.num_loaded = 0  # loaded from the executable cache: no tracing, no compile
+        self.load_seconds = 0.0
+        self.executables = ExecutableCache(
+            None if cache_dir is None else Path(cache_dir) / "jpaged-executables"
+        )
         self.warmed_up = False  # set after warm-up: a new step program then is a recompile
         self.num_recompiles = 0
         self.map_budget = MapBudget()  # Linux's cap on mappings: an error, not an abort
@@ -283,16 +309,53 @@ class Programs:
         )()
 
     # -- compilation -----------------------------------------------------------------------
+    def _identity(self) -> str:
+        """What makes two programs of one name and argument shapes differ."""
+        mesh = None
+        if self.mesh is not None:
+            mesh = (tuple(self.mesh.shape.items()), [d.id for d in self.mesh.devices.flat])
+        return repr((self.model_config, self.attention_backend, self.scan_layers, mesh))
+
     def _compiled(self, fn, *args, name: str):
+        """fn's executable for args: loaded from the executable cache when it holds one,
+        else traced, lowered and compiled (and stored)."""
         before = self.map_budget.check(name)
         t0 = time.perf_counter()
-        exe = fn.lower(*args).compile()
-        seconds = time.perf_counter() - t0
+        key = cache_key(name, self._identity(), args) if self.executables.enabled else None
+        exe = None if key is None else self.executables.load(key, name)
+        if exe is not None:
+            seconds = time.perf_counter() - t0
+            self.num_loaded += 1
+            self.load_seconds += seconds
+            logger.debug("loaded %s from the executable cache in %.2fs", name, seconds)
+        else:
+            hits = _XLA_CACHE_HITS[0]
+            lowered = fn.lower(*args)
+            t1 = time.perf_counter()
+            exe = lowered.compile()
+            t2 = time.perf_counter()
+            seconds = t2 - t0
+            from_jax_cache = _XLA_CACHE_HITS[0] - hits
+            self.num_traced += 1
+            self.trace_seconds += t1 - t0
+            self.xla_seconds += t2 - t1
+            self.num_xla_cache_hits += from_jax_cache
+            logger.debug("compiled %s in %.2fs (tracing %.2fs)", name, seconds, t1 - t0)
+            if key is not None and not from_jax_cache:  # see executable_cache's docstring
+                self.executables.store(key, exe)
         self.map_budget.record(before)
         self.num_compiles += 1
         self.compile_seconds += seconds
-        logger.debug("compiled %s in %.2fs", name, seconds)
         return exe
+
+    def summary(self) -> str:
+        """One line of where the programs came from and the seconds each way took."""
+        return (
+            f"{self.num_compiles} programs: {self.num_traced} traced and compiled "
+            f"(tracing {self.trace_seconds:.1f}s, XLA {self.xla_seconds:.1f}s, "
+            f"{self.num_xla_cache_hits} from JAX's compilation cache), {self.num_loaded} "
+            f"loaded from the executable cache ({self.load_seconds:.1f}s)"
+        )
 
     def step(self, key: StepKey, params, state, inputs, prev_tokens):
         """The step executable of key, compiled on first use."""

@@ -67,10 +67,13 @@ class ModelRunner:
         mesh=None,
         num_swap_pages: int = 0,
         broadcast=None,
+        cache_dir: str | None = None,
     ) -> None:
         """mesh: the replica's Mesh (models/sharding.py) params are sharded over, or None.
         num_swap_pages: host pages of swap space (0: no swap). broadcast: a StepBroadcast
-        when the model spans processes, else None."""
+        when the model spans processes, else None. cache_dir: the compilation cache's
+        directory, which also keeps compiled programs to load without tracing
+        (executable_cache.py); None: none."""
         if num_swap_pages and broadcast is not None:
             raise ValueError('preemption_mode="swap" is not supported across processes')
         self.config = config
@@ -81,7 +84,9 @@ class ModelRunner:
         self.mesh = mesh
         self.broadcast = broadcast
         scan = config.scans_layers(jax.default_backend())
-        self.programs = Programs(model_config, config.attention_backend, mesh, scan_layers=scan)
+        self.programs = Programs(
+            model_config, config.attention_backend, mesh, scan_layers=scan, cache_dir=cache_dir
+        )
         self.params = self.programs.layout_params(params)
         self._warmed: set[StepKey] = set()  # step programs precompile has run (warm_up_inputs)
         self.mask_words = -(-model_config.vocab_size // 32)
