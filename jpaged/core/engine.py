@@ -262,7 +262,9 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - t0
         self.warmup_seconds = 0.0
         if config.precompile:
-            self.warmup_seconds = self.runner.precompile()
+            self.warmup_seconds = self.runner.precompile(
+                context_len=config.precompile_max_len
+            )
             self.runner.programs.warmed_up = True
         logger.info(
             "engine ready: %s, %d pages of %d tokens, load %.1fs, warm-up %.1fs; %s",
@@ -522,7 +524,7 @@ class LLMEngine:
         """Compiles (or reads from the persistent compilation cache) the step programs that
         requests of up to context_len tokens use first (ModelRunner.warm_up_keys); returns
         the seconds it took. A server calls it before it reports SERVING."""
-        seconds = self.runner.precompile(self.runner.warm_up_keys(context_len))
+        seconds = self.runner.precompile(self.runner.warm_up_keys(context_len), context_len)
         self.warmup_seconds += seconds
         programs = self.runner.programs
         logger.info(
@@ -582,7 +584,9 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs needs a tokenizer; the model has none")
             self._constraints = StructuredOutputManager(
-                self.tokenizer, self.model_config.vocab_size
+                self.tokenizer,
+                self.model_config.vocab_size,
+                disable_any_whitespace=self.config.structured_outputs.disable_any_whitespace,
             )
         return self._constraints
 
@@ -832,12 +836,16 @@ class LLMEngine:
 
     def _advance_constraint(self, seq: Sequence) -> None:
         """Commits seq's new token to its grammar; a grammar that is complete (only EOS left)
-        stops the sequence, one that failed ends it with finish_reason "error"."""
+        stops the sequence, one that failed ends it with finish_reason "error". A grammar
+        completed by the token that reached max_tokens or max_model_len is a "stop" too:
+        "length" says the output is cut short."""
         key = (seq.group.request_id, seq.index)
         manager = self._constraints
         manager.advance(key, seq.token_ids[-1:])
         error = manager.error(key)
         if seq.is_finished:
+            if seq.finish_reason == "length" and manager.is_finished(key):
+                self.scheduler.finish(seq, "stop")
             return
         if error is not None:
             seq.group.error = f"structured output: {error}"

@@ -115,8 +115,7 @@ def _verify_tokens(config: EngineConfig, num_seqs: int, n: int, bucketed: int) -
 def _full_verification_tokens(config: EngineConfig, num_seqs: int) -> int:
     """step_key's tokens for num_seqs rows (a sequence bucket) each verifying k proposals
     (as many as the step budget holds)."""
-    n = min(num_seqs * (config.num_speculative_tokens + 1),
-            config.scheduler.max_num_batched_tokens)
+    n = min(num_seqs * (config.num_speculative_tokens + 1), config.scheduler.max_num_batched_tokens)
     return _verify_tokens(config, num_seqs, n, bucket(config.token_buckets, n))
 
 
@@ -188,9 +187,7 @@ def warm_up_keys(config: EngineConfig, context_len: int) -> list[StepKey]:
     if c.decode_programs:
         keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in pages]
     else:  # a decode step of r rows runs the ragged program (bucket(r) tokens, bucket(r) rows)
-        keys = [
-            StepKey(t, s, p, False) for t, s in _decode_shapes(c) for p in pages
-        ]
+        keys = [StepKey(t, s, p, False) for t, s in _decode_shapes(c) for p in pages]
     spec = c.speculative
     drafted = spec is not None and spec.method == "draft_model"
     keys += [
@@ -315,19 +312,23 @@ def _verify_indices(last: np.ndarray, num_proposed: np.ndarray, k: int) -> np.nd
     """int32[S, k + 1]: the tokens whose hidden states a verifying row samples from, after
     its last token and after each of its num_proposed proposals (the last one repeated past
     them); last int32[S] is each row's last token."""
-    return (last - num_proposed)[:, None] + np.minimum(np.arange(k + 1)[None, :],
-                                                       num_proposed[:, None])
+    return (last - num_proposed)[:, None] + np.minimum(
+        np.arange(k + 1)[None, :], num_proposed[:, None]
+    )
 
 
 WARM_UP_RUNS = 3  # warm_up_inputs per key
 
 
-def warm_up_inputs(padded: StepInputs, key: StepKey, page_size: int, run: int) -> StepInputs:
+def warm_up_inputs(
+    padded: StepInputs, key: StepKey, page_size: int, run: int, *, max_context: int | None = None
+) -> StepInputs:
     """Makes padded (pack of an empty plan at key's shapes, fresh arrays) into warm-up run
     `run` (0 to WARM_UP_RUNS - 1) of key, in place: rows that look like requests' and change
     nothing a request reads. Returns padded.
 
-    Every row's context fills the key's page columns, through the scratch page-table row
+    Every row's context fills the key's page columns (at most max_context tokens, rounded up
+    to whole pages, when given), through the scratch page-table row
     (every entry the null page: padding only ever writes page 0 there), and every token
     writes the null page's slot 0, as padding tokens do. So each attention loop runs its
     full length and each branch of the program runs in one of the runs:
@@ -347,6 +348,8 @@ def warm_up_inputs(padded: StepInputs, key: StepKey, page_size: int, run: int) -
     x = padded
     t_pad, s_pad = key.num_tokens, key.num_seqs
     context = key.num_page_cols * page_size
+    if max_context is not None:
+        context = min(context, max(1, -(-max_context // page_size)) * page_size)
     if key.decode_only:
         rows = s_pad
     else:

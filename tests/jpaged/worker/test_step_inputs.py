@@ -263,6 +263,14 @@ def test_warm_up_runs_of_a_decode_key_give_every_row_a_full_context():
         assert x.sampling.temperature.tolist() == [min(run, 1)] * 4
 
 
+def test_max_context_caps_a_warm_up_rows_context_at_whole_pages():
+    key = StepKey(4, 4, 3, True)  # three page columns of 4 tokens: 12 without a cap
+    for cap, context in ((5, 8), (8, 8), (1, 4), (100, 12)):
+        x = warm_up_inputs(_padded_inputs(key), key, 4, 0, max_context=cap)
+        assert x.context_lens.tolist() == [context] * 4, cap
+        assert x.positions.tolist() == [context - 1] * 4, cap
+
+
 def test_the_last_warm_up_run_of_a_verification_key_verifies_every_proposal_it_can():
     key = StepKey(8, 2, 2, False, spec_k=3)
     x = warm_up_inputs(_padded_inputs(key), key, 4, 2)
