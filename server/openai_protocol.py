@@ -83,8 +83,10 @@ class StreamOptions(_Strict):
 
 
 class JsonSchemaFormat(_Strict):
-    """OpenAI's response_format.json_schema; `strict` is accepted (the output always follows
-    the schema here)."""
+    """OpenAI's response_format.json_schema. name is accepted (it names the format, nothing
+    else here); strict is accepted either way (the output always follows the schema here);
+    description, which OpenAI shows the model, is refused (structured_outputs_of): the
+    model never sees it here, so a client relying on it should put it in the prompt."""
 
     name: str | None = None
     description: str | None = None
@@ -121,6 +123,7 @@ class _SamplingRequest(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # structured_outputs.whitespace_pattern
     # vLLM's extra sampling fields
     top_k: int | None = None
     min_p: float | None = None
@@ -299,12 +302,20 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 def structured_outputs_of(req: _SamplingRequest) -> StructuredOutputsParams | None:
     """The request's one constraint, from whichever field spells it; APIError(400) for two
-    spellings, an unknown key in structured_outputs, or a constraint llguidance refuses
-    (param names the request's field: guided_regex, structured_outputs.json,
-    response_format.json_schema.schema ...). structured_outputs' options
-    (disable_any_whitespace) apply whichever field holds the constraint, as in vLLM."""
+    spellings, an unknown key in structured_outputs, a field that would change nothing, or a
+    constraint llguidance refuses (param names the request's field: guided_regex,
+    structured_outputs.json, response_format.json_schema.schema,
+    guided_whitespace_pattern ...). structured_outputs' options (disable_any_whitespace,
+    whitespace_pattern; guided_whitespace_pattern is the second) apply whichever field holds
+    the constraint, as in vLLM."""
     given: list[tuple[str, dict[str, Any]]] = []  # (request field, StructuredOutputsParams kwargs)
     fmt = req.response_format
+    if fmt is not None and fmt.json_schema is not None and fmt.type != "json_schema":
+        raise APIError(
+            400,
+            f"response_format.json_schema is only read with type json_schema, not {fmt.type}",
+            param="response_format.json_schema",
+        )
     if fmt is not None and fmt.type == "json_object":
         given.append(("response_format", {"json_object": True}))
     elif fmt is not None and fmt.type == "json_schema":
@@ -314,8 +325,16 @@ def structured_outputs_of(req: _SamplingRequest) -> StructuredOutputsParams | No
                 "response_format.json_schema: field required for type json_schema",
                 param="response_format.json_schema",
             )
+        if fmt.json_schema.description is not None:
+            raise APIError(
+                400,
+                "response_format.json_schema.description is not supported: this server "
+                "does not show it to the model; say it in the prompt",
+                param="response_format.json_schema.description",
+            )
         given.append(("response_format.json_schema.schema", {"json": fmt.json_schema.schema_}))
-    options: dict[str, Any] = {}  # disable_any_whitespace: applies to any spelling (vLLM)
+    options: dict[str, Any] = {}
+    option_fields: dict[str, str] = {}  # option -> the request field that set it
     if req.structured_outputs is not None:
         kinds = dict(req.structured_outputs)
         for key in kinds:
@@ -325,20 +344,33 @@ def structured_outputs_of(req: _SamplingRequest) -> StructuredOutputsParams | No
                     f"unknown field 'structured_outputs.{key}': this server does not support it",
                     param=f"structured_outputs.{key}",
                 )
-        options = {k: kinds.pop(k) for k in list(kinds) if k not in CONSTRAINT_KINDS}
+        for k in [k for k in kinds if k not in CONSTRAINT_KINDS]:  # options
+            options[k] = kinds.pop(k)
+            option_fields[k] = f"structured_outputs.{k}"
         if kinds:
             given.append(("structured_outputs", kinds))
+    if req.guided_whitespace_pattern is not None:
+        if "whitespace_pattern" in options:
+            raise APIError(
+                400,
+                "set whitespace_pattern once: structured_outputs.whitespace_pattern or "
+                "guided_whitespace_pattern",
+                param="guided_whitespace_pattern",
+            )
+        options["whitespace_pattern"] = req.guided_whitespace_pattern
+        option_fields["whitespace_pattern"] = "guided_whitespace_pattern"
     for name in _GUIDED:
         value = getattr(req, name)
         if value is not None:
             given.append((name, {name.removeprefix("guided_"): value}))
     if not given:
         if options:
+            where = next(iter(option_fields.values())).split(".")[0]
             raise APIError(
                 400,
-                "structured_outputs: set a constraint (json, regex, choice, grammar, "
-                "json_object) here or in response_format or guided_*",
-                param="structured_outputs",
+                f"{where}: set a constraint (json, regex, choice, grammar, json_object) in "
+                "structured_outputs or in response_format or guided_*",
+                param=where,
             )
         return None
     if len(given) > 1:
@@ -356,6 +388,10 @@ def structured_outputs_of(req: _SamplingRequest) -> StructuredOutputsParams | No
         message = str(e)
         # "structured_outputs.regex: invalid regex: ..." -> this request's field
         m = re.match(r"structured_outputs(\.\w+)?", message)
+        option = m.group(1)[1:] if m and m.group(1) else None
+        if option in option_fields:  # an option's problem: the field that set it
+            where = option_fields[option]
+            raise APIError(400, where + message[m.end() :], param=where) from None
         if field == "structured_outputs":
             param = m.group(0) if m else field
             raise APIError(400, message, param=param) from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 
 import grpc
@@ -257,7 +258,12 @@ def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutput
         raise ValueError(
             "structured_outputs: set one of json_schema, regex, choice, grammar, json_object"
         )
-    kwargs = {"disable_any_whitespace": msg.disable_any_whitespace}
+    # Unset whitespace fields stay None: the server's default applies.
+    kwargs = {
+        name: getattr(msg, name)
+        for name in ("disable_any_whitespace", "whitespace_pattern")
+        if msg.HasField(name)
+    }
     if which == "json_schema":
         kwargs["json"] = msg.json_schema
     elif which == "choice":
@@ -270,7 +276,7 @@ def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutput
         if which != "json_schema":
             raise
         # StructuredOutputsParams calls it json; the wire calls it json_schema
-        message = str(e).replace("structured_outputs.json", "structured_outputs.json_schema", 1)
+        message = re.sub(r"^structured_outputs\.json\b", "structured_outputs.json_schema", str(e))
         raise ValueError(message) from None
 
 

@@ -1,6 +1,8 @@
 """The matchers of constrained sequences, on the host, over llguidance.
 
 StructuredOutputManager is the one owner of every constrained sequence's matcher:
+- a JSON constraint that sets no whitespace of its own runs with the engine's default
+  (disable_any_whitespace, from StructuredOutputsConfig), fixed when the manager is made;
 - a key is added once (add), advanced by every committed token (advance), and removed when
   its sequence finishes (remove); nothing else touches the matchers;
 - a matcher that rejects a token marks only its key as failed (error(key)); no call raises
@@ -58,8 +60,13 @@ class StructuredOutputManager:
     """Matchers of the constrained sequences in flight, keyed by the engine (any hashable:
     a request id, or (request id, sequence index) when one request samples several)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, *, disable_any_whitespace: bool | None = None
+    ) -> None:
+        """disable_any_whitespace: the engine's default for JSON constraints that set no
+        whitespace of their own (StructuredOutputsConfig's; None: the canonical layout)."""
         self.vocab_size = vocab_size
+        self.disable_any_whitespace = disable_any_whitespace
         self.num_words = (vocab_size + 31) // 32
         self.ll_tokenizer = build_ll_tokenizer(tokenizer, vocab_size)
         # Short errors: a verbose one dumps the parser state and the grammar.
@@ -82,9 +89,8 @@ class StructuredOutputManager:
         """
         if key in self._matchers:
             raise ValueError(f"structured outputs: {key!r} is already added")
-        matcher = llguidance.LLMatcher(
-            self.ll_tokenizer, params.ll_grammar, log_level=0, limits=self._limits
-        )
+        grammar = params.grammar_for(self.disable_any_whitespace)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise ValueError(
                 f"structured_outputs.{params.kind}: invalid {KIND_NAMES[params.kind]}: "

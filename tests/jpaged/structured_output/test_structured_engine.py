@@ -3,6 +3,7 @@
 import json
 import re
 
+import jsonschema
 import pytest
 
 from jpaged import SamplingParams
@@ -132,15 +133,19 @@ def test_grammar_checker():
     assert not any(map(parses_as_grammar, ["", "1+", "(1", "()", "1(2)", "12"]))
 
 
-def test_32_sampled_requests_of_each_kind_hold_their_constraint_beside_free_ones(demo_model_dir):
-    """Temperature 1, a seed each, all in one batch with unconstrained requests whose tokens
-    equal a run without the constrained ones; every output is complete and valid."""
-    import jsonschema
-
+@pytest.fixture(scope="module")
+def wide_llm(demo_model_dir):
+    """The demo model with room for 64 sequences of up to 512 tokens."""
     from jpaged import LLM
 
-    llm = LLM(str(demo_model_dir), max_num_seqs=64, max_model_len=512,
-              max_num_batched_tokens=512, page_size=16, num_pages=1024)  # fmt: skip
+    return LLM(str(demo_model_dir), max_num_seqs=64, max_model_len=512,
+               max_num_batched_tokens=512, page_size=16, num_pages=1024)  # fmt: skip
+
+
+def test_32_sampled_requests_of_each_kind_hold_their_constraint_beside_free_ones(wide_llm):
+    """Temperature 1, a seed each, all in one batch with unconstrained requests whose tokens
+    equal a run without the constrained ones; every output is complete and valid."""
+    llm = wide_llm
     kinds = {
         "json": Constraint(json=RICH_SCHEMA, disable_any_whitespace=True),
         "regex": Constraint(regex=REGEX),
@@ -175,3 +180,150 @@ def test_32_sampled_requests_of_each_kind_hold_their_constraint_beside_free_ones
         assert len({o.outputs[0].text for o in outs[32 * i : 32 * i + 32]}) > 1, name
     assert [o.outputs[0].token_ids for o in outs[-8:]] == alone
     assert llm.stats()["pages_used"] == 0
+
+
+# Bounded schemas, one feature each: a JSON output of each has a longest (compact) form.
+BOUNDED = {
+    "nested": {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {
+                    "b": {
+                        "type": "object",
+                        "properties": {"ok": {"type": "boolean"}, "n": {"type": "null"}},
+                        "required": ["ok", "n"],
+                        "additionalProperties": False,
+                    }
+                },
+                "required": ["b"],
+                "additionalProperties": False,
+            },
+            "c": {"type": "boolean"},
+        },
+        "required": ["a", "c"],
+        "additionalProperties": False,
+    },
+    "array": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 6},
+    "integers": {
+        "type": "object",
+        "properties": {
+            "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            "delta": {"type": "integer", "minimum": -40, "maximum": 40},
+        },
+        "required": ["age", "delta"],
+        "additionalProperties": False,
+    },
+    "enum": {
+        "type": "array",
+        "items": {"enum": ["red", "green", "blue", 7, None]},
+        "maxItems": 3,
+    },
+    "strings": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
+        },
+        "required": ["name", "tags"],
+        "additionalProperties": False,
+    },
+}
+
+
+def longest_compact(schema: dict) -> int:
+    """Characters in the schema's longest compact JSON (for the keywords BOUNDED uses; a
+    string's characters count one each, as maxLength counts them)."""
+    if "enum" in schema:
+        return max(len(json.dumps(v, separators=(",", ":"))) for v in schema["enum"])
+    kind = schema["type"]
+    if kind == "string":
+        return 2 + schema["maxLength"]
+    if kind == "integer":
+        return max(len(str(schema["minimum"])), len(str(schema["maximum"])))
+    if kind in ("boolean", "null"):
+        return {"boolean": 5, "null": 4}[kind]
+    if kind == "array":
+        n = schema["maxItems"]
+        return 2 + n * longest_compact(schema["items"]) + max(n - 1, 0)
+    items = [len(json.dumps(k)) + 1 + longest_compact(v) for k, v in schema["properties"].items()]
+    return 2 + sum(items) + len(items) - 1
+
+
+def test_longest_compact():
+    assert longest_compact(BOUNDED["integers"]) == len('{"age":130,"delta":-40}')
+    assert longest_compact(BOUNDED["enum"]) == len('["green","green","green"]')
+    assert longest_compact(BOUNDED["nested"]) == len('{"a":{"b":{"ok":false,"n":null}},"c":false}')
+
+
+def test_64_noise_requests_per_bounded_schema_all_close_beside_free_ones(wide_llm):
+    """Issue 37: the random model at temperature 1, max_tokens twice a schema's longest
+    compact form, default whitespace: every output closes and validates; the unconstrained
+    requests batched with them make the tokens they make alone."""
+    llm = wide_llm
+    free = [SamplingParams(temperature=1.0, seed=500 + i, max_tokens=16, ignore_eos=True)
+            for i in range(8)]  # fmt: skip
+    free_prompts = [f"free {i}" for i in range(8)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(free_prompts, free)]
+    prompts, params = [], []
+    for name, schema in BOUNDED.items():
+        constraint = Constraint(json=schema)
+        budget = 2 * longest_compact(schema)
+        for i in range(64):
+            prompts.append(f"{name} {i}:")
+            params.append(SamplingParams(temperature=1.0, seed=i, max_tokens=budget,
+                                         structured_outputs=constraint))  # fmt: skip
+    outs = llm.generate(
+        prompts[:160] + free_prompts + prompts[160:], params[:160] + free + params[160:]
+    )
+    free_outs = outs[160:168]
+    outs = outs[:160] + outs[168:]
+    for out, prompt in zip(outs, prompts, strict=True):
+        (c,) = out.outputs
+        schema = BOUNDED[prompt.split()[0]]
+        assert c.finish_reason == "stop", (prompt, c.text)
+        value = json.loads(c.text)
+        jsonschema.validate(value, schema)
+        assert _same_layout(c.text, value), c.text  # the canonical layout
+    for i, name in enumerate(BOUNDED):  # sampled: not all alike
+        assert len({o.outputs[0].text for o in outs[64 * i : 64 * i + 64]}) > 1, name
+    assert [o.outputs[0].token_ids for o in free_outs] == alone
+    assert llm.stats()["pages_used"] == 0
+
+
+def _same_layout(text: str, value) -> bool:
+    """text is in json.dumps' layout, up to how strings and numbers are spelled."""
+
+    def shape(t: str) -> str:
+        return re.sub(r"-?[0-9]+", "0", re.sub(r'"(\\.|[^"\\])*"', '""', t))
+
+    return shape(text) == shape(json.dumps(value))
+
+
+def test_a_constrained_output_cut_short_says_length_and_one_that_closed_says_stop(demo_llm):
+    constraint = Constraint(json=SCHEMA)
+    (whole,) = demo_llm.generate(["cut"], greedy(max_tokens=64, structured_outputs=constraint))
+    w = whole.outputs[0]
+    assert w.finish_reason == "stop" and set(json.loads(w.text)) == {"name", "ok"}
+    n = len(w.token_ids)
+    exact, short = demo_llm.generate(
+        ["cut", "cut"],
+        [greedy(max_tokens=m, structured_outputs=constraint) for m in (n, n - 1)],
+    )
+    # The token that reached max_tokens closed the JSON: complete, so "stop".
+    assert exact.outputs[0].token_ids == w.token_ids and exact.outputs[0].finish_reason == "stop"
+    s = short.outputs[0]
+    assert s.token_ids == w.token_ids[:-1] and s.finish_reason == "length"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(s.text)
+    # The context (max_model_len 128) runs out before 60 array items can close.
+    long = Constraint(json={"type": "array", "items": {"type": "integer"}, "minItems": 60})
+    (ctx,) = demo_llm.generate(
+        ["one two three " * 10], greedy(max_tokens=120, structured_outputs=long)
+    )
+    c = ctx.outputs[0]
+    assert c.finish_reason == "length"
+    assert len(ctx.prompt_token_ids) + len(c.token_ids) == 128
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(c.text)

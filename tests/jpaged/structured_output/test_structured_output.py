@@ -8,6 +8,7 @@ the constraint, checked by an independent parser (json, re, ast).
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import re
@@ -22,9 +23,12 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers
 
+from jpaged.config import StructuredOutputsConfig
+from jpaged.entrypoints.engine_args import add_engine_flags, engine_config_from_args, engine_kwargs
 from jpaged.sample.logits_processors import apply_logit_bias, apply_token_bitmask
 from jpaged.structured_output import StructuredOutputsParams
 from jpaged.structured_output.manager import StructuredOutputManager, build_ll_tokenizer
+from jpaged.structured_output.params import whitespace_pattern_problem
 from jpaged.tokenizer import Tokenizer
 from models.demo import build_tokenizer
 
@@ -86,9 +90,12 @@ def walk(
     *,
     seed: int,
     max_steps: int = 400,
+    boost: list[int] | None = None,
 ) -> list[str]:
     """One batch of greedy walks, an unconstrained row after each constrained one; returns the
-    decoded texts of the constrained rows. Unconstrained rows must take the plain argmax."""
+    decoded texts of the constrained rows. Unconstrained rows must take the plain argmax.
+    boost: token ids whose logits get +100, so a walk takes one of them wherever its
+    grammar allows it."""
     eos = tokenizer.eos_token_id
     keys: list[Hashable | None] = []
     for i, p in enumerate(params):
@@ -103,6 +110,8 @@ def walk(
             break
         manager.fill_bitmask(live, bitmask)
         logits = rng.standard_normal((len(keys) + 1, manager.vocab_size), dtype=np.float32)
+        if boost:
+            logits[:, boost] += 100.0
         next_ids = np.asarray(masked_argmax(logits, bitmask))
         assert next_ids[-1] == np.argmax(logits[-1])
         for row, (key, token) in enumerate(zip(live, next_ids.tolist())):
@@ -135,7 +144,12 @@ def check_schema_by_hand(obj: object) -> None:
     assert "code" not in obj or re.fullmatch("[A-Z]{2}[0-9]{2}", obj["code"])
 
 
-@pytest.mark.parametrize("disable_any_whitespace", [False, True])
+def outside_strings(text: str) -> str:
+    """The JSON text with every string's content removed: the syntax and its whitespace."""
+    return re.sub(r'"(\\.|[^"\\])*"', '""', text)
+
+
+@pytest.mark.parametrize("disable_any_whitespace", [None, False, True])
 def test_json_schema_walks_parse_and_validate(manager, demo_tokenizer, disable_any_whitespace):
     params = StructuredOutputsParams(
         json=json.dumps(SCHEMA), disable_any_whitespace=disable_any_whitespace
@@ -145,8 +159,120 @@ def test_json_schema_walks_parse_and_validate(manager, demo_tokenizer, disable_a
         obj = json.loads(text)
         check_schema_by_hand(obj)
         jsonschema.validate(obj, SCHEMA)
-        outside_strings = re.sub(r'"(\\.|[^"\\])*"', '""', text)
-        assert bool(re.search(r"\s", outside_strings)) <= (not disable_any_whitespace), text
+        if disable_any_whitespace is None:  # the canonical layout, json.dumps' own
+            assert layout(text) == layout(json.dumps(obj)), text
+        elif disable_any_whitespace:
+            assert not re.search(r"\s", outside_strings(text)), text
+
+
+def layout(text: str) -> str:
+    """The JSON text's syntax and whitespace, every string empty and every number 0 (the
+    grammar may spell 0 as -0)."""
+    return re.sub(r"-?[0-9]+", "0", outside_strings(text))
+
+
+@pytest.fixture(scope="module")
+def whitespace_ids(demo_tokenizer) -> list[int]:
+    """The demo tokenizer's whitespace-only tokens (tab, LF, CR, one to three spaces)."""
+    ids = [
+        i
+        for i in range(DEMO_TOKENS)
+        if (s := demo_tokenizer.decode([i])) and set(s) <= set(" \t\n\r")
+    ]
+    assert len(ids) == 6
+    return ids
+
+
+# Strings are enums only, so whitespace the walks choose can only fall between JSON tokens.
+NO_FREE_STRINGS = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["cat", "dog"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
+        "at": {
+            "type": "object",
+            "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9}},
+            "required": ["x"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["kind", "n", "flags", "at"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "check"),
+    [
+        # the default: json.dumps' layout exactly, however much the model wants whitespace
+        ({}, lambda text, obj: layout(text) == layout(json.dumps(obj))),
+        ({"disable_any_whitespace": True}, lambda text, obj: layout(text) == layout(json.dumps(obj, separators=(",", ":")))),
+        ({"whitespace_pattern": ""}, lambda text, obj: not re.search(r"\s", text)),
+        # at most one space per gap, and the walks that prefer whitespace take one in each
+        ({"whitespace_pattern": "[ ]?"}, lambda text, obj: set(re.findall(r"\s+", text)) == {" "}),
+        ({"whitespace_pattern": "[ ]?", "disable_any_whitespace": False}, lambda text, obj: set(re.findall(r"\s+", text)) == {" "}),
+        ({"whitespace_pattern": "\n?"}, lambda text, obj: set(re.findall(r"\s+", text)) == {"\n"}),
+        ({"whitespace_pattern": "(\n  )?"}, lambda text, obj: set(re.findall(r"\s+", text)) == {"\n  "}),
+    ],
+)  # fmt: skip
+def test_whitespace_is_what_the_request_allows_when_the_model_wants_more(
+    manager, demo_tokenizer, whitespace_ids, kwargs, check
+):
+    params = StructuredOutputsParams(json=NO_FREE_STRINGS, **kwargs)
+    texts = walk(manager, demo_tokenizer, [params] * 4, seed=7, boost=whitespace_ids)
+    for text in texts:
+        obj = json.loads(text)
+        jsonschema.validate(obj, NO_FREE_STRINGS)
+        assert check(text, obj), text
+
+
+def accepts(manager: StructuredOutputManager, tokenizer, params, text: str) -> bool:
+    """Whether params' grammar, run by manager, takes text whole and is then complete."""
+    manager.add("probe", params)
+    try:
+        manager.advance("probe", tokenizer.encode(text, False))
+        return manager.error("probe") is None and manager.is_finished("probe")
+    finally:
+        manager.remove("probe")
+
+
+LAYOUTS = {
+    "compact": '{"kind":"cat","n":1,"flags":[true,false],"at":{"x":-2}}',
+    "canonical": '{"kind": "cat", "n": 1, "flags": [true, false], "at": {"x": -2}}',
+    "spaced": '{ "kind" : "cat" , "n" : 1 , "flags" : [ true , false ] , "at" : { "x" : -2 } }',
+    "pretty": '{\n  "kind": "cat",\n  "n": 1,\n  "flags": [\n    true,\n    false\n  ],\n'
+    '  "at": {\n    "x": -2\n  }\n}',
+    "runaway": '{"kind": "cat",\r\n\t  \t\r\t  \n \r\n"n":1,"flags":[true],"at":{"x":0}}',
+}
+
+
+@pytest.mark.parametrize(
+    ("engine_default", "kwargs", "taken"),
+    [
+        (None, {}, {"canonical"}),
+        (True, {}, {"compact"}),
+        (False, {}, set(LAYOUTS)),  # vLLM's default: any whitespace
+        # a request's own setting wins over the engine's default
+        (False, {"disable_any_whitespace": True}, {"compact"}),
+        (True, {"disable_any_whitespace": False}, set(LAYOUTS)),
+        (False, {"whitespace_pattern": "[ ]?"}, {"compact", "canonical", "spaced"}),
+        (None, {"whitespace_pattern": "[ \n]*"}, {"compact", "canonical", "spaced", "pretty"}),
+    ],
+)
+def test_the_engines_default_applies_to_requests_that_set_no_whitespace(
+    demo_tokenizer, engine_default, kwargs, taken
+):
+    manager = StructuredOutputManager(demo_tokenizer, VOCAB, disable_any_whitespace=engine_default)
+    for kind in ({"json": NO_FREE_STRINGS}, {"json_object": True}):
+        params = StructuredOutputsParams(**kind, **kwargs)
+        got = {
+            name for name, text in LAYOUTS.items() if accepts(manager, demo_tokenizer, params, text)
+        }
+        assert got == taken, (kind, got)
+    # other kinds never change with the default
+    regex = StructuredOutputsParams(regex=r"\{ [a-z]+ \}")
+    assert accepts(manager, demo_tokenizer, regex, "{ abc }")
 
 
 def test_json_object_allows_only_an_object(manager, demo_tokenizer):
@@ -368,6 +494,47 @@ def test_manager_rejects_a_duplicate_key_and_a_bad_buffer(manager):
         ),
         ({}, "must be set, got none"),
         ({"json_object": False}, "must be set, got none"),
+        (
+            {"json_object": True, "disable_any_whitespace": "no"},
+            "structured_outputs.disable_any_whitespace must be a bool, got 'no'",
+        ),
+        (
+            {"json_object": True, "whitespace_pattern": 3},
+            "structured_outputs.whitespace_pattern must be a string, got 3",
+        ),
+        (
+            {"json_object": True, "whitespace_pattern": "[ "},
+            "structured_outputs.whitespace_pattern: invalid regex '[ ': unclosed character class",
+        ),
+        (
+            {"json": {"type": "object"}, "whitespace_pattern": "\\s*"},
+            (
+                "structured_outputs.whitespace_pattern: '\\\\s*' can match '\\x0b'; only space, "
+                "\\t, \\n and \\r may appear between JSON tokens"
+            ),
+        ),
+        (
+            {"json_object": True, "whitespace_pattern": " ?,"},
+            "structured_outputs.whitespace_pattern: ' ?,' can match ','",
+        ),
+        (
+            {"json_object": True, "whitespace_pattern": "", "disable_any_whitespace": True},
+            (
+                "structured_outputs.whitespace_pattern and "
+                "structured_outputs.disable_any_whitespace=true contradict each other: set one"
+            ),
+        ),
+        (
+            {"regex": "a+", "whitespace_pattern": "[ ]?"},
+            (
+                "structured_outputs.whitespace_pattern applies to JSON constraints only (a "
+                "schema or json_object), not to regex"
+            ),
+        ),
+        (
+            {"choice": ["a"], "disable_any_whitespace": True},
+            "structured_outputs.disable_any_whitespace applies to JSON constraints only",
+        ),
     ],
 )
 def test_bad_params_raise_one_line_value_errors(kwargs, message):
@@ -383,6 +550,59 @@ def test_error_messages_say_what_is_wrong():
         StructuredOutputsParams(grammar="start: foo")
     with pytest.raises(ValueError, match="Invalid type: objekt"):
         StructuredOutputsParams(json={"type": "objekt"})
+
+
+@pytest.mark.parametrize(
+    "pattern", ["", " ", "[ ]?", "[ \t\n\r]*", "\\x20{0,2}", "( |\n  )?", "\n?", "[\\n\\t]", " *"]
+)
+def test_whitespace_patterns_that_match_only_json_whitespace_pass(pattern):
+    assert whitespace_pattern_problem(pattern) is None
+    assert StructuredOutputsParams(json_object=True, whitespace_pattern=pattern).sets_whitespace
+
+
+@pytest.mark.parametrize(
+    ("pattern", "example"),
+    [
+        ("a", "'a'"),
+        (".", "'\\x00'"),
+        ("[^x]", "'\\x00'"),
+        ("[ ]|x", "'x'"),
+        ("/", "'/'"),
+        ("\\/", "'/'"),
+        ("(  )*\tx", "'x'"),  # found after whitespace
+        ("\\s", "'\\x0b'"),  # \s is wider than JSON's whitespace
+        (" é", "the byte 0xc3 (non-ASCII)"),
+        ("\u00a0", "the byte 0xc2 (non-ASCII)"),  # no-break space: not JSON whitespace
+    ],
+)
+def test_whitespace_patterns_that_can_match_anything_else_fail(pattern, example):
+    problem = whitespace_pattern_problem(pattern)
+    assert problem == (
+        f"{pattern!r} can match {example}; only space, \\t, \\n and \\r may appear between "
+        "JSON tokens"
+    )
+
+
+def test_the_structured_outputs_config_setting():
+    config = engine_config_from_args(structured_outputs_config={"disable_any_whitespace": True})
+    assert config.structured_outputs_config == '{"backend": "auto", "disable_any_whitespace": true}'
+    assert config.structured_outputs == StructuredOutputsConfig(disable_any_whitespace=True)
+    assert engine_config_from_args().structured_outputs.disable_any_whitespace is None
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    args = parser.parse_args(["--structured-outputs-config", '{"disable_any_whitespace": false}'])
+    kwargs = engine_kwargs(args)
+    assert kwargs == {"structured_outputs_config": '{"disable_any_whitespace": false}'}
+    assert not engine_config_from_args(**kwargs).structured_outputs.disable_any_whitespace
+    for bad, message in [
+        ('{"whitespace": 1}', "unknown structured_outputs_config keys ['whitespace']; known: "),
+        ('{"backend": "xgrammar"}', "structured_outputs_config.backend must be one of"),
+        ('{"disable_any_whitespace": "yes"}', "disable_any_whitespace must be true or false"),
+        ("{", "structured_outputs_config is not valid JSON"),
+        ("[]", "structured_outputs_config must be a JSON object, got []"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            engine_config_from_args(structured_outputs_config=bad)
 
 
 def test_params_kind_and_copies():
