@@ -9,6 +9,7 @@ request finished (client cancel, disconnect, deadline, error) aborts the request
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -78,7 +79,10 @@ class GenerationService:
                 context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", e, client_id
             )
         try:
-            handle = self._loop.submit(client_id, prompt, params, salt)
+            fits = None  # max_tokens the client set must fit; a default one stops at the limit
+            if request.sampling.HasField("max_tokens"):
+                fits = functools.partial(_fits_context, prompt=prompt, params=params)
+            handle = self._loop.submit(client_id, prompt, params, salt, prepare=fits)
         except Overloaded as e:
             await self._reject(
                 context, grpc.StatusCode.RESOURCE_EXHAUSTED, "resource_exhausted", e, client_id
@@ -316,6 +320,21 @@ def _add_logprob(entries, token: int, position: dict[int, float]) -> None:
     entry = entries.add(token_id=token, logprob=position.get(token, math.nan))
     for top_id, lp in sorted(position.items(), key=lambda kv: -kv[1]):
         entry.top_logprobs.add(token_id=top_id, logprob=lp)
+
+
+def _fits_context(engine, *, prompt, params) -> tuple[str | list[int], SamplingParams]:
+    """The submit prepare of a Generate (on the step thread): prompt + max_tokens over
+    max_model_len is refused (INVALID_ARGUMENT naming the figures), as HTTP refuses it with
+    a 400; the offline API instead stops such a request at max_model_len."""
+    _, ids = engine.tokenize_prompt(prompt)
+    limit = engine.max_model_len
+    if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+        raise ValueError(
+            f"max_model_len is {limit} tokens, but the request asks for "
+            f"{len(ids) + params.max_tokens} ({len(ids)} in the prompt, {params.max_tokens} "
+            "in max_tokens); shorten the prompt or lower max_tokens"
+        )
+    return prompt, params
 
 
 def _error_status(error: Exception) -> tuple[str, grpc.StatusCode]:

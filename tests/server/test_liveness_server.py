@@ -219,6 +219,13 @@ def test_a_request_that_can_never_be_served_is_refused_and_the_next_served(serve
             "prompt has 64 tokens; it must be shorter than max_model_len (64) to leave room "
             "for one generated token"
         )
+        with pytest.raises(grpc.RpcError) as err:  # a prompt that fits, its output cannot
+            collect(s.stub, request([5] * 60, max_tokens=10), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == (
+            "max_model_len is 64 tokens, but the request asks for 70 (60 in the prompt, 10 in "
+            "max_tokens); shorten the prompt or lower max_tokens"
+        )
         tokens, reason = grpc_tokens(s, "next", [5] * 10, 4)
         assert reason == pb.FINISH_REASON_LENGTH and len(tokens) == 4
     else:

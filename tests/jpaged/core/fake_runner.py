@@ -124,6 +124,16 @@ class FakePrograms:
         self.compile_seconds = 0.0
         self.warmed_up = False
         self.num_recompiles = 0
+        # Where programs came from (jpaged.worker.programs.Programs): all "traced" here.
+        self.trace_seconds = self.xla_seconds = self.load_seconds = 0.0
+        self.num_xla_cache_hits = self.num_loaded = 0
+
+    @property
+    def num_traced(self) -> int:
+        return self.num_compiles
+
+    def summary(self) -> str:
+        return f"{self.num_compiles} programs (fake)"
 
     def compile(self, key) -> None:
         if key not in self.keys:
@@ -146,7 +156,8 @@ class FakePrograms:
 
 class FakeRunner:
     def __init__(self, config: EngineConfig, model_config, params: FakeModel, num_pages: int,
-                 dtype, *, mesh=None, num_swap_pages: int = 0, broadcast=None) -> None:  # fmt: skip
+                 dtype, *, mesh=None, num_swap_pages: int = 0, broadcast=None,
+                 cache_dir=None) -> None:  # fmt: skip
         assert mesh is None and broadcast is None, "the fake runs one device, one process"
         self.config = config
         self.model_config = model_config
@@ -180,7 +191,7 @@ class FakeRunner:
     def warm_up_keys(self, context_len: int) -> list:
         return _warm_up_keys(self.config, context_len)
 
-    def precompile(self, keys=None) -> float:
+    def precompile(self, keys=None, context_len=None) -> float:
         for key in (
             bucket_keys(self.config, self.config.precompile_max_len) if keys is None else keys
         ):
