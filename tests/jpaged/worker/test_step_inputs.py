@@ -326,3 +326,14 @@ def test_a_decode_plan_on_cpu_runs_the_ragged_key_of_its_rows():
     assert step_key(decode, config) == StepKey(16, 4, 8, False)
     assert step_key(decode, base) == StepKey(4, 4, 4, True)  # with decode programs
     assert step_key(decode, config) in bucket_keys(config)
+
+
+def test_the_default_configs_program_counts_on_cpu_and_on_accelerators():
+    """What a default engine (max_num_seqs 32, 512 batched tokens, max_model_len 2048) can
+    compile, and what the server's warm-up (64 tokens) compiles: a change that adds programs
+    fails here (issue 38: 162 reachable programs before the CPU defaults)."""
+    base = EngineConfig()
+    cpu, gpu = base.resolve(2048, "cpu"), base.resolve(2048, "gpu")
+    assert len(bucket_keys(cpu)) == 23
+    assert len(warm_up_keys(cpu, 64)) == 6
+    assert len(bucket_keys(gpu)) == 162
