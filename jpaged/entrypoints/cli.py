@@ -128,8 +128,10 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
 
 
 def prompt_from_args(args: argparse.Namespace) -> str | list[int]:
-    if (args.prompt is None) == (args.prompt_token_ids is None):
-        raise ValueError("give a prompt: either text or --prompt-token-ids, not both")
+    if args.prompt is None and args.prompt_token_ids is None:
+        raise ValueError('give a prompt: text (jpaged generate "Hello") or --prompt-token-ids')
+    if args.prompt is not None and args.prompt_token_ids is not None:
+        raise ValueError("give one prompt: either text or --prompt-token-ids, not both")
     return args.prompt if args.prompt is not None else args.prompt_token_ids
 
 
@@ -147,11 +149,18 @@ def printable(text: str) -> str:
     return "".join(out)
 
 
-def make_engine_from_args(args: argparse.Namespace):
+def make_engine_from_args(args: argparse.Namespace, *, num_seqs: int | None = None):
+    """The engine the flags describe. num_seqs: the sequences the command runs at once (one
+    for chat, n for generate); without --max-num-seqs, the engine gets that many slots, so
+    a CPU pool sized for its slots (resolve_num_pages) holds what the command uses and no
+    more: one 2048-token sequence of SmolLM2 is 94 MB of float32 KV, 32 are 3 GB."""
     from jpaged.core.parallel import make_engine
     from jpaged.entrypoints.engine_args import engine_config_from_args
 
-    return make_engine(engine_config_from_args(args.model, **engine_kwargs(args)))
+    kwargs = engine_kwargs(args)
+    if num_seqs is not None and "max_num_seqs" not in kwargs:
+        kwargs["max_num_seqs"] = num_seqs
+    return make_engine(engine_config_from_args(args.model, **kwargs))
 
 
 def add_chat_flags(p: argparse.ArgumentParser) -> None:
@@ -177,7 +186,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     template = chat_template_from_args(args)
     stream = args.stream and args.output == "text"
     kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-    engine = make_engine_from_args(args)
+    engine = make_engine_from_args(args, num_seqs=max(1, getattr(args, "n", None) or 1))
     params = sampling_params_from_args(args, engine.sampling_defaults, output_kind=kind)
     if args.chat:
         if not isinstance(prompt, str):
@@ -228,7 +237,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from jpaged.sample.sampling_params import RequestOutputKind
 
     template = chat_template_from_args(args)
-    engine = make_engine_from_args(args)
+    engine = make_engine_from_args(args, num_seqs=max(1, getattr(args, "n", None) or 1))
     params = sampling_params_from_args(
         args, engine.sampling_defaults, output_kind=RequestOutputKind.DELTA
     )
@@ -252,6 +261,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         if line == "/reset":
             history = list(system)
+            print("(conversation reset)", file=sys.stderr, flush=True)
             continue
         if not line:
             continue

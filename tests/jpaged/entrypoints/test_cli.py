@@ -115,3 +115,35 @@ def test_generate_stream_writes_the_same_text_piece_by_piece(demo_model_dir, mon
     assert "".join(streamed.writes) == text
     pieces = [w for w in streamed.writes if w.strip()]
     assert len(pieces) >= 4  # written as tokens arrive, not once at the end
+
+
+def test_chat_confirms_a_reset_and_answers_each_turn(demo_model_dir, tmp_path):
+    import os
+
+    env = dict(os.environ, JPAGED_CACHE_DIR=str(demo_model_dir.parent), JAX_PLATFORMS="cpu")
+    template = tmp_path / "template.jinja"  # the demo model has none
+    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    res = subprocess.run(
+        [sys.executable, "-m", "jpaged.entrypoints.cli", "chat", "--max-tokens", "3",
+         "--temperature", "0", "--chat-template", str(template), *ENGINE],
+        input="hi\n/reset\nagain\n/exit\n", capture_output=True, text=True, env=env,
+        timeout=600, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count("(conversation reset)") == 1
+
+
+def test_generate_and_chat_size_the_engine_for_their_own_sequences(demo_model_dir, monkeypatch):
+    """Without --max-num-seqs a CLI engine has the slots its command runs (n), so a CPU pool
+    sized for its slots holds one (or n) max_model_len sequences, not 32."""
+    from jpaged.entrypoints.cli import build_parser, make_engine_from_args
+
+    monkeypatch.setenv("JPAGED_CACHE_DIR", str(demo_model_dir.parent))
+    parser = build_parser()
+    common = ["--model", "demo-random", "--max-model-len", "128"]  # 8 pages of 16 tokens
+    for argv, seqs in ((["generate", "hi"], 1), (["generate", "hi", "-n", "3"], 3),
+                       (["chat"], 1), (["generate", "hi", "--max-num-seqs", "4"], 4)):
+        engine = make_engine_from_args(parser.parse_args(argv + common),
+                                       num_seqs=3 if "-n" in argv else 1)
+        assert engine.config.scheduler.max_num_seqs == seqs, argv
+        assert engine.num_pages == seqs * 8 + 1, argv

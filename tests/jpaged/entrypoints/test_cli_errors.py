@@ -100,7 +100,11 @@ def test_generate_takes_token_ids_and_escapes_control_characters(cache_dir):
     )
     assert (
         both.stderr.strip()
-        == "jpaged: error: give a prompt: either text or --prompt-token-ids, not both"
+        == "jpaged: error: give one prompt: either text or --prompt-token-ids, not both"
+    )
+    none = jpaged(["generate", "--model", "demo-random"], cache_dir)
+    assert none.stderr.strip() == (
+        'jpaged: error: give a prompt: text (jpaged generate "Hello") or --prompt-token-ids'
     )
 
 
