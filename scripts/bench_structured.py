@@ -210,7 +210,9 @@ def answers(value: dict, person: tuple) -> float:
 
 
 def smollm2(args) -> tuple[dict, dict]:
-    llm = LLM(None, max_num_seqs=len(PEOPLE), max_model_len=512)
+    # generation_config="vllm": no model defaults, so "default" is temperature 1.0 (the
+    # built-in model ships greedy, models/demo.py SMOLLM2_GENERATION_DEFAULTS)
+    llm = LLM(None, max_num_seqs=len(PEOPLE), max_model_len=512, generation_config="vllm")
     chats = [
         [
             {"role": "system", "content": "You extract facts as JSON."},

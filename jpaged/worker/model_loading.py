@@ -10,9 +10,11 @@ cache (models/demo.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 from jpaged.config import EngineConfig
 from models import sharding
-from models.demo import resolve_builtin
+from models.demo import builtin_generation_defaults, resolve_builtin
 from models.loader import LoadedModel, load_model, read_config
 
 
@@ -24,7 +26,9 @@ def load_for_config(config: EngineConfig, *, data_parallel: bool = False) -> Loa
     """The model of config, sharded over a mesh when it asks for more than one device.
 
     Without data_parallel the mesh is replica 0's (T devices); with it, all D x T devices.
-    The layers come stacked when the engine scans them (EngineConfig.scans_layers).
+    The layers come stacked when the engine scans them (EngineConfig.scans_layers). The
+    built-in model's file gets the sampling defaults jpaged ships for it
+    (models.demo.SMOLLM2_GENERATION_DEFAULTS) under any its metadata sets.
     """
     import jax
 
@@ -35,10 +39,15 @@ def load_for_config(config: EngineConfig, *, data_parallel: bool = False) -> Loa
         d = p.data_parallel_size if data_parallel else 1
         cfg = read_config(path, revision=config.revision)
         mesh = sharding.make_mesh(cfg, p.tensor_parallel_size, d)
-    return load_model(
+    loaded = load_model(
         path,
         dtype=config.dtype,
         mesh=mesh,
         revision=config.revision,
         stacked=config.scans_layers(jax.default_backend()),
     )
+    shipped = builtin_generation_defaults(path)
+    if shipped:
+        defaults = {**shipped, **loaded.generation_defaults}
+        loaded = dataclasses.replace(loaded, generation_defaults=defaults)
+    return loaded

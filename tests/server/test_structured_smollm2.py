@@ -1,5 +1,5 @@
-"""The real SmolLM2-135M-Instruct at its default sampling (temperature 1, no generation
-config) fills bounded JSON schemas that all close and validate, 16 of 16, through
+"""The real SmolLM2-135M-Instruct at temperature 1 (the engine's default with
+generation_config="vllm", which drops the built-in model's greedy default) fills bounded JSON schemas that all close and validate, 16 of 16, through
 LLM.chat and over HTTP (response_format json_schema), with the default whitespace.
 
 One engine for the module: the offline requests run first, then its engine is served
@@ -77,7 +77,10 @@ def test_longest_compact_form():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(str(ensure_smollm2(_SMOLLM2_DIR)), max_num_seqs=16, max_model_len=512)
+    return LLM(
+        str(ensure_smollm2(_SMOLLM2_DIR)), max_num_seqs=16, max_model_len=512,
+        generation_config="vllm",
+    )
 
 
 def check(text: str, finish_reason: str) -> None:
@@ -87,7 +90,7 @@ def check(text: str, finish_reason: str) -> None:
 
 def test_16_of_16_offline(llm):
     base = llm.get_default_sampling_params()
-    assert base.temperature == 1.0  # the model's default: no generation config
+    assert base.temperature == 1.0  # no model defaults (generation_config="vllm")
     constraint = StructuredOutputsParams(json=PERSON)
     params = [
         base.clone(seed=i, max_tokens=MAX_TOKENS, structured_outputs=constraint) for i in range(16)
