@@ -520,11 +520,14 @@ class LLMEngine:
         self.num_recoveries += 1
         return EngineStepError(request_ids, error)
 
-    def warm_up(self, context_len: int = 64) -> float:
-        """Compiles (or reads from the persistent compilation cache) the step programs that
-        requests of up to context_len tokens use first (ModelRunner.warm_up_keys); returns
-        the seconds it took. A server calls it before it reports SERVING."""
-        seconds = self.runner.precompile(self.runner.warm_up_keys(context_len), context_len)
+    def warm_up(self, context_len: int = 64, *, up_to: int | None = None) -> float:
+        """Compiles (or loads from the executable cache) the step programs that requests of
+        up to `up_to` tokens (default context_len) use first (ModelRunner.warm_up_keys), and
+        runs each once on contexts of up to context_len tokens; returns the seconds it took.
+        A server calls it before it reports SERVING; `jpaged chat` with up_to=max_model_len,
+        so no answer meets a compile."""
+        keys = self.runner.warm_up_keys(context_len if up_to is None else up_to)
+        seconds = self.runner.precompile(keys, context_len)
         self.warmup_seconds += seconds
         programs = self.runner.programs
         logger.info(

@@ -134,8 +134,8 @@ class DataParallelEngine:
             raise error
         return outputs
 
-    def warm_up(self, context_len: int = 64) -> float:
-        return sum(r.warm_up(context_len) for r in self.replicas)
+    def warm_up(self, context_len: int = 64, *, up_to: int | None = None) -> float:
+        return sum(r.warm_up(context_len, up_to=up_to) for r in self.replicas)
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)

@@ -242,6 +242,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         args, engine.sampling_defaults, output_kind=RequestOutputKind.DELTA
     )
     engine.chat_prompt([{"role": "user", "content": "hi"}], chat_template=template)  # checks
+    # Every program a conversation of this engine can reach, before the first answer (one
+    # slot: its token buckets up to max_model_len), so no answer stalls on a compile.
+    engine.warm_up(up_to=engine.max_model_len)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history = list(system)
     interactive = sys.stdin.isatty()

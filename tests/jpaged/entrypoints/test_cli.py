@@ -147,3 +147,46 @@ def test_generate_and_chat_size_the_engine_for_their_own_sequences(demo_model_di
                                        num_seqs=3 if "-n" in argv else 1)
         assert engine.config.scheduler.max_num_seqs == seqs, argv
         assert engine.num_pages == seqs * 8 + 1, argv
+
+
+
+def test_chat_compiles_every_program_it_can_reach_before_the_first_answer(
+    demo_model_dir, tmp_path, monkeypatch
+):
+    """One slot: every token bucket up to max_model_len, warmed up before the first turn,
+    so the conversation's steps (a short turn, then a long one) compile nothing more."""
+    import io
+
+    from jpaged.entrypoints import cli
+    from jpaged.worker.step_inputs import bucket_keys
+
+    engines, after_warm_up = [], []
+    make = cli.make_engine_from_args
+
+    def recorded(*args, **kwargs):
+        engine = make(*args, **kwargs)
+        warm_up = engine.warm_up
+
+        def counted(*a, **kw):
+            seconds = warm_up(*a, **kw)
+            after_warm_up.append(engine.runner.programs.num_compiles)
+            return seconds
+
+        engine.warm_up = counted
+        engines.append(engine)
+        return engine
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    args = cli.build_parser().parse_args(
+        ["chat", "--model", "demo-random", "--max-model-len", "128", "--max-num-batched-tokens",
+         "64", "--max-tokens", "4", "--chat-template", str(template)]
+    )  # fmt: skip
+    monkeypatch.setenv("JPAGED_CACHE_DIR", str(demo_model_dir.parent))
+    monkeypatch.setattr(cli, "make_engine_from_args", recorded)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\n" + "x " * 40 + "\n/exit\n"))
+    assert cli.cmd_chat(args) == 0
+    (engine,) = engines
+    programs = engine.runner.programs
+    assert set(programs.step_keys()) == set(bucket_keys(engine.config))
+    assert programs.num_compiles == after_warm_up[0]  # the turns compiled nothing
