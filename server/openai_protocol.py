@@ -22,6 +22,7 @@ three places, and every refusal is an APIError in OpenAI's shape, `param` naming
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Any, Literal
 
@@ -571,10 +572,51 @@ def from_validation_errors(errors: list[dict]) -> APIError:
             400, f"unknown field {param!r}: this server does not support it", param=param
         )
     if not param:
-        return APIError(400, f"request body: {e.get('msg', 'invalid')}")
+        return APIError(400, f"request body: {_our_words(e) or e.get('msg', 'invalid')}")
     if kind == "missing":
         return APIError(400, f"{param}: field required", param=param)
-    return APIError(400, f"{param}: {e.get('msg', 'invalid value')}", param=param)
+    return APIError(400, f"{param}: {_our_words(e) or e.get('msg', 'invalid value')}", param=param)
+
+
+# pydantic's error types in jpaged's words (what was expected, and what came).
+_EXPECTED = {
+    "string_type": "a string",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "list_type": "a list",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+}
+
+
+def _our_words(e: dict) -> str | None:
+    """The error's sentence in jpaged's words, or None to keep pydantic's."""
+    kind, ctx, got = e.get("type", ""), e.get("ctx") or {}, e.get("input")
+    if kind in _EXPECTED:
+        return f"must be {_EXPECTED[kind]}, got {_shown(got)}"
+    if kind == "too_short" and "min_length" in ctx:
+        n = ctx["min_length"]
+        what = "message" if _loc_param(e.get("loc", ())) == "messages" else "item"
+        return f"give at least {n} {what}{'s' if n != 1 else ''}, got {ctx.get('actual_length', 0)}"
+    if kind == "too_long" and "max_length" in ctx:
+        return f"at most {ctx['max_length']} items, got {ctx.get('actual_length')}"
+    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=",
+              "less_than": "<"}  # fmt: skip
+    if kind in bounds:
+        limit = next(iter(ctx.values()), None)
+        return f"must be {bounds[kind]} {limit}, got {_shown(got)}"
+    return None
+
+
+def _shown(value) -> str:
+    text = json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool)) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _loc_param(loc) -> str:

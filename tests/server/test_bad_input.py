@@ -204,7 +204,7 @@ def test_bad_requests_do_not_disturb_one_in_flight(make_server):
 
 def test_duplicate_request_id_in_flight(shared):
     call = shared.stub.Generate(
-        request([1], request_id="dup", temperature=0, max_tokens=500, ignore_eos=True)
+        request([1], request_id="dup", temperature=0, max_tokens=60, ignore_eos=True)
     )
     next(iter(call))
     with pytest.raises(grpc.RpcError) as err:

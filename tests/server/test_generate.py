@@ -30,7 +30,7 @@ def test_stream_and_collect_equal_offline(server):
     cases = [
         ("t5 t9 hello world", SamplingParams(temperature=0, max_tokens=12)),
         ([40, 41, 42, 43, 44, 45], SamplingParams(temperature=0, max_tokens=30)),
-        ([997, 998], SamplingParams(temperature=0, max_tokens=70)),  # hits max_model_len
+        ([997, 998], SamplingParams(temperature=0, max_tokens=62)),  # fills max_model_len (64)
         ([0, 2], SamplingParams(temperature=0, max_tokens=9)),  # token 2 = EOS at step 1
     ]
     for prompt, params in cases:

@@ -50,7 +50,14 @@ CASES = [
         "messages[0].role",
         "'user'",
     ),
-    ("empty messages", CHAT, {"messages": []}, 400, "messages", "at least 1"),
+    (
+        "empty messages",
+        CHAT,
+        {"messages": []},
+        400,
+        "messages",
+        "messages: give at least 1 message, got 0",
+    ),
     ("no messages", CHAT, {"max_tokens": 3}, 400, "messages", "required"),
     (
         "image content",
@@ -72,7 +79,14 @@ CASES = [
     ("malformed JSON", COMP, '{"prompt": "t1",', 400, None, "malformed JSON"),
     ("JSON that is not an object", COMP, "[1, 2]", 400, None, "request body"),
     ("NaN", COMP, '{"prompt": "t1", "temperature": NaN}', 400, "temperature", "finite"),
-    ("wrong type", COMP, {"prompt": "t1", "max_tokens": "many"}, 400, "max_tokens", "integer"),
+    (
+        "wrong type",
+        COMP,
+        {"prompt": "t1", "max_tokens": "many"},
+        400,
+        "max_tokens",
+        'max_tokens: must be an integer, got "many"',
+    ),
     ("unknown field", COMP, {"prompt": "t1", "best_of": 3}, 400, "best_of", "unknown field"),
     ("tools", CHAT, {"messages": USER, "tools": []}, 400, "tools", "does not support"),
     (
