@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -74,6 +75,28 @@ def _kv_bytes_per_page(cfg: ModelConfig, page_size: int, itemsize: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * itemsize
 
 
+# The share of the host's available memory (after the weights are loaded) a CPU pool may
+# take when no flag sizes it: the host also holds the weights, the compiled programs, the
+# Python process and whatever else the machine runs.
+HOST_KV_MEMORY_SHARE = 0.25
+
+
+def available_host_memory() -> int | None:
+    """Bytes the OS can give this process without swapping (MemAvailable in /proc/meminfo,
+    else free physical pages), None when neither is known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def resolve_num_pages(
     cache: CacheConfig,
     config: EngineConfig,
@@ -82,24 +105,56 @@ def resolve_num_pages(
     *,
     extra_bytes_per_page: int = 0,
 ) -> int:
-    """Pool size: num_pages if given, else from the memory budget (kv_cache_memory_bytes: the
-    whole pool's bytes); on CPU with neither, enough pages for every sequence slot at
-    max_model_len; on an accelerator, kv_memory_fraction of one device's free memory, where
-    with tensor parallelism a device holds 1 / min(T, num_kv_heads) of every page.
-    extra_bytes_per_page: a draft model's K/V per page, in the same budget."""
-    if cache.num_pages is not None:
-        return cache.num_pages
+    """Pool size, logged once with why: num_pages if given, else from the memory budget
+    (kv_cache_memory_bytes: the whole pool's bytes); on CPU with neither, what the
+    configuration can use, max_num_seqs sequences of max_model_len tokens plus the null page
+    (speculative proposals need no page past max_model_len: LLMEngine._proposals caps them),
+    capped at HOST_KV_MEMORY_SHARE of the host's available memory; on an accelerator,
+    kv_memory_fraction of one device's free memory, where with tensor parallelism a device
+    holds 1 / min(T, num_kv_heads) of every page. extra_bytes_per_page: a draft model's K/V
+    per page, in the same budget. A pool too small for one max_model_len sequence is then
+    refused or fitted by fit_max_model_len."""
     per_page = _kv_bytes_per_page(model_config, cache.page_size, itemsize) + extra_bytes_per_page
-    if cache.kv_cache_memory_bytes is not None:
-        return max(2, cache.kv_cache_memory_bytes // per_page + 1)
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if not stats or "bytes_limit" not in stats:
-        return config.scheduler.max_num_seqs * config.max_pages_per_seq + 1
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    shards = min(config.parallel.tensor_parallel_size, model_config.num_kv_heads)
-    per_device_page = -(-per_page // shards)
-    return max(2, int(free * cache.kv_memory_fraction) // per_device_page + 1)
+    if cache.num_pages is not None:
+        num_pages, why = cache.num_pages, "--num-pages"
+    elif cache.kv_cache_memory_bytes is not None:
+        num_pages = max(2, cache.kv_cache_memory_bytes // per_page + 1)
+        why = f"--kv-cache-memory-bytes {cache.kv_cache_memory_bytes}"
+    else:
+        device = jax.devices()[0]
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if not stats or "bytes_limit" not in stats:
+            num_pages, why = _host_pool(config, per_page)
+        else:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            shards = min(config.parallel.tensor_parallel_size, model_config.num_kv_heads)
+            per_device_page = -(-per_page // shards)
+            num_pages = max(2, int(free * cache.kv_memory_fraction) // per_device_page + 1)
+            why = f"kv_memory_fraction {cache.kv_memory_fraction} of {free >> 20} MiB free"
+    logger.info(
+        "KV pool: %d pages of %d tokens (%d tokens, %d MiB): %s",
+        num_pages, cache.page_size, (num_pages - 1) * cache.page_size,
+        num_pages * per_page >> 20, why,
+    )  # fmt: skip
+    return num_pages
+
+
+def _host_pool(config: EngineConfig, per_page: int) -> tuple[int, str]:
+    """A CPU pool's default pages and why: every slot at max_model_len, capped by memory."""
+    s = config.scheduler
+    want = s.max_num_seqs * config.max_pages_per_seq + 1
+    why = f"max_num_seqs {s.max_num_seqs} x max_model_len {s.max_model_len} tokens"
+    available = available_host_memory()
+    if available is None:
+        return want, why
+    cap = max(2, int(available * HOST_KV_MEMORY_SHARE) // per_page + 1)
+    if cap >= want:
+        return want, why
+    return cap, (
+        f"{why} would take {want * per_page >> 20} MiB, capped at {HOST_KV_MEMORY_SHARE:.0%} "
+        f"of {available >> 20} MiB available host memory; --num-pages, "
+        "--kv-cache-memory-bytes or a lower --max-num-seqs set it"
+    )
 
 
 def fit_max_model_len(config: EngineConfig, num_pages: int, *, given: bool) -> EngineConfig:
