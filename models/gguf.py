@@ -162,7 +162,10 @@ class GGUFFile:
 
         self.check_type(name)
         tensor = self.tensors[name]
-        return quants.dequantize(tensor.data, tensor.tensor_type).reshape(self.shape(name))
+        out = quants.dequantize(tensor.data, tensor.tensor_type).reshape(self.shape(name))
+        # An F32 tensor comes back as a view of the memory map; copied, so that no array the
+        # model keeps (jax may alias a host buffer on CPU) holds the file's pages resident.
+        return out.copy() if np.may_share_memory(out, tensor.data) else out
 
 
 def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

@@ -254,12 +254,20 @@ def build_params(
     stacked: "layers" as one dict of [num_layers, ...] arrays (the scanned layout,
     models/llama.py stack_layers), filled on the host and placed name by name, each host
     array dropped once placed: the load holds the model once on the host and once on the
-    devices at most, never a second device copy."""
+    devices at most, never a second device copy. Stacked, the layers are read name by name
+    (every layer's q projection, then every layer's k ...) and each [num_layers, ...] array
+    is placed as soon as it is full, so the host holds one of them at a time, not all."""
     stacked = stacked and not on_host
     shardings = _shardings(config, mesh, stacked=stacked)
     params: dict[str, Any] = {"layers": {} if stacked else [{} for _ in range(config.num_layers)]}
-    host: dict[str, np.ndarray] = {}  # stacked: name -> [num_layers, ...] on the host
-    for key, spec in specs.items():
+    items = list(specs.items())
+    if stacked:
+        names = list(dict.fromkeys(k[2] for k, _ in items if k[0] == "layers"))
+        items.sort(
+            key=lambda kv: (names.index(kv[0][2]), kv[0][1]) if kv[0][0] == "layers" else (-1, 0)
+        )
+    host: dict[str, np.ndarray] = {}  # stacked: name -> [num_layers, ...] being filled
+    for key, spec in items:
         # Cast on the host (ml_dtypes for bfloat16): jnp.asarray(x, dtype=...) would compile
         # one XLA convert per distinct tensor shape.
         value = np.ascontiguousarray(spec.to_layout(read(spec)), dtype=dtype)
@@ -268,10 +276,10 @@ def build_params(
             if name not in host:
                 host[name] = np.empty((config.num_layers, *value.shape), value.dtype)
             host[name][key[1]] = value
+            if key[1] == config.num_layers - 1:  # full: placed, the host copy dropped
+                params["layers"][name] = _place(host.pop(name), shardings.get(("layers", name)))
             continue
         _set(params, key, value if on_host else _place(value, shardings.get(key)))
-    for name in list(host):
-        params["layers"][name] = _place(host.pop(name), shardings.get(("layers", name)))
     return params
 
 
