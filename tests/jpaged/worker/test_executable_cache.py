@@ -30,12 +30,15 @@ def cache_on(monkeypatch, tmp_path):
     """The executable cache on, in a directory of this test's own (the suite's JAX cache
     directory is put back after)."""
     monkeypatch.setenv(executable_cache.ENV, "on")
-    suite_dir = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", None)
-    yield tmp_path / "cache"
-    jax.config.update("jax_compilation_cache_dir", suite_dir)
     from jax.experimental.compilation_cache import compilation_cache
 
+    suite_dir = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    # JAX keeps the cache it opened for an earlier test of this worker until reset: a
+    # program it served would not be stored here (executable_cache.py says why).
+    compilation_cache.reset_cache()
+    yield tmp_path / "cache"
+    jax.config.update("jax_compilation_cache_dir", suite_dir)
     compilation_cache.reset_cache()
 
 
