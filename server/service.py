@@ -322,10 +322,11 @@ def _add_logprob(entries, token: int, position: dict[int, float]) -> None:
         entry.top_logprobs.add(token_id=top_id, logprob=lp)
 
 
-def _fits_context(engine, *, prompt, params) -> tuple[str | list[int], SamplingParams]:
+def _fits_context(engine, *, prompt, params) -> tuple[list[int], SamplingParams]:
     """The submit prepare of a Generate (on the step thread): prompt + max_tokens over
     max_model_len is refused (INVALID_ARGUMENT naming the figures), as HTTP refuses it with
-    a 400; the offline API instead stops such a request at max_model_len."""
+    a 400; the offline API instead stops such a request at max_model_len. Returns the
+    prompt's token ids, so the engine does not tokenize it again."""
     _, ids = engine.tokenize_prompt(prompt)
     limit = engine.max_model_len
     if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
@@ -334,7 +335,7 @@ def _fits_context(engine, *, prompt, params) -> tuple[str | list[int], SamplingP
             f"{len(ids) + params.max_tokens} ({len(ids)} in the prompt, {params.max_tokens} "
             "in max_tokens); shorten the prompt or lower max_tokens"
         )
-    return prompt, params
+    return ids, params
 
 
 def _error_status(error: Exception) -> tuple[str, grpc.StatusCode]:
