@@ -109,6 +109,33 @@ def test_every_supported_tensor_type(tmp_path):
     )
 
 
+def test_reading_in_row_blocks_gives_the_whole_tensor(tmp_path, monkeypatch):
+    """GGUFFile.read dequantizes tensors of more rows than DEQUANTIZE_ROWS block by block
+    (a peak of one block's temporaries); every type, F32 included, reads the same values as
+    dequantized whole, and none stays a view of the file."""
+    import models.gguf as gguf_module
+
+    hf_dir = make_tiny_checkpoint(
+        tmp_path / "hf", "llama", hidden_size=256, intermediate_size=256, num_hidden_layers=2
+    )
+    types = ["Q4_K", "Q6_K", "Q4_1", "Q8_0", "F16", "BF16", "Q5_0", "F32"]
+    names = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight",
+             "blk.0.ffn_up.weight", "blk.1.attn_q.weight", "blk.1.attn_k.weight",
+             "blk.1.ffn_down.weight", "blk.1.ffn_gate.weight"]  # fmt: skip
+    path = tmp_path / "mixed.gguf"
+    write_gguf(hf_dir, path, lambda name, shape: dict(zip(names, types)).get(name, "F32"))
+    file = gguf_module.GGUFFile(path)
+    assert [file.tensors[n].tensor_type.name for n in names] == types
+    whole = {name: file.read(name) for name in names}
+    monkeypatch.setattr(gguf_module, "DEQUANTIZE_ROWS", 7)
+    for name in names:
+        got = file.read(name)
+        assert got.dtype == np.float32 and got.shape == file.shape(name)
+        assert got.shape[0] in (128, 256)  # more rows than a block, and not a multiple
+        np.testing.assert_array_equal(got, whole[name])
+        assert not np.may_share_memory(got, file.tensors[name].data)
+
+
 def test_chat_settings_from_metadata(tmp_path, tiny_checkpoints):
     path = tmp_path / "chat.gguf"
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"

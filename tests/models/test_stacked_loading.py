@@ -63,3 +63,30 @@ def test_gguf_file_loads_stacked(checkpoint, tmp_path):
     path = tmp_path / "llama.gguf"
     write_gguf(checkpoint, path, "Q8_0")
     _assert_stacked_equals(load_model(path, stacked=True).params, load_model(path).params)
+
+
+def test_stacked_host_arrays_are_placed_without_a_copy_on_cpu(checkpoint, monkeypatch):
+    """build_params fills each [num_layers, ...] array in an aligned_empty buffer, which jax
+    on CPU places by aliasing it: the placed array's data is the host buffer itself, so the
+    load never holds a stacked array twice."""
+    import jax
+
+    from models import hf_checkpoint
+
+    for shape, dtype in (((3, 5, 7), np.float32), ((1000,), np.float16), ((2, 3), np.int8)):
+        a = hf_checkpoint.aligned_empty(shape, dtype)
+        assert (a.shape, a.dtype, a.flags.c_contiguous) == (shape, np.dtype(dtype), True)
+        assert a.ctypes.data % hf_checkpoint.HOST_ALIGNMENT == 0
+    placed_from = {}
+    place = hf_checkpoint._place
+
+    def recorded(value, sharding):
+        out = place(value, sharding)
+        placed_from[value.ctypes.data] = out
+        return out
+
+    monkeypatch.setattr(hf_checkpoint, "_place", recorded)
+    params = load_model(checkpoint, stacked=True).params
+    assert jax.default_backend() == "cpu"
+    for name, array in params["layers"].items():
+        assert placed_from[array.unsafe_buffer_pointer()] is array, name
