@@ -49,6 +49,7 @@ from jpaged.spec_decode.ngram_proposer import NgramProposer, matched_prefix
 from jpaged.structured_output.manager import StructuredOutputManager
 from jpaged.tokenizer import Tokenizer
 from jpaged.worker import compilation_cache, executable_cache
+from jpaged.worker.host_memory import release_free_memory
 from jpaged.worker.model_loading import load_for_config
 from jpaged.worker.runner import InFlightStep, ModelRunner
 from jpaged.worker.step_inputs import bucket
@@ -252,8 +253,9 @@ class LLMEngine:
         if loaded is None:
             loaded = load_for_config(config)  # sharded when config.parallel asks for it
         self.model_config: ModelConfig = loaded.config
+        self.platform: str = jax.default_backend()  # "cpu", "gpu", "tpu"
         self.config = config = config.resolve(
-            self.model_config.max_position_embeddings, jax.default_backend()
+            self.model_config.max_position_embeddings, self.platform
         )
         self.eos_token_ids = tuple(loaded.eos_token_ids)
         self.tokenizer = (
@@ -321,6 +323,7 @@ class LLMEngine:
                 context_len=config.precompile_max_len
             )
             self.runner.programs.warmed_up = True
+        release_free_memory()  # the loader's and the compiler's freed host memory
         logger.info(
             "engine ready: %s, %d pages of %d tokens, load %.1fs, warm-up %.1fs; %s",
             self.model_config.architecture,
@@ -583,6 +586,7 @@ class LLMEngine:
         so no answer meets a compile."""
         keys = self.runner.warm_up_keys(context_len if up_to is None else up_to)
         seconds = self.runner.precompile(keys, context_len)
+        release_free_memory()  # what compiling and the runs freed (worker/host_memory.py)
         self.warmup_seconds += seconds
         programs = self.runner.programs
         logger.info(

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 from jpaged.entrypoints.engine_args import add_engine_flags, engine_kwargs
 from jpaged.sample.sampling_params import SamplingParams
+from jpaged.worker.host_memory import limit_malloc_arenas
 
 # The command line's default for --max-tokens (the Python API's SamplingParams keeps vLLM's 16).
 CLI_MAX_TOKENS = 256
@@ -383,6 +384,7 @@ def build_parser(extensions: Iterable[Callable] = ()) -> argparse.ArgumentParser
 def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     """Parses argv and runs the command; a user's error is one line on stderr."""
     args = parser.parse_args(argv)
+    limit_malloc_arenas()  # before jax starts its threads (jpaged.worker.host_memory)
     debug = bool(getattr(args, "debug", False)) or os.environ.get("JPAGED_DEBUG", "") not in (
         "",
         "0",
