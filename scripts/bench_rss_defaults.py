@@ -9,9 +9,9 @@ and where an engine's memory goes.
    process: its peak RSS (os.wait4's ru_maxrss).
 2. `jpaged serve` at its defaults (ports chosen here): once /health answers 200, the idle
    server's RSS and peak RSS (VmRSS, VmHWM of /proc/PID/status).
-3. The breakdown, in a fresh process per slot count (1: generate's engine, 32: the server's
-   default): RSS after importing jax and jpaged (Python), after loading the model
-   (weights), after building the engine (the KV pool: its pages and bytes are printed
+3. The breakdown, in a fresh process per slot count (1: generate's engine, 4: the server's
+   default on CPU, 32: its default elsewhere): RSS after importing jax and jpaged (Python),
+   after loading the model (weights), after building the engine (the KV pool: its pages and bytes are printed
    beside), after warm_up (the compiled programs and their first runs), after one request.
 The KV pool's size comes from the engine's default rule (jpaged/core/engine.py
 resolve_num_pages), which the engine logs; its line is printed too.
@@ -39,6 +39,8 @@ def rss():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
 out = {"start": rss()}
+from jpaged.worker.host_memory import limit_malloc_arenas
+limit_malloc_arenas()  # as the command line does, before jax starts its threads
 import jax, numpy as np
 from jpaged.core.engine import LLMEngine
 from jpaged.entrypoints.engine_args import engine_config_from_args
@@ -174,7 +176,7 @@ def main() -> None:
         for n in args.serve_max_num_seqs:
             measure_server(model, args.server_timeout, ["--max-num-seqs", str(n)])
     if "stages" not in args.skip:
-        for seqs in (1, 32):
+        for seqs in (1, 4, 32):
             measure_stages(args.model, seqs)
 
 

@@ -315,9 +315,18 @@ class Server:
 
 
 def _warm_up(engine) -> float | None:
-    """Runs on the engine thread: engine.warm_up where the engine has one."""
+    """Runs on the engine thread: engine.warm_up where the engine has one. On CPU, whose
+    step programs all span max_model_len's page columns, it covers every program a request
+    of up to max_model_len tokens reaches: with max_model_len at least the step's token
+    budget (2048 and 512 by default) that is every program the server can meet (6 for the
+    CPU default of 4 slots), so no chat meets a compile mid-answer. On an accelerator, whose
+    programs are bucketed by context too (162 at the defaults), those of short requests."""
     warm_up = getattr(engine, "warm_up", None)
-    return None if warm_up is None else warm_up(WARM_UP_CONTEXT_LEN)
+    if warm_up is None:
+        return None
+    if getattr(engine, "platform", None) == "cpu":
+        return warm_up(WARM_UP_CONTEXT_LEN, up_to=engine.config.scheduler.max_model_len)
+    return warm_up(WARM_UP_CONTEXT_LEN)
 
 
 def _compilation_cache_dir() -> str:

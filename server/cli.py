@@ -28,6 +28,12 @@ from server.app import ServerOptions, add_server_args
 from server.app import run as run_server
 from server.logs import configure_logging
 
+# Sequences a server on CPU runs at once unless --max-num-seqs says otherwise, as llama.cpp's
+# server and Ollama default to 4 parallel slots: a CPU serves a handful of chats, and its KV
+# pool (sized for max_num_seqs x max_model_len, resolve_num_pages) then holds 360 MiB of
+# SmolLM2's float32 KV instead of 2,880 MiB for 32 slots (docs/serving.md, "Memory").
+CPU_SERVER_MAX_NUM_SEQS = 4
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -49,6 +55,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def make_server_engine(args: argparse.Namespace):
+    """The engine `jpaged serve` runs: the flags' (make_engine_from_args), with
+    CPU_SERVER_MAX_NUM_SEQS slots on CPU unless --max-num-seqs is given."""
+    import jax
+
+    num_seqs = CPU_SERVER_MAX_NUM_SEQS if jax.default_backend() == "cpu" else None
+    return make_engine_from_args(args, num_seqs=num_seqs)
+
+
 def serve_main(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.log_format)
     options = ServerOptions.from_args(args, sampling_defaults=sampling_overrides(args))
@@ -58,7 +73,7 @@ def serve_main(args: argparse.Namespace) -> int:
         initialize(args.coordinator, args.num_processes, args.process_id)
     import jax
 
-    engine = make_engine_from_args(args)
+    engine = make_server_engine(args)
     model_name = args.served_model_name or args.model or SMOLLM2_NAME
     if jax.process_count() == 1:
         return run_server(engine, options, model_name=model_name)

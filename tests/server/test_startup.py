@@ -181,3 +181,39 @@ def test_jax_start_up_noise_stays_out_of_the_log():
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
+
+
+def test_a_cpu_server_has_four_slots_and_warms_up_every_program_they_reach(
+    demo_model_dir, monkeypatch
+):
+    """On CPU `jpaged serve` without --max-num-seqs runs CPU_SERVER_MAX_NUM_SEQS sequences
+    (a pool of 4 x max_model_len), and its warm-up compiles every step program they can
+    reach, so no request compiles after health says SERVING; --max-num-seqs wins."""
+    from jpaged.sample.sampling_params import SamplingParams
+    from jpaged.worker.step_inputs import bucket_keys
+    from server import cli as server_cli
+
+    monkeypatch.setenv("JPAGED_CACHE_DIR", str(demo_model_dir.parent))
+    parser = server_cli.build_parser((server_cli.add_serve_parser,))
+    # max_model_len 512 = the step's token budget, as at the defaults (2048 >= 512): one
+    # sequence reaches every token bucket; 32 pages of 16 tokens.
+    common = ["serve", "--model", "demo-random", "--max-model-len", "512"]
+    engine = server_cli.make_server_engine(parser.parse_args(common))
+    assert server_cli.CPU_SERVER_MAX_NUM_SEQS == 4
+    assert (engine.platform, engine.config.scheduler.max_num_seqs) == ("cpu", 4)
+    assert engine.num_pages == 4 * 32 + 1
+    assert app._warm_up(engine) > 0
+    programs = engine.runner.programs
+    assert set(programs.step_keys()) == set(bucket_keys(engine.config))
+    compiled = programs.num_compiles
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i, prompt in enumerate(([5] * 400, [7] * 3, [9] * 40, [11] * 200)):
+        engine.add_request(str(i), prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(len(o.outputs[0].token_ids) for o in done.values()) == [8, 8, 8, 8]
+    assert programs.num_compiles == compiled  # nothing compiled once serving
+
+    eight = server_cli.make_server_engine(parser.parse_args([*common, "--max-num-seqs", "8"]))
+    assert eight.config.scheduler.max_num_seqs == 8 and eight.num_pages == 8 * 32 + 1
