@@ -90,6 +90,14 @@ class ModelConfig:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
 
     @property
+    def layer_params(self) -> int:
+        """Weights of the decoder layers (projections; norms are negligible): what a step
+        reads per token besides the embedding and head."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = self.hidden_size * (2 * q + 2 * kv)  # q, k, v, o
+        return self.num_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
+
+    @property
     def sm_scale(self) -> float:
         return self.head_dim**-0.5
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -362,7 +363,7 @@ def load_gguf_model(
     dtype: Any = None,
     mesh: Any = None,
     on_host: bool = False,
-    stacked: bool = False,
+    stacked: bool | Callable[[ModelConfig], bool] = False,
 ) -> hf_checkpoint.LoadedModel:
     """Loads a GGUF file, dequantized into dtype.
 

@@ -262,7 +262,7 @@ def build_params(
     dtype: Any,
     mesh: Any = None,
     on_host: bool = False,
-    stacked: bool = False,
+    stacked: bool | Callable[[ModelConfig], bool] = False,
 ) -> dict[str, Any]:
     """The params pytree: read(spec) gives each tensor in its Hugging Face shape (the reader
     checks it), here turned into the layout, cast to dtype and placed on its devices.
@@ -273,6 +273,8 @@ def build_params(
     devices at most, never a second device copy. Stacked, the layers are read name by name
     (every layer's q projection, then every layer's k ...) and each [num_layers, ...] array
     is placed as soon as it is full, so the host holds one of them at a time, not all."""
+    if callable(stacked):  # decided from the model's config (models/loader.py load_model)
+        stacked = stacked(config)
     stacked = stacked and not on_host
     shardings = _shardings(config, mesh, stacked=stacked)
     params: dict[str, Any] = {"layers": {} if stacked else [{} for _ in range(config.num_layers)]}
@@ -305,7 +307,7 @@ def load_hf_model(
     dtype: Any = None,
     mesh: Any = None,
     on_host: bool = False,
-    stacked: bool = False,
+    stacked: bool | Callable[[ModelConfig], bool] = False,
 ) -> LoadedModel:
     """Loads a Hugging Face model directory.
 

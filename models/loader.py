@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 from models import gguf, hub, orbax_checkpoint
@@ -46,7 +47,7 @@ def load_model(
     dtype: Any = None,
     mesh: Any = None,
     revision: str | None = None,
-    stacked: bool = False,
+    stacked: bool | Callable[[ModelConfig], bool] = False,
 ) -> LoadedModel:
     """Loads any model jpaged reads (see the module docstring).
 
@@ -56,7 +57,8 @@ def load_model(
       mesh: a Mesh of models.sharding (None: every param on the default device).
       revision: branch, tag or commit of a Hub repo (default "main").
       stacked: params["layers"] as one dict of [num_layers, ...] arrays (for lax.scan),
-        built on the host by the HF and GGUF loaders; an Orbax checkpoint (saved per layer)
+        built on the host by the HF and GGUF loaders (a callable: decided from the model's
+        config once read, as EngineConfig.scans_layers); an Orbax checkpoint (saved per layer)
         is restored per layer and stacked on the devices (models/llama.py stack_layers).
 
     Raises:
@@ -69,6 +71,8 @@ def load_model(
         return gguf.load_gguf_model(gguf_file, dtype=dtype, mesh=mesh, stacked=stacked)
     if orbax_checkpoint.is_orbax_dir(local):
         loaded = orbax_checkpoint.load_orbax_model(local, dtype=dtype, mesh=mesh)
+        if callable(stacked):
+            stacked = stacked(loaded.config)
         if not stacked:
             return loaded
         from models.llama import stack_layers

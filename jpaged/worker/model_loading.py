@@ -11,6 +11,7 @@ cache (models/demo.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jpaged.config import EngineConfig
 from models import sharding
@@ -44,7 +45,7 @@ def load_for_config(config: EngineConfig, *, data_parallel: bool = False) -> Loa
         dtype=config.dtype,
         mesh=mesh,
         revision=config.revision,
-        stacked=config.scans_layers(jax.default_backend()),
+        stacked=functools.partial(config.scans_layers, jax.default_backend()),
     )
     shipped = builtin_generation_defaults(path)
     if shipped:

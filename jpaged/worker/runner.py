@@ -83,7 +83,7 @@ class ModelRunner:
         self.scratch_row = config.scheduler.max_num_seqs
         self.mesh = mesh
         self.broadcast = broadcast
-        scan = config.scans_layers(jax.default_backend())
+        scan = config.scans_layers(jax.default_backend(), model_config)
         self.programs = Programs(
             model_config, config.attention_backend, mesh, scan_layers=scan, cache_dir=cache_dir
         )

@@ -57,6 +57,49 @@ def test_the_engine_takes_the_loaded_stacked_layers_as_they_are(checkpoint):
     assert tokens == [o.outputs[0].token_ids for o in unrolled.generate(prompts, greedy)]
 
 
+def test_on_cpu_layers_over_the_line_run_unrolled_by_default(checkpoint, monkeypatch):
+    """EngineConfig.scans_layers: scan_layers when set; on CPU, with the model's config,
+    unrolled for layers over SCAN_LAYERS_CPU_MAX_BYTES (decided before the load, so the
+    loader builds that layout straight away); accelerators scan."""
+    import jpaged.config as config_module
+    from jpaged import LLM, SamplingParams
+    from jpaged.config import EngineConfig
+    from models import hf_checkpoint
+    from models.loader import read_config
+
+    cfg = read_config(checkpoint)  # hidden 64, 4 heads (head_dim 16), 2 kv heads, 128 ffn
+    assert cfg.layer_params == 3 * (64 * (2 * 64 + 2 * 32) + 3 * 64 * 128)
+    line = config_module.SCAN_LAYERS_CPU_MAX_BYTES
+    assert line == 2**30
+    default, bf16 = EngineConfig(), EngineConfig(dtype="bfloat16")
+    assert default.scans_layers("cpu", cfg) and default.scans_layers("cpu")
+    monkeypatch.setattr(config_module, "SCAN_LAYERS_CPU_MAX_BYTES", cfg.layer_params * 4 - 1)
+    assert not default.scans_layers("cpu", cfg)
+    assert bf16.scans_layers("cpu", cfg)  # half the bytes: under the line
+    assert default.scans_layers("gpu", cfg) and default.scans_layers("tpu", cfg)
+    assert EngineConfig(scan_layers=True).scans_layers("cpu", cfg)
+
+    stacked_loads = []
+    build = hf_checkpoint.build_params
+
+    def recorded(*args, stacked=False, **kw):
+        stacked_loads.append(stacked(args[0]) if callable(stacked) else stacked)
+        return build(*args, stacked=stacked, **kw)
+
+    monkeypatch.setattr(hf_checkpoint, "build_params", recorded)
+    kw = {"max_num_seqs": 2, "max_model_len": 32, "max_num_batched_tokens": 16,
+          "page_size": 8, "num_pages": 9}  # fmt: skip
+    unrolled = LLM(str(checkpoint), **kw)
+    assert stacked_loads == [False]
+    assert isinstance(unrolled.llm_engine.runner.params["layers"], list)
+    scanned = LLM(str(checkpoint), scan_layers=True, **kw)
+    assert stacked_loads == [False, True]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]
+    tokens = [o.outputs[0].token_ids for o in scanned.generate(prompts, greedy)]
+    assert tokens == [o.outputs[0].token_ids for o in unrolled.generate(prompts, greedy)]
+
+
 def test_gguf_file_loads_stacked(checkpoint, tmp_path):
     from checkpoints import write_gguf
 
