@@ -319,9 +319,10 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - t0
         self.warmup_seconds = 0.0
         if config.precompile:
-            self.warmup_seconds = self.runner.precompile(
-                context_len=config.precompile_max_len
-            )
+            # Runs over 64-token contexts: one page runs every loop body once, which is what
+            # the runs are for (ModelRunner.precompile); full contexts made a 32-slot
+            # server's precompile 165 s with every program loaded from the cache.
+            self.warmup_seconds = self.runner.precompile(context_len=64)
             self.runner.programs.warmed_up = True
         release_free_memory()  # the loader's and the compiler's freed host memory
         logger.info(
