@@ -37,7 +37,7 @@ from jpaged.sample.logits_processors import apply_logit_bias, apply_token_bitmas
 from jpaged.sample.rejection_sampler import draft_sample, verify
 from jpaged.sample.sampler import SamplerOutput, prompt_logprobs, sample
 from jpaged.worker.executable_cache import ExecutableCache, cache_key
-from jpaged.worker.map_count import MapBudget
+from jpaged.worker.map_count import MapBudget, MapCountError
 from jpaged.worker.step_inputs import StepInputs, StepKey
 from models import sharding
 from models.config import ModelConfig
@@ -280,6 +280,14 @@ class Programs:
 
     def step_keys(self) -> list[StepKey]:
         return list(self._steps)
+
+    def can_compile(self) -> bool:
+        """Whether Linux's mapping cap leaves room for one more compile now (MapBudget)."""
+        try:
+            self.map_budget.check("a step program")
+        except MapCountError:
+            return False
+        return True
 
     def executable(self, key: StepKey):
         return self._steps.get(key)

@@ -22,6 +22,7 @@ the other processes replay them (`follow`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import jax
@@ -44,6 +45,8 @@ from jpaged.worker.step_inputs import (
 )
 from jpaged.worker.step_plan import StepPlan, empty_plan
 from models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
@@ -89,6 +92,7 @@ class ModelRunner:
         )
         self.params = self.programs.layout_params(params)
         self._warmed: set[StepKey] = set()  # step programs precompile has run (warm_up_inputs)
+        self._padded_up: set[StepKey] = set()  # keys run on a bigger program (logged once)
         self.mask_words = -(-model_config.vocab_size // 32)
         self._device_all_allowed: dict[int, object] = {}  # rows -> all-ones bitmask on device
         self.dtype = dtype
@@ -243,6 +247,7 @@ class ModelRunner:
         key = step_key(plan, self.config)
         if draft_offset is not None:
             key = dataclasses.replace(key, draft=True)
+        key = self._runnable(key)
         cap = update_capacity(key, self.page_size)
         updates, copies = plan.page_updates, plan.page_copies
         # What does not fit the step's share goes through the prelude first.
@@ -262,6 +267,38 @@ class ModelRunner:
         if key.draft:
             inputs.draft_offset = np.int32(draft_offset)
         return InFlightStep(key, plan, self.run_step(key, inputs))
+
+    def _runnable(self, key: StepKey) -> StepKey:
+        """key, or, when it is not compiled and Linux's mapping cap allows no compile
+        (jpaged/worker/map_count.py), the smallest compiled key of the same kind that holds
+        it (as many tokens, rows and page columns or more: the step runs padded further).
+        Without one the key is kept and its compile raises MapCountError. Speculative
+        verification and draft keys are kept (their token counts are exact)."""
+        programs = self.programs
+        if programs.executable(key) is not None or key.spec_k or key.draft:
+            return key
+        if programs.can_compile():
+            return key
+        sizes = ("num_tokens", "num_seqs", "num_page_cols")
+        holding = [
+            k
+            for k in programs.step_keys()
+            if all(getattr(k, f) >= getattr(key, f) for f in sizes)
+            and dataclasses.replace(k, **{f: getattr(key, f) for f in sizes}) == key
+        ]
+        if not holding:
+            return key
+        chosen = min(holding, key=lambda k: tuple(getattr(k, f) for f in sizes))
+        if key in self._padded_up:
+            return chosen
+        self._padded_up.add(key)
+        logger.warning(
+            "at the memory-mapping cap: a step of %d tokens, %d rows and %d page columns "
+            "runs on the compiled program of %d, %d and %d",
+            *(getattr(key, f) for f in sizes),
+            *(getattr(chosen, f) for f in sizes),
+        )
+        return chosen
 
     def fetch(self, step: InFlightStep) -> SamplerOutput:
         """Waits for a dispatched step; returns numpy arrays of its sampled tokens."""

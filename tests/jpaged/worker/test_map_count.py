@@ -94,3 +94,34 @@ def test_the_engine_fails_the_step_that_needs_a_refused_compile_and_serves_on(
     outs = llm.generate(four, GREEDY)
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4, 4, 4]
     assert programs.num_compiles > compiled
+
+
+def test_at_the_cap_a_step_runs_padded_on_a_compiled_program_that_holds_it(
+    demo_model_dir, monkeypatch, caplog
+):
+    """With no compile allowed, a step whose shape is not compiled runs on the smallest
+    compiled program of more tokens and rows (ModelRunner._runnable), with the tokens it
+    gives freshly compiled, and the padding is logged once."""
+    import logging
+
+    llm = LLM(str(demo_model_dir), max_num_seqs=4, max_model_len=64, num_pages=32)
+    engine = llm.llm_engine
+    programs = engine.runner.programs
+    four = [list(range(3, 3 + n)) for n in (30, 31, 32, 33)]  # 126 tokens, 4 rows
+    two = [list(range(5, 5 + n)) for n in (9, 11)]  # 20 tokens, 2 rows
+    assert len(llm.generate(four, GREEDY)) == 4
+    before = set(programs.step_keys())
+    fresh = LLM(str(demo_model_dir), max_num_seqs=4, max_model_len=64, num_pages=32)
+    want = [o.outputs[0].token_ids for o in fresh.generate(two, GREEDY)]
+    compiled = programs.num_compiles
+    monkeypatch.setattr(programs, "map_budget", MapBudget(usage=lambda: (65000, 65530)))
+    with caplog.at_level(logging.WARNING, logger="jpaged.worker.runner"):
+        assert [o.outputs[0].token_ids for o in llm.generate(two, GREEDY)] == want
+        assert [o.outputs[0].token_ids for o in llm.generate(two, GREEDY)] == want
+    assert programs.num_compiles == compiled and set(programs.step_keys()) == before
+    padded = [r.getMessage() for r in caplog.records if "memory-mapping cap" in r.getMessage()]
+    assert len(padded) == len(set(padded)) >= 1
+    # 20 prompt tokens: the 32-token bucket (rows bucketed to 4), run on the 128-token one.
+    assert padded[0].endswith("a step of 32 tokens, 4 rows and 4 page columns runs on the "
+                              "compiled program of 128, 4 and 4")  # fmt: skip
+    assert engine.stats()["pages_used"] == 0
