@@ -30,6 +30,7 @@ import numpy as np
 
 from jpaged.config import EngineConfig
 from jpaged.sample.sampler import SamplerOutput
+from jpaged.worker.map_count import MapCountError
 from jpaged.worker.programs import PRELUDE_COPIES, PRELUDE_UPDATES, SWAP_PAGES, Programs
 from jpaged.worker.step_inputs import (
     WARM_UP_RUNS,
@@ -267,6 +268,30 @@ class ModelRunner:
         if key.draft:
             inputs.draft_offset = np.int32(draft_offset)
         return InFlightStep(key, plan, self.run_step(key, inputs))
+
+    def refusal_at_cap(self, params) -> str | None:
+        """Why a request of these SamplingParams cannot run now, or None: it asks for a
+        feature (logprobs, penalties, logit_bias, prompt_logprobs) that no compiled step
+        program has, and Linux's mapping cap allows no compile (jpaged/worker/map_count.py).
+        The engine refuses such a request alone, before it is queued."""
+        wants = {
+            "num_logprobs": ("logprobs", params.logprobs is not None),
+            "penalty_shape": ("penalties", params.uses_penalties),
+            "bias_width": ("logit_bias", bool(params.logit_bias)),
+            "prompt_logprobs": ("prompt_logprobs", params.prompt_logprobs is not None),
+        }
+        needed = [field for field, (_, wanted) in wants.items() if wanted]
+        if not needed:
+            return None
+        keys = self.programs.step_keys()
+        if any(all(getattr(k, f) for f in needed) for k in keys):
+            return None
+        try:
+            self.programs.map_budget.check("its step program")
+        except MapCountError as e:
+            asked = ", ".join(wants[f][0] for f in needed)
+            return f"the request asks for {asked}, which no compiled step program has: {e}"
+        return None
 
     def _runnable(self, key: StepKey) -> StepKey:
         """key, or, when it is not compiled and Linux's mapping cap allows no compile

@@ -188,6 +188,9 @@ class FakeRunner:
     def num_buckets(self) -> int:
         return len(bucket_keys(self.config)) + 1 + (2 if self.swap_space is not None else 0)
 
+    def refusal_at_cap(self, params) -> None:
+        return None  # no mapping cap: the fake compiles nothing
+
     def warm_up_keys(self, context_len: int) -> list:
         return _warm_up_keys(self.config, context_len)
 

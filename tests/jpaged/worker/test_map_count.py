@@ -125,3 +125,42 @@ def test_at_the_cap_a_step_runs_padded_on_a_compiled_program_that_holds_it(
     assert padded[0].endswith("a step of 32 tokens, 4 rows and 4 page columns runs on the "
                               "compiled program of 128, 4 and 4")  # fmt: skip
     assert engine.stats()["pages_used"] == 0
+
+
+def test_at_the_cap_only_a_request_asking_for_an_uncompiled_feature_is_refused(
+    demo_model_dir, monkeypatch
+):
+    """A request with logprobs, penalties or logit_bias when no compiled program has them
+    and no compile is allowed gets a ValueError naming what it asked for and the cap, at
+    add_request; the engine keeps serving the plain requests it holds and new ones."""
+    llm = LLM(str(demo_model_dir), max_num_seqs=4, max_model_len=64, num_pages=32)
+    engine = llm.llm_engine
+    prompt = list(range(3, 13))
+    want = [o.outputs[0].token_ids for o in llm.generate([prompt], GREEDY)]
+    monkeypatch.setattr(engine.runner.programs, "map_budget",
+                        MapBudget(usage=lambda: (65000, 65530)))  # fmt: skip
+    engine.add_request("plain", prompt, GREEDY)
+    for asked, params in (
+        ("logprobs", GREEDY.clone(logprobs=2)),
+        ("penalties", GREEDY.clone(presence_penalty=0.5)),
+        ("logit_bias", GREEDY.clone(logit_bias={7: 1.0})),
+        ("logprobs, penalties", GREEDY.clone(logprobs=1, repetition_penalty=1.2)),
+    ):
+        with pytest.raises(ValueError) as err:
+            engine.add_request(f"r-{asked}", prompt, params)
+        message = str(err.value)
+        assert message.startswith(
+            f"the request asks for {asked}, which no compiled step program has: not compiling "
+            "its step program: this process has 65000 memory mappings, vm.max_map_count is "
+            "65530"
+        ), message
+        assert "sysctl -w vm.max_map_count=262144" in message
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [(o.request_id, o.outputs[0].token_ids) for o in done] == [("plain", want[0])]
+    assert engine.stats()["pages_used"] == 0
+    # With room to compile again, the same request is served.
+    monkeypatch.setattr(engine.runner.programs, "map_budget", MapBudget())
+    out = llm.generate([prompt], GREEDY.clone(logprobs=2))
+    assert out[0].outputs[0].token_ids == want[0] and out[0].outputs[0].logprobs
