@@ -620,7 +620,7 @@ class LLMEngine:
         unservable = self.scheduler.unservable(len(token_ids), params.n)
         if unservable is not None:  # no preemption could ever make room for it
             raise ValueError(unservable)
-        at_cap = self.runner.refusal_at_cap(params)
+        at_cap = self.runner.refusal_at_cap(params, len(token_ids))
         if at_cap is not None:  # its program cannot be compiled: only this request fails
             raise ValueError(at_cap)
         if cache_salt is not None and not isinstance(cache_salt, str):

@@ -269,11 +269,26 @@ class ModelRunner:
             inputs.draft_offset = np.int32(draft_offset)
         return InFlightStep(key, plan, self.run_step(key, inputs))
 
-    def refusal_at_cap(self, params) -> str | None:
-        """Why a request of these SamplingParams cannot run now, or None: it asks for a
+    def refusal_at_cap(self, params, num_prompt_tokens: int = 0) -> str | None:
+        """Why a request of these SamplingParams and prompt length cannot run now, or None:
+        Linux's mapping cap allows no compile (jpaged/worker/map_count.py) and it asks for a
         feature (logprobs, penalties, logit_bias, prompt_logprobs) that no compiled step
-        program has, and Linux's mapping cap allows no compile (jpaged/worker/map_count.py).
-        The engine refuses such a request alone, before it is queued."""
+        program has, or its context (prompt + max_tokens, at most max_model_len) spans more
+        page columns than any compiled program. The engine refuses such a request alone,
+        before it is queued."""
+        keys = self.programs.step_keys()
+        s = self.config.scheduler
+        end = min(num_prompt_tokens + (params.max_tokens or s.max_model_len), s.max_model_len)
+        cols = -(-end // self.page_size)
+        if keys and not any(k.num_page_cols >= cols for k in keys):
+            widest = max(k.num_page_cols for k in keys) * self.page_size
+            try:
+                self.programs.map_budget.check("its step program")
+            except MapCountError as e:
+                return (
+                    f"the request needs {end} tokens of context, more than any compiled step "
+                    f"program holds ({widest}): {e}"
+                )
         wants = {
             "num_logprobs": ("logprobs", params.logprobs is not None),
             "penalty_shape": ("penalties", params.uses_penalties),
@@ -283,7 +298,6 @@ class ModelRunner:
         needed = [field for field, (_, wanted) in wants.items() if wanted]
         if not needed:
             return None
-        keys = self.programs.step_keys()
         if any(all(getattr(k, f) for f in needed) for k in keys):
             return None
         try:

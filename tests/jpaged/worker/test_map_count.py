@@ -164,3 +164,26 @@ def test_at_the_cap_only_a_request_asking_for_an_uncompiled_feature_is_refused(
     monkeypatch.setattr(engine.runner.programs, "map_budget", MapBudget())
     out = llm.generate([prompt], GREEDY.clone(logprobs=2))
     assert out[0].outputs[0].token_ids == want[0] and out[0].outputs[0].logprobs
+
+
+def test_at_the_cap_a_request_longer_than_every_compiled_program_is_refused(
+    demo_model_dir, monkeypatch
+):
+    """Page-column buckets (as on an accelerator): after short requests only 1-column
+    programs are compiled; at the cap a request whose prompt + max_tokens span more is
+    refused alone at add_request, with the figures; a short one is served."""
+    llm = LLM(str(demo_model_dir), max_num_seqs=4, max_model_len=64, num_pages=32,
+              page_size=16, min_page_bucket=1, decode_programs=True)  # fmt: skip
+    engine = llm.llm_engine
+    short = list(range(3, 8))
+    want = [o.outputs[0].token_ids for o in llm.generate([short], GREEDY)]
+    assert {k.num_page_cols for k in engine.runner.programs.step_keys()} == {1}
+    monkeypatch.setattr(engine.runner.programs, "map_budget",
+                        MapBudget(usage=lambda: (65000, 65530)))  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        engine.add_request("long", list(range(3, 43)), GREEDY)  # 40 + 4 tokens: 3 columns
+    assert str(err.value).startswith(
+        "the request needs 44 tokens of context, more than any compiled step program holds "
+        "(16): not compiling its step program: this process has 65000 memory mappings"
+    ), err.value
+    assert [o.outputs[0].token_ids for o in llm.generate([short], GREEDY)] == want
