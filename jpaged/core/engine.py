@@ -886,8 +886,10 @@ class LLMEngine:
         for seq in seqs:
             if self._constraints is not None and seq.params.structured_outputs is not None:
                 self._advance_constraint(seq)
-            stop = self.output_processor.process(seq)
+            stop, surplus = self.output_processor.process(seq)
             if stop is not None:
+                if surplus:  # a speculative step's tokens past the stop string
+                    seq.drop_last_tokens(surplus)
                 self.scheduler.finish(seq, "stop", stop)
             touched[seq.group.request_id] = seq.group
         outputs = []

@@ -69,27 +69,36 @@ class OutputProcessor:
             context = context[:-1]
         return context
 
-    def process(self, seq: Sequence) -> str | None:
+    def process(self, seq: Sequence) -> tuple[str | None, int]:
         """Detokenizes seq's tokens since the last call (one, or several after a speculative
         step); returns the stop string the new text completed (the text is already cut
-        there), or None. The caller finishes the sequence."""
+        there), or None, and how many of the new tokens came after the one that completed
+        it (several tokens with stop strings are read one at a time, as vLLM does). The
+        caller drops those tokens and finishes the sequence."""
         state = self._state(seq)
         if state.stream is None:
-            return None
+            return None, 0
         p = seq.params
         new = seq.token_ids[state.num_seen :]
         state.num_seen = len(seq.token_ids)
         if not new:
-            return None
-        delta = state.stream.step(self.tokenizer.backend, new if len(new) > 1 else new[0])
-        stop = None
-        if delta:
-            state.text += delta
-            if p.stop and seq.finish_reason != "stop":
-                stop = self._find_stop(state, p, len(delta))
+            return None, 0
+        looks = bool(p.stop) and seq.finish_reason != "stop"
+        pieces = [[t] for t in new] if looks and len(new) > 1 else [new]
+        stop, surplus = None, 0
+        for i, piece in enumerate(pieces):
+            delta = state.stream.step(self.tokenizer.backend, piece if len(piece) > 1 else piece[0])
+            if delta:
+                state.text += delta
+                if looks:
+                    stop = self._find_stop(state, p, len(delta))
+                    if stop is not None:
+                        surplus = len(pieces) - 1 - i
+                        state.num_seen -= surplus
+                        break
         if stop is None and seq.is_finished and not isinstance(seq.stop_reason, str):
             self._flush(seq, state)
-        return stop
+        return stop, surplus
 
     @staticmethod
     def _find_stop(state: _SeqText, params, new_chars: int) -> str | None:

@@ -74,6 +74,20 @@ class Sequence:
     # (temperature or 0, top_k or 0, top_p, min_p, key high, key low): set at creation.
     sampling_constants: tuple = ()
 
+    def drop_last_tokens(self, n: int) -> None:
+        """Drops the last n generated tokens and their logprobs (tokens a speculative step
+        accepted after a stop string; the engine finishes the sequence next)."""
+        if not 0 <= n <= self.num_output_tokens:
+            raise ValueError(f"cannot drop {n} of {self.num_output_tokens} generated tokens")
+        if n == 0:
+            return
+        dropped = self.token_ids[-n:]
+        del self.token_ids[-n:]
+        if len(self.logprobs) > self.num_output_tokens:
+            for token, entry in zip(dropped, self.logprobs[self.num_output_tokens :]):
+                self.cumulative_logprob -= entry.get(token, 0.0)
+            del self.logprobs[self.num_output_tokens :]
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

@@ -19,7 +19,7 @@ def _stream(tok, prompt, output, skip=True):
     processor, pieces = OutputProcessor(tok), []
     for t in output:
         seq.token_ids.append(t)
-        processor.process(seq)
+        processor.process(seq)  # (stop, surplus) unused here
         pieces.append(processor.text(seq)[len("".join(pieces)) :])
     return pieces
 
@@ -77,3 +77,35 @@ def test_stop_string_spanning_tokens(llm):
         ["a stop string test"], greedy.clone(stop=[stop], include_stop_str_in_output=True)
     )[0].outputs[0]
     assert kept.text == text[: idx + len(stop)]
+
+
+def test_several_new_tokens_stop_at_the_one_that_completes_a_stop_string():
+    """A speculative step appends several tokens at once: process reads them one at a time
+    when the request has stop strings, cuts the text at the stop string and says how many
+    tokens came after the one that completed it; the engine drops those (drop_last_tokens,
+    logprobs and cumulative logprob with them)."""
+    tok = Tokenizer(build_tokenizer())
+    ids = tok.encode("hello world. more words here", add_special_tokens=False)
+    upto = next(i for i in range(1, len(ids) + 1) if "." in tok.decode(ids[:i]))
+    params = SamplingParams(max_tokens=64, stop=["."])
+    group = RequestGroup("r", None, [5], params, arrival=0)
+    seq = Sequence(seq_id=0, group=group, index=0, token_ids=[5], num_prompt_tokens=1, seed=0)
+    processor = OutputProcessor(tok)
+    seq.token_ids += ids[:2]  # one step of two tokens, no stop yet
+    assert processor.process(seq) == (None, 0)
+    seq.token_ids += ids[2:]  # the rest in one step: the stop string is inside it
+    seq.logprobs = [{t: -0.5} for t in ids]
+    seq.cumulative_logprob = -0.5 * len(ids)
+    stop, surplus = processor.process(seq)
+    assert (stop, surplus) == (".", len(ids) - upto)
+    assert processor.text(seq) == "hello world"
+    seq.drop_last_tokens(surplus)
+    assert seq.output_token_ids == ids[:upto]
+    assert len(seq.logprobs) == upto and seq.cumulative_logprob == -0.5 * upto
+    with pytest.raises(ValueError, match=f"cannot drop {upto + 1} of {upto} generated tokens"):
+        seq.drop_last_tokens(upto + 1)
+    # Without stop strings several tokens are still decoded in one call.
+    plain = Sequence(seq_id=1, group=RequestGroup("p", None, [5], SamplingParams(), arrival=0),
+                     index=0, token_ids=[5, *ids], num_prompt_tokens=1, seed=0)  # fmt: skip
+    assert processor.process(plain) == (None, 0)
+    assert processor.text(plain) == "hello world. more words here"

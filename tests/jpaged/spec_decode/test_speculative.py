@@ -10,6 +10,7 @@ from engine_probes import count_overlapped
 from jpaged import LLM, SamplingParams
 from jpaged.core.engine import LLMEngine
 from jpaged.entrypoints.engine_args import engine_config_from_args
+from jpaged.sample.sampling_params import RequestOutputKind
 from jpaged.spec_decode.governor import CostGovernor
 
 NGRAM = {
@@ -100,6 +101,48 @@ def test_stops_inside_accepted_proposals_end_the_output_there(reference, specula
     got = speculative.generate(PROMPTS, short)
     assert [len(t) for t in tokens(got)] == [7] * len(PROMPTS)  # never past max_tokens
     assert tokens(got) == [t[:7] for t in tokens(reference.generate(PROMPTS, GREEDY))]
+
+
+def _deltas(llm, prompt, params):
+    """(text, token count) of each step's output for one request, DELTA outputs."""
+    engine = llm.llm_engine
+    engine.add_request("deltas", prompt, params.clone(output_kind=RequestOutputKind.DELTA))
+    steps = []
+    while engine.has_unfinished_requests():
+        steps += [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in engine.step()]
+    return steps
+
+
+def test_stop_strings_inside_accepted_proposals_end_the_output_there(demo_model_dir, reference):
+    """A stop string completed by a token inside a verified run (several tokens in one
+    step): the output's tokens and text end where the non-speculative engine's do, the
+    tokens accepted after it dropped. The model is its own draft (every proposal accepted:
+    4 new tokens a step; n-gram runs repeat text already out); each stop is two characters
+    first seen one character into a multi-token step's text."""
+    speculative = one_bucket(
+        demo_model_dir, num_pages=128, speculative_config=draft_config(demo_model_dir)
+    )
+    inside = 0
+    for prompt in PROMPTS:
+        steps = _deltas(speculative, prompt, GREEDY)
+        text = "".join(t for t, _ in steps)
+        offset = tokens_before = 0
+        for delta, n in steps:
+            stop = delta[1:3]
+            if n > 2 and len(stop) == 2 and "\ufffd" not in stop and text.find(stop) == offset + 1:
+                params = SamplingParams(temperature=0.0, max_tokens=40, stop=[stop])
+                (ref,) = reference.generate([prompt], params)  # one token a step
+                (got,) = speculative.generate([prompt], params)
+                assert got.outputs[0].text == ref.outputs[0].text == text[: offset + 1]
+                assert got.outputs[0].token_ids == ref.outputs[0].token_ids, (prompt, stop)
+                assert (got.outputs[0].finish_reason, got.outputs[0].stop_reason) == (
+                    "stop", stop
+                )  # fmt: skip
+                inside += len(ref.outputs[0].token_ids) < tokens_before + n
+            offset += len(delta)
+            tokens_before += n
+    assert inside >= 1  # at least one stop fell before the end of its step's tokens
+    assert speculative.stats()["pages_used"] == 0
 
 
 def test_seeded_sampling_is_batch_independent(speculative):
