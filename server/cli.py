@@ -24,9 +24,8 @@ from jpaged.entrypoints.cli import (
 )
 from jpaged.entrypoints.engine_args import add_engine_flags
 from models.demo import SMOLLM2_NAME
-from server.app import ServerOptions, add_server_args
-from server.app import run as run_server
 from server.logs import configure_logging
+from server.options import ServerOptions, add_server_args
 
 # Sequences a server on CPU runs at once unless --max-num-seqs says otherwise, as llama.cpp's
 # server and Ollama default to 4 parallel slots: a CPU serves a handful of chats, and its KV
@@ -75,6 +74,8 @@ def serve_main(args: argparse.Namespace) -> int:
 
     engine = make_server_engine(args)
     model_name = args.served_model_name or args.model or SMOLLM2_NAME
+    from server.app import run as run_server  # gRPC, FastAPI, uvicorn: only for serve
+
     if jax.process_count() == 1:
         return run_server(engine, options, model_name=model_name)
     if jax.process_index() != 0:  # one model over all processes; only process 0 serves

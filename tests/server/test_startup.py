@@ -217,3 +217,18 @@ def test_a_cpu_server_has_four_slots_and_warms_up_every_program_they_reach(
 
     eight = server_cli.make_server_engine(parser.parse_args([*common, "--max-num-seqs", "8"]))
     assert eight.config.scheduler.max_num_seqs == 8 and eight.num_pages == 8 * 32 + 1
+
+
+def test_the_command_line_loads_the_server_stack_only_to_serve():
+    """`jpaged generate` and `jpaged chat` run through server.cli; importing it (and
+    building its parser) loads neither gRPC nor FastAPI nor uvicorn: about 30 MiB of RSS."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, server.cli\n"
+        "server.cli.build_parser((server.cli.add_serve_parser, server.cli.add_client_parser))\n"
+        "print(sorted(m for m in ('grpc', 'fastapi', 'uvicorn', 'starlette') if m in sys.modules))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "[]"
