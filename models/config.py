@@ -97,6 +97,10 @@ class ModelConfig:
         attention = self.hidden_size * (2 * q + 2 * kv)  # q, k, v, o
         return self.num_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
 
+    def kv_bytes_per_page(self, page_size: int, itemsize: int) -> int:
+        """Bytes of one page of the KV pool: K and V of every layer and KV head."""
+        return 2 * self.num_layers * self.num_kv_heads * page_size * self.head_dim * itemsize
+
     @property
     def sm_scale(self) -> float:
         return self.head_dim**-0.5

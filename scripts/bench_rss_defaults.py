@@ -11,8 +11,9 @@ and where an engine's memory goes.
    server's RSS and peak RSS (VmRSS, VmHWM of /proc/PID/status).
 3. The breakdown, in a fresh process per slot count (1: generate's engine, 4: the server's
    default on CPU, 32: its default elsewhere): RSS after importing jax and jpaged (Python),
-   after loading the model (weights), after building the engine (the KV pool: its pages and bytes are printed
-   beside), after warm_up (the compiled programs and their first runs), after one request.
+   after loading the model (weights), after building the engine (the KV pool: its pages and
+   bytes are printed beside), after warm_up (the compiled programs and their first runs),
+   after one request.
 The KV pool's size comes from the engine's default rule (jpaged/core/engine.py
 resolve_num_pages), which the engine logs; its line is printed too.
 """
@@ -55,8 +56,7 @@ engine = LLMEngine(config, loaded=loaded)
 out["pool"] = rss()
 item = np.dtype(jax.tree_util.tree_leaves(loaded.params)[0].dtype).itemsize
 out["num_pages"] = engine.num_pages
-m = engine.model_config  # K and V of every layer, per page
-per_page = 2 * m.num_layers * m.num_kv_heads * engine.config.cache.page_size * m.head_dim * item
+per_page = engine.model_config.kv_bytes_per_page(engine.config.cache.page_size, item)
 out["pool_mib"] = engine.num_pages * per_page / 2**20
 engine.warm_up()
 out["compiled"] = rss()

@@ -72,10 +72,6 @@ class EngineStepError(RuntimeError):
         self.outputs: list[RequestOutput] = []  # other replicas' outputs of the same step
 
 
-def _kv_bytes_per_page(cfg: ModelConfig, page_size: int, itemsize: int) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * itemsize
-
-
 # The share of the host's available memory (after the weights are loaded) a CPU pool may
 # take when no flag sizes it: the host also holds the weights, the compiled programs, the
 # Python process and whatever else the machine runs.
@@ -115,7 +111,7 @@ def resolve_num_pages(
     holds 1 / min(T, num_kv_heads) of every page. extra_bytes_per_page: a draft model's K/V
     per page, in the same budget. A pool too small for one max_model_len sequence is then
     refused or fitted by fit_max_model_len."""
-    per_page = _kv_bytes_per_page(model_config, cache.page_size, itemsize) + extra_bytes_per_page
+    per_page = model_config.kv_bytes_per_page(cache.page_size, itemsize) + extra_bytes_per_page
     if cache.num_pages is not None:
         num_pages, why = cache.num_pages, "--num-pages"
     elif cache.kv_cache_memory_bytes is not None:
@@ -202,7 +198,7 @@ def resolve_num_swap_pages(config: EngineConfig, model_config: ModelConfig, item
     if cache.num_swap_pages is not None:
         return cache.num_swap_pages
     budget = cache.swap_space_bytes or DEFAULT_SWAP_SPACE_BYTES
-    num = budget // _kv_bytes_per_page(model_config, cache.page_size, itemsize)
+    num = budget // model_config.kv_bytes_per_page(cache.page_size, itemsize)
     if num < 1:
         raise ValueError(f"swap_space_bytes ({budget}) is smaller than one page of K/V")
     return num

@@ -60,8 +60,7 @@ class DraftModel:
 
     @staticmethod
     def bytes_per_page(loaded: LoadedModel, page_size: int, itemsize: int) -> int:
-        cfg = loaded.config
-        return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * itemsize
+        return loaded.config.kv_bytes_per_page(page_size, itemsize)
 
     def reset(self) -> None:
         """After a failed step: a fresh pool and no sequence computed."""

@@ -281,13 +281,14 @@ class Programs:
     def step_keys(self) -> list[StepKey]:
         return list(self._steps)
 
-    def can_compile(self) -> bool:
-        """Whether Linux's mapping cap leaves room for one more compile now (MapBudget)."""
+    def compile_refusal(self, what: str) -> MapCountError | None:
+        """The error compiling `what` now would meet at Linux's mapping cap (MapBudget), or
+        None when there is room for one more compile."""
         try:
-            self.map_budget.check("a step program")
-        except MapCountError:
-            return False
-        return True
+            self.map_budget.check(what)
+        except MapCountError as e:
+            return e
+        return None
 
     def executable(self, key: StepKey):
         return self._steps.get(key)

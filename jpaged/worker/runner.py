@@ -30,7 +30,6 @@ import numpy as np
 
 from jpaged.config import EngineConfig
 from jpaged.sample.sampler import SamplerOutput
-from jpaged.worker.map_count import MapCountError
 from jpaged.worker.programs import PRELUDE_COPIES, PRELUDE_UPDATES, SWAP_PAGES, Programs
 from jpaged.worker.step_inputs import (
     WARM_UP_RUNS,
@@ -281,13 +280,12 @@ class ModelRunner:
         end = min(num_prompt_tokens + (params.max_tokens or s.max_model_len), s.max_model_len)
         cols = -(-end // self.page_size)
         if keys and not any(k.num_page_cols >= cols for k in keys):
-            widest = max(k.num_page_cols for k in keys) * self.page_size
-            try:
-                self.programs.map_budget.check("its step program")
-            except MapCountError as e:
+            refusal = self.programs.compile_refusal("its step program")
+            if refusal is not None:
+                widest = max(k.num_page_cols for k in keys) * self.page_size
                 return (
                     f"the request needs {end} tokens of context, more than any compiled step "
-                    f"program holds ({widest}): {e}"
+                    f"program holds ({widest}): {refusal}"
                 )
         wants = {
             "num_logprobs": ("logprobs", params.logprobs is not None),
@@ -300,12 +298,11 @@ class ModelRunner:
             return None
         if any(all(getattr(k, f) for f in needed) for k in keys):
             return None
-        try:
-            self.programs.map_budget.check("its step program")
-        except MapCountError as e:
-            asked = ", ".join(wants[f][0] for f in needed)
-            return f"the request asks for {asked}, which no compiled step program has: {e}"
-        return None
+        refusal = self.programs.compile_refusal("its step program")
+        if refusal is None:
+            return None
+        asked = ", ".join(wants[f][0] for f in needed)
+        return f"the request asks for {asked}, which no compiled step program has: {refusal}"
 
     def _runnable(self, key: StepKey) -> StepKey:
         """key, or, when it is not compiled and Linux's mapping cap allows no compile
@@ -316,7 +313,7 @@ class ModelRunner:
         programs = self.programs
         if programs.executable(key) is not None or key.spec_k or key.draft:
             return key
-        if programs.can_compile():
+        if programs.compile_refusal("a step program") is None:
             return key
         sizes = ("num_tokens", "num_seqs", "num_page_cols")
         holding = [
