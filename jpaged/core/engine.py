@@ -52,7 +52,7 @@ from jpaged.worker import compilation_cache, executable_cache
 from jpaged.worker.host_memory import release_free_memory
 from jpaged.worker.model_loading import load_for_config
 from jpaged.worker.runner import InFlightStep, ModelRunner
-from jpaged.worker.step_inputs import bucket
+from jpaged.worker.step_inputs import bucket, needs_key
 from jpaged.worker.step_plan import StepPlan
 from models.config import ModelConfig
 
@@ -342,6 +342,10 @@ class LLMEngine:
             swap_allocator = PageAllocator(self.num_swap_pages + 1, enable_prefix_caching=False)
         self.scheduler = Scheduler(
             config, self.allocator, self.eos_token_ids, swap_allocator=swap_allocator
+        )
+        # At Linux's mapping cap, sequences join only batches a compiled program holds.
+        self.scheduler.admission_check = lambda demands: (
+            self.runner.cap_refusal(needs_key(demands, config)) is None
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Structured outputs: one matcher per constrained sequence, keyed (request_id,

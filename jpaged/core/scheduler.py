@@ -47,12 +47,14 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Callable
 
 from jpaged.config import EngineConfig
 from jpaged.core.page_allocator import PageAllocator, page_hash
 from jpaged.core.sequence import RequestGroup, SeqStatus, Sequence
 from jpaged.sample.sampler import seeds_to_key_data
 from jpaged.worker import step_plan
+from jpaged.worker.step_inputs import Demand
 from jpaged.worker.step_plan import StepPlan
 
 # Steps a waiting sequence may be passed over (one behind it admitted while it is not)
@@ -105,6 +107,9 @@ class Scheduler:
         self.num_swaps_in = 0
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        # Set by the engine: whether the running sequences and one more can step together
+        # (a compiled program holds them at Linux's mapping cap); None admits all.
+        self.admission_check: Callable[[list[Demand]], bool] | None = None
 
     # -- requests --------------------------------------------------------------------------
     def add(self, group: RequestGroup, seed: int) -> None:
@@ -262,6 +267,10 @@ class Scheduler:
             return 0
         if len(self._free_rows) < slots_needed:
             return 0
+        if self.admission_check is not None and self.running:
+            demands = [self._demand(q) for q in self.running] + [self._demand(seq)]
+            if not self.admission_check(demands):
+                return 0  # it waits for a batch a compiled program holds
         swapped = bool(seq.swap_pages)
         if swapped:  # its computed K/V comes back from host into fresh pages
             hits, computed = [], seq.num_computed_tokens
@@ -306,6 +315,22 @@ class Scheduler:
         self.prefix_cache_query_tokens += seq.num_tokens
         self.prefix_cache_hit_tokens += computed
         return num_new
+
+    def _demand(self, seq: Sequence) -> Demand:
+        """The most seq can ask of one step from now on (its rest of the prompt at once, the
+        rows of its forks, its context up to max_tokens) for admission_check."""
+        sched = self.sched
+        end = seq.num_prompt_tokens + (seq.params.max_tokens or sched.max_model_len)
+        return Demand(
+            params=seq.params,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_new_tokens=max(seq.num_tokens - seq.num_computed_tokens, 1),
+            context_len=min(max(end, seq.num_tokens), sched.max_model_len),
+            num_rows=(seq.group.params.n if seq.needs_fork else 1)
+            if seq.status is not SeqStatus.RUNNING
+            else 1 + len(self._reserved_rows.get(seq.seq_id, ())),
+            in_prompt=seq.num_output_tokens == 0,
+        )
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached pages matching the sequence's leading full pages (at least one token is left

@@ -30,12 +30,16 @@ import numpy as np
 
 from jpaged.config import EngineConfig
 from jpaged.sample.sampler import SamplerOutput
+from jpaged.worker.map_count import MapCountError
 from jpaged.worker.programs import PRELUDE_COPIES, PRELUDE_UPDATES, SWAP_PAGES, Programs
 from jpaged.worker.step_inputs import (
     WARM_UP_RUNS,
+    Demand,
     StepInputs,
     StepKey,
     bucket_keys,
+    holds,
+    needs_key,
     pack,
     pad_rows,
     step_key,
@@ -268,63 +272,79 @@ class ModelRunner:
             inputs.draft_offset = np.int32(draft_offset)
         return InFlightStep(key, plan, self.run_step(key, inputs))
 
+    def cap_refusal(self, needs: StepKey) -> MapCountError | None:
+        """None when a compiled step program holds a step of `needs` (step_inputs.holds) or
+        Linux's mapping cap allows a compile (jpaged/worker/map_count.py); else the error
+        that compiling its program would meet. Reads the process's mappings only when no
+        compiled program holds it."""
+        if any(holds(k, needs) for k in self.programs.step_keys()):
+            return None
+        return self.programs.compile_refusal("its step program")
+
     def refusal_at_cap(self, params, num_prompt_tokens: int = 0) -> str | None:
         """Why a request of these SamplingParams and prompt length cannot run now, or None:
-        Linux's mapping cap allows no compile (jpaged/worker/map_count.py) and it asks for a
-        feature (logprobs, penalties, logit_bias, prompt_logprobs) that no compiled step
-        program has, or its context (prompt + max_tokens, at most max_model_len) spans more
-        page columns than any compiled program. The engine refuses such a request alone,
-        before it is queued."""
-        keys = self.programs.step_keys()
+        Linux's mapping cap allows no compile and no compiled step program holds its steps
+        alone (its prompt at once, its n rows, its context of prompt + max_tokens at most
+        max_model_len, its features: logprobs, penalties, logit_bias, prompt_logprobs). The
+        engine refuses such a request alone, before it is queued; the scheduler admits the
+        others only into batches a compiled program holds (Scheduler.admission_check)."""
         s = self.config.scheduler
         end = min(num_prompt_tokens + (params.max_tokens or s.max_model_len), s.max_model_len)
-        cols = -(-end // self.page_size)
-        if keys and not any(k.num_page_cols >= cols for k in keys):
-            refusal = self.programs.compile_refusal("its step program")
-            if refusal is not None:
-                widest = max(k.num_page_cols for k in keys) * self.page_size
-                return (
-                    f"the request needs {end} tokens of context, more than any compiled step "
-                    f"program holds ({widest}): {refusal}"
-                )
-        wants = {
-            "num_logprobs": ("logprobs", params.logprobs is not None),
-            "penalty_shape": ("penalties", params.uses_penalties),
-            "bias_width": ("logit_bias", bool(params.logit_bias)),
-            "prompt_logprobs": ("prompt_logprobs", params.prompt_logprobs is not None),
-        }
-        needed = [field for field, (_, wanted) in wants.items() if wanted]
-        if not needed:
-            return None
-        if any(all(getattr(k, f) for f in needed) for k in keys):
-            return None
-        refusal = self.programs.compile_refusal("its step program")
+        demand = Demand(params=params, num_prompt_tokens=num_prompt_tokens,
+                        num_new_tokens=num_prompt_tokens, context_len=end, num_rows=params.n)  # fmt: skip
+        needs = needs_key([demand], self.config)
+        refusal = self.cap_refusal(needs)
         if refusal is None:
             return None
-        asked = ", ".join(wants[f][0] for f in needed)
-        return f"the request asks for {asked}, which no compiled step program has: {refusal}"
+        keys = self.programs.step_keys()
+        wants = {
+            "num_logprobs": "logprobs",
+            "penalty_shape": "penalties",
+            "bias_width": "logit_bias",
+            "prompt_logprobs": "prompt_logprobs",
+        }
+        asked = [name for field, name in wants.items() if getattr(needs, field)]
+        plain = dataclasses.replace(needs, num_logprobs=0, penalty_shape=None, bias_width=0,
+                                    prompt_logprobs=False)  # fmt: skip
+        sized = {"num_tokens": 1, "num_seqs": 1, "num_page_cols": 1}
+        featured = dataclasses.replace(needs, **sized)
+        if asked and not any(holds(dataclasses.replace(k, **sized), featured) for k in keys):
+            return (
+                f"the request asks for {', '.join(asked)}, which no compiled step program "
+                f"has: {refusal}"
+            )
+        if keys and not any(k.num_page_cols >= needs.num_page_cols for k in keys):
+            widest = max(k.num_page_cols for k in keys) * self.page_size
+            return (
+                f"the request needs {end} tokens of context, more than any compiled step "
+                f"program holds ({widest}): {refusal}"
+            )
+        with_features = f" with {', '.join(asked)}" if asked and any(
+            holds(k, plain) for k in keys) else ""  # fmt: skip
+        rows = f"{needs.num_seqs} row" + ("s" if needs.num_seqs > 1 else "")
+        return (
+            f"the request needs a step of {needs.num_tokens} tokens and {rows}{with_features}, "
+            f"which no compiled step program holds: {refusal}"
+        )
 
     def _runnable(self, key: StepKey) -> StepKey:
         """key, or, when it is not compiled and Linux's mapping cap allows no compile
-        (jpaged/worker/map_count.py), the smallest compiled key of the same kind that holds
-        it (as many tokens, rows and page columns or more: the step runs padded further).
-        Without one the key is kept and its compile raises MapCountError. Speculative
-        verification and draft keys are kept (their token counts are exact)."""
+        (jpaged/worker/map_count.py), the smallest compiled key that holds it (as many tokens,
+        rows and page columns or more, and its features: step_inputs.holds; the step runs
+        padded further). Without one the key is kept and its compile raises MapCountError.
+        Speculative verification and draft keys are kept (their token counts are exact)."""
         programs = self.programs
         if programs.executable(key) is not None or key.spec_k or key.draft:
             return key
         if programs.compile_refusal("a step program") is None:
             return key
-        sizes = ("num_tokens", "num_seqs", "num_page_cols")
-        holding = [
-            k
-            for k in programs.step_keys()
-            if all(getattr(k, f) >= getattr(key, f) for f in sizes)
-            and dataclasses.replace(k, **{f: getattr(key, f) for f in sizes}) == key
-        ]
+        holding = [k for k in programs.step_keys() if holds(k, key)]
         if not holding:
             return key
-        chosen = min(holding, key=lambda k: tuple(getattr(k, f) for f in sizes))
+        sizes = ("num_tokens", "num_seqs", "num_page_cols")
+        extras = ("num_logprobs", "bias_width", "prompt_logprobs")
+        chosen = min(holding, key=lambda k: tuple(getattr(k, f) for f in sizes + extras)
+                     + (k.penalty_shape or (0, 0),))  # fmt: skip
         if key in self._padded_up:
             return chosen
         self._padded_up.add(key)

@@ -19,7 +19,8 @@ import numpy as np
 
 from jpaged.config import EngineConfig
 from jpaged.sample.sampler import MAX_LOGPROBS, Penalties, SamplingInputs
-from jpaged.worker.step_plan import PLACEHOLDER, StepPlan
+from jpaged.sample.sampling_params import SamplingParams
+from jpaged.worker.step_plan import PLACEHOLDER, StepPlan, pow2_width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,70 @@ class StepInputs:
     # device already (jpaged/spec_decode/draft_model.py), set after packing.
     draft_probs: jax.Array | None = None
     draft_offset: jax.Array | None = None  # int32[] (key.draft): the proposal's index
+
+
+def holds(program: StepKey, key: StepKey) -> bool:
+    """Whether the program compiled for `program` can run a step of `key`, padded further:
+    as many tokens, rows and page columns or more, every feature key asks for (logprobs,
+    penalties as wide, logit_bias as wide, prompt logprobs; pack fills the extra ones with
+    neutral values and nothing reads their results), a ragged program for a decode-only key
+    (not the reverse), and the same speculative kind."""
+    kinds = ("spec_k", "spec_draft", "draft")
+    if any(getattr(program, f) != getattr(key, f) for f in kinds):
+        return False
+    if program.decode_only and not key.decode_only:
+        return False
+    sizes = ("num_tokens", "num_seqs", "num_page_cols", "num_logprobs", "bias_width")
+    if any(getattr(program, f) < getattr(key, f) for f in sizes):
+        return False
+    if key.prompt_logprobs and not program.prompt_logprobs:
+        return False
+    if key.penalty_shape is None:
+        return True
+    return program.penalty_shape is not None and all(
+        p >= k for p, k in zip(program.penalty_shape, key.penalty_shape, strict=True)
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Demand:
+    """The most one sequence (or a request not yet queued) can ask of a step, for the check
+    at Linux's mapping cap that the steps it joins have a compiled program (needs_key)."""
+
+    params: SamplingParams
+    num_prompt_tokens: int
+    num_new_tokens: int  # the tokens its next step may compute (what is left of its prompt, or 1)
+    context_len: int  # the most tokens it holds: prompt + max_tokens, at most max_model_len
+    num_rows: int = 1  # page-table rows: n for a parent still to fork
+    in_prompt: bool = True  # prompt tokens left to compute (prompt logprobs are computed then)
+
+
+def needs_key(demands: list[Demand], config: EngineConfig) -> StepKey:
+    """A ragged StepKey no smaller than any step the demands' sequences run together (so a
+    compiled program that holds it runs each of them): their tokens (at most the step
+    budget), rows, widest context, and the features any asks for at their widest."""
+    page_size, budget = config.cache.page_size, config.scheduler.max_num_batched_tokens
+    rows = sum(d.num_rows for d in demands)
+    tokens = max(min(sum(d.num_new_tokens for d in demands), budget), rows)
+    cols = -(-max(d.context_len for d in demands) // page_size)
+    penalized = [d for d in demands if d.params.uses_penalties]
+    penalty_shape = None
+    if penalized:
+        penalty_shape = (
+            pow2_width(max(d.num_prompt_tokens for d in penalized)),
+            pow2_width(max(d.context_len - d.num_prompt_tokens for d in penalized)),
+        )
+    biases = [len(d.params.logit_bias) for d in demands if d.params.logit_bias]
+    return StepKey(
+        tokens,
+        rows,
+        cols,
+        False,
+        num_logprobs=MAX_LOGPROBS if any(d.params.logprobs is not None for d in demands) else 0,
+        penalty_shape=penalty_shape,
+        bias_width=pow2_width(max(biases)) if biases else 0,
+        prompt_logprobs=any(d.in_prompt and d.params.prompt_logprobs is not None for d in demands),
+    )
 
 
 def bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -302,10 +367,20 @@ def pack(
         ),
         page_copies=pad_rows(plan.page_copies, key.num_seqs, (0, 0)),
         sampling=_pack_sampling(plan, key, mask_words, token_bitmask),
-        prompt_targets=None if not key.prompt_logprobs else _padded(plan.prompt_targets, t_pad, -1),
+        prompt_targets=_prompt_targets(plan, key),
         proposals=proposals,
         num_proposed=num_proposed,
     )
+
+
+def _prompt_targets(plan: StepPlan, key: StepKey) -> np.ndarray | None:
+    """int32[T] of a prompt-logprobs key: the plan's targets, -1 past them (all -1 for a
+    plan without prompt logprobs run on such a program at the mapping cap)."""
+    if not key.prompt_logprobs:
+        return None
+    if plan.prompt_targets is None:
+        return np.full(key.num_tokens, -1, np.int32)
+    return _padded(plan.prompt_targets, key.num_tokens, -1)
 
 
 def _verify_indices(last: np.ndarray, num_proposed: np.ndarray, k: int) -> np.ndarray:

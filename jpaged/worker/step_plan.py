@@ -100,7 +100,9 @@ def pairs(items: SequenceABC[tuple[int, ...]], width: int) -> np.ndarray:
     return np.asarray(items, np.int32).reshape(len(items), width)
 
 
-def _pow2(n: int, lo: int = 16) -> int:
+def pow2_width(n: int, lo: int = 16) -> int:
+    """The width of a padded per-row list of n entries (penalty tokens, logit_bias): the
+    next power of two, at least lo."""
     return max(lo, 1 << max(0, (max(n, 1) - 1).bit_length()))
 
 
@@ -200,7 +202,7 @@ def build(
     uses_penalties[penalty_rows] = True
     bias_ids = bias_values = is_constrained = None
     if bias_rows:
-        width = _pow2(max(len(rows[i][0].params.logit_bias) for i in bias_rows))
+        width = pow2_width(max(len(rows[i][0].params.logit_bias) for i in bias_rows))
         bias_ids = np.full((s, width), -1, np.int32)
         bias_values = np.zeros((s, width), np.float32)
         for i in bias_rows:
@@ -284,8 +286,8 @@ def empty_plan() -> StepPlan:
 def _penalties(rows: list[tuple], penalty_rows: list[int]) -> Penalties:
     s = len(rows)
     seqs = [rows[i][0] for i in penalty_rows]
-    hp = _pow2(max(q.num_prompt_tokens for q in seqs))
-    ho = _pow2(max(q.num_output_tokens for q in seqs))
+    hp = pow2_width(max(q.num_prompt_tokens for q in seqs))
+    ho = pow2_width(max(q.num_output_tokens for q in seqs))
     prompt = np.full((s, hp), -1, np.int32)
     output = np.full((s, ho), -1, np.int32)
     presence = np.zeros(s, np.float32)

@@ -191,6 +191,9 @@ class FakeRunner:
     def refusal_at_cap(self, params, num_prompt_tokens: int = 0) -> None:
         return None  # no mapping cap: the fake compiles nothing
 
+    def cap_refusal(self, needs) -> None:
+        return None
+
     def warm_up_keys(self, context_len: int) -> list:
         return _warm_up_keys(self.config, context_len)
 

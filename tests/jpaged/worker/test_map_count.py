@@ -72,9 +72,12 @@ def test_without_proc_the_budget_checks_nothing():
     assert budget.largest_increase == 0
 
 
-def test_the_engine_fails_the_step_that_needs_a_refused_compile_and_serves_on(
+def test_at_the_cap_a_request_no_compiled_program_holds_is_refused_and_others_served(
     demo_model_dir, monkeypatch
 ):
+    """At the cap, a request whose prompt needs a step bigger than every compiled program
+    is refused at add_request, naming the step and the cap; one the compiled programs hold
+    is served, and with room to compile the big ones are too."""
     llm = LLM(str(demo_model_dir), max_num_seqs=4, max_model_len=64, num_pages=32)
     engine = llm.llm_engine
     programs = engine.runner.programs
@@ -85,15 +88,75 @@ def test_the_engine_fails_the_step_that_needs_a_refused_compile_and_serves_on(
     monkeypatch.setattr(programs, "map_budget", MapBudget(usage=lambda: (65000, 65530)))
     # The programs one short prompt needs are compiled: no compile, no check.
     assert [o.outputs[0].token_ids for o in llm.generate(one, GREEDY)] == want_one
-    with pytest.raises(EngineStepError, match="vm.max_map_count is 65530") as err:
-        llm.generate(four, GREEDY)  # four 30-token prompts need a new step program
-    assert isinstance(err.value.__cause__, MapCountError)
+    for i, prompt in enumerate(four):
+        with pytest.raises(ValueError) as err:
+            engine.add_request(f"big-{i}", prompt, GREEDY)
+        assert str(err.value).startswith(
+            f"the request needs a step of {len(prompt)} tokens and 1 row, which no compiled "
+            "step program holds: not compiling its step program: this process has 65000 "
+            "memory mappings, vm.max_map_count is 65530"
+        ), err.value
+    assert not engine.has_unfinished_requests()
+    assert [o.outputs[0].token_ids for o in llm.generate(one, GREEDY)] == want_one
     assert programs.num_compiles == compiled
-    assert engine.stats()["pages_used"] == 0
     monkeypatch.setattr(programs, "map_budget", MapBudget())
     outs = llm.generate(four, GREEDY)
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4, 4, 4]
     assert programs.num_compiles > compiled
+
+
+def test_a_step_that_meets_the_cap_fails_alone_and_the_engine_serves_on(
+    demo_model_dir, monkeypatch
+):
+    """Requests accepted before the cap is reached, whose first step then needs a compile:
+    that step fails (EngineStepError naming the cap, every held request dropped), the engine
+    rebuilds its state, and serves on once compiles are allowed."""
+    llm = LLM(str(demo_model_dir), max_num_seqs=4, max_model_len=64, num_pages=32)
+    engine = llm.llm_engine
+    programs = engine.runner.programs
+    assert len(llm.generate([list(range(3, 8))], GREEDY)) == 1
+    compiled = programs.num_compiles
+    for i, n in enumerate((30, 31)):
+        engine.add_request(f"r{i}", list(range(3, 3 + n)), GREEDY)
+    monkeypatch.setattr(programs, "map_budget", MapBudget(usage=lambda: (65000, 65530)))
+    with pytest.raises(EngineStepError, match="vm.max_map_count is 65530") as err:
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert isinstance(err.value.__cause__, MapCountError)
+    assert sorted(err.value.request_ids) == ["r0", "r1"]
+    assert programs.num_compiles == compiled
+    assert engine.stats()["pages_used"] == 0 and not engine.has_unfinished_requests()
+    monkeypatch.setattr(programs, "map_budget", MapBudget())
+    outs = llm.generate([list(range(3, 33))], GREEDY)
+    assert len(outs[0].outputs[0].token_ids) == 4
+
+
+def test_at_the_cap_requests_whose_features_were_compiled_apart_run_in_separate_batches(
+    demo_model_dir, monkeypatch
+):
+    """A logprobs program and a penalties program compiled apart, none with both: at the
+    cap, a logprobs request, a penalties request and a plain one submitted together are all
+    served, each with the tokens it gets alone, without a compile: the scheduler admits a
+    request only into a batch some compiled program holds (Scheduler.admission_check) and
+    a step runs on a compiled program with more features than it asks for (holds)."""
+    llm = LLM(str(demo_model_dir), max_num_seqs=4, max_model_len=64, num_pages=32)
+    engine = llm.llm_engine
+    programs = engine.runner.programs
+    prompts = [list(range(3, 13)), list(range(20, 28)), list(range(40, 49))]
+    params = [GREEDY.clone(logprobs=2), GREEDY.clone(repetition_penalty=1.3), GREEDY]
+    alone = [llm.generate([p], sp)[0].outputs[0] for p, sp in zip(prompts, params)]
+    keys = programs.step_keys()
+    assert not any(k.num_logprobs and k.penalty_shape for k in keys)
+    compiled = programs.num_compiles
+    monkeypatch.setattr(programs, "map_budget", MapBudget(usage=lambda: (65000, 65530)))
+    together = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    # A padded program is another batch shape: the same tokens, logprobs to float rounding.
+    assert [d.keys() for d in together[0].logprobs] == [d.keys() for d in alone[0].logprobs]
+    for got, want in zip(together[0].logprobs, alone[0].logprobs, strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
+    assert programs.num_compiles == compiled and programs.step_keys() == keys
+    assert engine.stats()["pages_used"] == 0
 
 
 def test_at_the_cap_a_step_runs_padded_on_a_compiled_program_that_holds_it(

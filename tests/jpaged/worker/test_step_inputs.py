@@ -11,8 +11,11 @@ from jpaged.sample.sampler import SamplerOutput
 from jpaged.sample.sampling_params import SamplingParams
 from jpaged.worker.step_inputs import (
     WARM_UP_RUNS,
+    Demand,
     StepKey,
     bucket_keys,
+    holds,
+    needs_key,
     pack,
     step_key,
     update_capacity,
@@ -337,3 +340,76 @@ def test_the_default_configs_program_counts_on_cpu_and_on_accelerators():
     assert len(bucket_keys(cpu)) == 23
     assert len(warm_up_keys(cpu, 64)) == 6
     assert len(bucket_keys(gpu)) == 162
+
+
+def test_a_program_holds_a_step_of_no_more_and_no_other_features_than_it_has():
+    step = StepKey(20, 3, 2, False, num_logprobs=20, penalty_shape=(16, 32))
+    assert holds(step, step)
+    assert holds(StepKey(32, 4, 8, False, num_logprobs=20, penalty_shape=(32, 32),
+                         bias_width=16, prompt_logprobs=True), step)  # fmt: skip
+    for smaller in (
+        StepKey(16, 4, 8, False, num_logprobs=20, penalty_shape=(16, 32)),  # tokens
+        StepKey(32, 2, 8, False, num_logprobs=20, penalty_shape=(16, 32)),  # rows
+        StepKey(32, 4, 1, False, num_logprobs=20, penalty_shape=(16, 32)),  # columns
+        StepKey(32, 4, 8, False, penalty_shape=(16, 32)),  # no logprobs
+        StepKey(32, 4, 8, False, num_logprobs=20),  # no penalties
+        StepKey(32, 4, 8, False, num_logprobs=20, penalty_shape=(16, 16)),  # narrower
+        StepKey(32, 4, 8, True, num_logprobs=20, penalty_shape=(16, 32)),  # decode-only
+        StepKey(32, 4, 8, False, num_logprobs=20, penalty_shape=(16, 32), spec_k=2),
+    ):
+        assert not holds(smaller, step), smaller
+    decode = StepKey(4, 4, 2, True)
+    assert holds(StepKey(4, 4, 2, False), decode) and holds(decode, decode)
+    assert not holds(StepKey(4, 4, 2, False, bias_width=16), StepKey(4, 4, 2, False, bias_width=32))
+    assert not holds(StepKey(4, 4, 2, False), StepKey(4, 4, 2, False, prompt_logprobs=True))
+
+
+def test_pack_fills_a_bigger_programs_features_with_neutral_values():
+    sched, _ = make()
+    add(sched, "a", [5, 6, 7])
+    plan = sched.schedule()
+    key = StepKey(16, 2, 8, False, num_logprobs=20, penalty_shape=(16, 16), bias_width=16,
+                  prompt_logprobs=True)  # fmt: skip
+    inputs = pack(plan, key, scratch_row=SCRATCH, page_size=4, mask_words=2)
+    np.testing.assert_array_equal(inputs.prompt_targets, np.full(16, -1))
+    p = inputs.sampling.penalties
+    np.testing.assert_array_equal(p.prompt_tokens, np.full((2, 16), -1))
+    assert (p.presence.tolist(), p.frequency.tolist(), p.repetition.tolist()) == (
+        [0.0, 0.0], [0.0, 0.0], [1.0, 1.0])  # fmt: skip
+    np.testing.assert_array_equal(inputs.sampling.bias_ids, np.full((2, 16), -1))
+
+
+def test_needs_key_is_the_biggest_step_the_demands_run_together():
+    _, config = make()  # page_size 4, budget 16 tokens, max_model_len 32
+    plain = SamplingParams(max_tokens=4)
+    demands = [
+        Demand(params=plain, num_prompt_tokens=9, num_new_tokens=1, context_len=13,
+               in_prompt=False),
+        Demand(params=SamplingParams(logprobs=1, presence_penalty=0.5, max_tokens=20),
+               num_prompt_tokens=5, num_new_tokens=5, context_len=25),
+        Demand(params=SamplingParams(logit_bias={3: 1.0}, prompt_logprobs=0, n=2, max_tokens=4),
+               num_prompt_tokens=3, num_new_tokens=3, context_len=7, num_rows=2),
+    ]  # fmt: skip
+    assert needs_key(demands, config) == StepKey(
+        9, 4, 7, False, num_logprobs=20, penalty_shape=(16, 32), bias_width=16,
+        prompt_logprobs=True)  # fmt: skip
+    many = [Demand(params=plain, num_prompt_tokens=12, num_new_tokens=12, context_len=16)] * 2
+    assert needs_key(many, config) == StepKey(16, 2, 4, False)  # the step budget caps tokens
+    done = Demand(params=SamplingParams(prompt_logprobs=0), num_prompt_tokens=3,
+                  num_new_tokens=1, context_len=8, in_prompt=False)  # fmt: skip
+    assert not needs_key([done], config).prompt_logprobs
+
+
+def test_the_admission_check_sees_the_running_sequences_and_the_next_one():
+    sched, _ = make()
+    seen = []
+    sched.admission_check = lambda demands: seen.append(demands) or len(demands) < 2
+    add(sched, "a", [5, 6, 7], max_tokens=2)
+    add(sched, "b", [8, 9], logprobs=1, max_tokens=3)
+    plan = sched.schedule()
+    assert plan.seq_ids.tolist() == [0]  # alone: admitted unchecked; with "a" running: refused
+    assert [[(d.num_new_tokens, d.context_len, d.params.logprobs) for d in ds] for ds in seen] == [
+        [(3, 5, None), (2, 5, 1)]]  # fmt: skip
+    feed(sched, plan, [11])
+    feed(sched, sched.schedule(), [0])  # "a" ends on its second token (EOS is 0)
+    assert sched.schedule().seq_ids.tolist() == [1]
