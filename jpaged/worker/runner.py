@@ -96,7 +96,9 @@ class ModelRunner:
         )
         self.params = self.programs.layout_params(params)
         self._warmed: set[StepKey] = set()  # step programs precompile has run (warm_up_inputs)
-        self._padded_up: set[StepKey] = set()  # keys run on a bigger program (logged once)
+        # Keys run on a bigger program at the mapping cap, and that program (chosen once: the
+        # cap does not recede, and /proc/self/maps is not read again for them).
+        self._padded_up: dict[StepKey, StepKey] = {}
         self.mask_words = -(-model_config.vocab_size // 32)
         self._device_all_allowed: dict[int, object] = {}  # rows -> all-ones bitmask on device
         self.dtype = dtype
@@ -336,6 +338,8 @@ class ModelRunner:
         programs = self.programs
         if programs.executable(key) is not None or key.spec_k or key.draft:
             return key
+        if key in self._padded_up:
+            return self._padded_up[key]
         if programs.compile_refusal("a step program") is None:
             return key
         holding = [k for k in programs.step_keys() if holds(k, key)]
@@ -345,9 +349,7 @@ class ModelRunner:
         extras = ("num_logprobs", "bias_width", "prompt_logprobs")
         chosen = min(holding, key=lambda k: tuple(getattr(k, f) for f in sizes + extras)
                      + (k.penalty_shape or (0, 0),))  # fmt: skip
-        if key in self._padded_up:
-            return chosen
-        self._padded_up.add(key)
+        self._padded_up[key] = chosen
         logger.warning(
             "at the memory-mapping cap: a step of %d tokens, %d rows and %d page columns "
             "runs on the compiled program of %d, %d and %d",
