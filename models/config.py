@@ -2,7 +2,13 @@
 
 One frozen config serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
 Qwen3ForCausalLM; the architectures differ only in flags (q/k/v bias, q/k RMSNorm,
-explicit head_dim, tied embeddings, rope scaling, sliding window).
+explicit head_dim, tied embeddings, rope scaling, sliding window). Gemma2ForCausalLM,
+Gemma3ForCausalLM and Phi3ForCausalLM are flags too: per-layer attention (`layer_windows`:
+each layer's sliding window or full attention), the Gemma norms (stored with Gemma's + 1
+already added: a plain RMSNorm weight) with post-attention and post-MLP norms, the sqrt(hidden)
+embedding scale, soft-capping, GELU, a local rope base, partial rotary, linear and LongRoPE
+scaling. Phi-3's fused qkv_proj and gate_up_proj are split into wq/wk/wv, w_gate/w_up when
+loaded.
 
 Params layout (a pytree of arrays; every loader and initializer produces exactly this):
   embed:      [vocab, hidden]
@@ -21,6 +27,7 @@ Params layout (a pytree of arrays; every loader and initializer produces exactly
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
@@ -28,7 +35,15 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
 )
+# Activations of the gated MLP (hidden_act / hidden_activation).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,6 +54,26 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearRopeScaling:
+    """rope_scaling of type "linear": positions divided by factor."""
+
+    factor: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LongRopeScaling:
+    """rope_scaling of type "longrope" (Phi-3's "su"): per-frequency divisors, short_factor
+    for sequences of at most original_max_position_embeddings tokens and long_factor past
+    them (chosen per sequence by its length in the step, as transformers chooses by the
+    length of its forward), and cos/sin multiplied by attention_factor."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,7 +88,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LinearRopeScaling | LongRopeScaling | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -61,6 +96,33 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per-layer attention: layer i's sliding window (None: full attention); () means every
+    # layer has sliding_window. Under lax.scan the layers run in groups of the repeating
+    # pattern (models/llama.py).
+    layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"
+    gemma_norms: bool = False  # norms in float32; HF's (1 + w) weights stored as w + 1
+    post_norms: bool = False  # norms of the attention and MLP outputs (Gemma 2/3)
+    embed_scale: bool = False  # embeddings times sqrt(hidden), in the activation dtype
+    attn_soft_cap: float | None = None  # cap * tanh(score / cap) on attention scores
+    final_soft_cap: float | None = None  # the same on the logits
+    query_pre_attn_scalar: float | None = None  # softmax scale 1 / sqrt(it) (else head_dim)
+    # Rope base of the sliding-window layers (Gemma 3), which then get no rope scaling;
+    # rope_theta and rope_scaling apply to the full-attention layers. None: one rope.
+    rope_local_theta: float | None = None
+    partial_rotary_factor: float = 1.0  # rope on the first head_dim * it dims of a head
+    # Mixture of experts (models/moe.py), every layer: num_experts > 0 replaces the MLP by
+    # num_experts experts of moe_intermediate_size, num_experts_per_tok of them per token
+    # (softmax over all experts, top-k, renormalised when norm_topk_prob).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    # Experts split over the tensor-parallel devices (E / T each, all tokens) instead of
+    # their intermediate dim (--enable-expert-parallel); a layout, not a model, setting.
+    expert_parallel: bool = False
+    qk_norm_full: bool = False  # q/k RMSNorm over the whole projection (OLMoE), not per head
+    clip_qkv: float | None = None  # q, k, v clamped to [-it, it] (OLMoE)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -88,6 +150,58 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(
+                f"layer_windows has {len(self.layer_windows)} entries for "
+                f"{self.num_layers} layers"
+            )
+        for w in self.layer_windows:
+            if w is not None and (not isinstance(w, int) or w < 1):
+                raise ValueError(f"a layer's sliding window must be >= 1, got {w!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"activation {self.hidden_act!r} is not supported; supported: "
+                f"{', '.join(ACTIVATIONS)}"
+            )
+        for name in ("attn_soft_cap", "final_soft_cap", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1] and "
+                f"give an even number of rotary dims (head_dim {self.head_dim})"
+            )
+        if self.num_experts:
+            for name in ("num_experts_per_tok", "moe_intermediate_size"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
+                    f"num_experts ({self.num_experts})"
+                )
+        elif self.expert_parallel:
+            raise ValueError(f"expert parallelism needs experts; {self.architecture} has none")
+        rs = self.rope_scaling
+        if isinstance(rs, LongRopeScaling):
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(rs, name)) != self.rotary_dim // 2:
+                    raise ValueError(
+                        f"rope_scaling {name} has {len(getattr(rs, name))} entries, expected "
+                        f"{self.rotary_dim // 2} (rotary dims / 2)"
+                    )
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention)."""
+        return self.layer_windows or (self.sliding_window,) * self.num_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that rope rotates (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def layer_params(self) -> int:
@@ -95,7 +209,10 @@ class ModelConfig:
         reads per token besides the embedding and head."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = self.hidden_size * (2 * q + 2 * kv)  # q, k, v, o
-        return self.num_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        if self.num_experts:  # every expert's weights and the router
+            mlp = self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)
+        return self.num_layers * (attention + mlp)
 
     def kv_bytes_per_page(self, page_size: int, itemsize: int) -> int:
         """Bytes of one page of the KV pool: K and V of every layer and KV head."""
@@ -103,6 +220,8 @@ class ModelConfig:
 
     @property
     def sm_scale(self) -> float:
+        if self.query_pre_attn_scalar is not None:
+            return self.query_pre_attn_scalar**-0.5
         return self.head_dim**-0.5
 
     @classmethod
@@ -126,32 +245,14 @@ class ModelConfig:
         num_heads = need("num_attention_heads")
         hidden = need("hidden_size")
         head_dim = hf.get("head_dim") or hidden // num_heads
-        # transformers >= 5 writes "rope_parameters" (rope_theta inside it); older versions
-        # write "rope_scaling" and a top-level "rope_theta".
-        rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-        rs = hf.get(rope_key) or {}
-        if not isinstance(rs, dict):
-            raise ValueError(f"{source}: field {rope_key!r} must be an object, got {rs!r}")  # noqa: TRY004
-        rope_theta = hf.get("rope_theta", rs.get("rope_theta", 10000.0))
-        rope_scaling = None
-        rtype = rs.get("rope_type", rs.get("type", "default"))
-        if rtype == "llama3":
-            try:
-                rope_scaling = RopeScaling(
-                    factor=float(rs["factor"]),
-                    low_freq_factor=float(rs["low_freq_factor"]),
-                    high_freq_factor=float(rs["high_freq_factor"]),
-                    original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-                )
-            except KeyError as e:
-                raise ValueError(f"{source}: {rope_key} is missing field {e.args[0]!r}") from None
-        elif rtype != "default":
-            raise ValueError(f"{source}: {rope_key} type {rtype!r} is not supported")
+        rope = _rope_fields(hf, arch, source)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         sliding = hf.get("sliding_window")
         if arch.startswith("Qwen") and not hf.get("use_sliding_window", False):
             sliding = None
+        family = _family_fields(arch, hf, sliding, source)
+        family.update(_moe_fields(arch, hf, source))
         return cls(
             architecture=arch,
             vocab_size=need("vocab_size"),
@@ -162,13 +263,145 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
+            **rope,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Gemma's configs leave it out: transformers' Gemma classes default to tied.
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch.startswith("Gemma"))),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding,
+            **family,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
         )
+
+
+def _rope_fields(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """rope_theta, rope_scaling, rope_local_theta and partial_rotary_factor of a config.json.
+
+    transformers >= 5 writes "rope_parameters" (rope_theta inside it; Gemma 3: one object per
+    layer type, "full_attention" and "sliding_attention"); older versions write
+    "rope_scaling" with a top-level "rope_theta" (and Gemma 3's "rope_local_base_freq")."""
+    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rs = hf.get(rope_key) or {}
+    if not isinstance(rs, dict):
+        raise ValueError(f"{source}: field {rope_key!r} must be an object, got {rs!r}")  # noqa: TRY004
+    local_theta = hf.get("rope_local_base_freq")
+    if "full_attention" in rs or "sliding_attention" in rs:
+        local = rs.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"{source}: {rope_key}.sliding_attention type {local['rope_type']!r} is not "
+                "supported"
+            )
+        local_theta = local.get("rope_theta", local_theta)
+        rs = rs.get("full_attention") or {}
+        rope_key += ".full_attention"
+    default_theta = 10000.0
+    if arch == "Gemma3ForCausalLM":  # transformers' Gemma 3 defaults
+        default_theta, local_theta = 1e6, 10000.0 if local_theta is None else local_theta
+    rope_theta = hf.get("rope_theta", rs.get("rope_theta", default_theta))
+    partial = hf.get("partial_rotary_factor", rs.get("partial_rotary_factor", 1.0))
+    rope_scaling = None
+    rtype = rs.get("rope_type", rs.get("type", "default"))
+    try:
+        if rtype == "llama3":
+            rope_scaling = RopeScaling(
+                factor=float(rs["factor"]),
+                low_freq_factor=float(rs["low_freq_factor"]),
+                high_freq_factor=float(rs["high_freq_factor"]),
+                original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+            )
+        elif rtype == "linear":
+            rope_scaling = LinearRopeScaling(factor=float(rs["factor"]))
+        elif rtype in ("longrope", "su"):
+            original = rs.get("original_max_position_embeddings")
+            original = int(original or hf["original_max_position_embeddings"])
+            factor = rs.get("factor") or hf.get("max_position_embeddings", 2048) / original
+            attention = rs.get("attention_factor")
+            if attention is None:  # the LongRoPE paper's, as transformers computes it
+                attention = 1.0 if factor <= 1 else (1 + math.log(factor) / math.log(original)) ** 0.5
+            rope_scaling = LongRopeScaling(
+                short_factor=tuple(float(x) for x in rs["short_factor"]),
+                long_factor=tuple(float(x) for x in rs["long_factor"]),
+                original_max_position_embeddings=original,
+                attention_factor=float(attention),
+            )
+        elif rtype != "default":
+            raise ValueError(f"{source}: {rope_key} type {rtype!r} is not supported")
+    except KeyError as e:
+        raise ValueError(f"{source}: {rope_key} is missing field {e.args[0]!r}") from None
+    return {
+        "rope_theta": float(rope_theta),
+        "rope_scaling": rope_scaling,
+        "rope_local_theta": None if local_theta is None else float(local_theta),
+        "partial_rotary_factor": float(partial),
+    }
+
+
+# Layer types of transformers' "layer_types" that jpaged runs.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _family_fields(
+    arch: str, hf: dict[str, Any], sliding: int | None, source: str
+) -> dict[str, Any]:
+    """The ModelConfig fields of Gemma 2/3 and Phi-3 (none for the Llama family)."""
+    if arch == "Phi3ForCausalLM":
+        return {"hidden_act": hf.get("hidden_act", "silu")}
+    if not arch.startswith("Gemma"):
+        return {}
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{source}: use_bidirectional_attention (an encoder) is not supported")
+    num_layers = hf.get("num_hidden_layers")
+    types = hf.get("layer_types")
+    if types is None:  # transformers' rule: full attention on every pattern-th layer
+        pattern = 2 if arch == "Gemma2ForCausalLM" else int(hf.get("sliding_window_pattern", 6))
+        types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers or 0)
+        ]
+    if not isinstance(types, list) or any(t not in LAYER_TYPES for t in types):
+        raise ValueError(
+            f"{source}: field 'layer_types' must list {' or '.join(LAYER_TYPES)} for each "
+            f"layer, got {types!r}"
+        )
+    return {
+        "layer_windows": tuple(sliding if t == "sliding_attention" else None for t in types),
+        "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+        "gemma_norms": True,
+        "post_norms": True,
+        "embed_scale": True,
+        "attn_soft_cap": hf.get("attn_logit_softcapping"),
+        "final_soft_cap": hf.get("final_logit_softcapping"),
+        "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar", 256)),
+    }
+
+
+def _moe_fields(arch: str, hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """The ModelConfig fields of Qwen3-MoE, Mixtral and OLMoE (none for dense families)."""
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"):
+        return {}
+    # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts, as Mixtral's.
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if num_experts is None:
+        raise ValueError(f"{source}: missing required field 'num_experts'")
+    fields = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": hf.get("num_experts_per_tok", 2),
+        "moe_intermediate_size": hf.get("moe_intermediate_size") or hf.get("intermediate_size"),
+        "norm_topk_prob": arch == "MixtralForCausalLM" or bool(hf.get("norm_topk_prob", False)),
+    }
+    if arch == "Qwen3MoeForCausalLM":
+        step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+        if step != 1 or dense:
+            raise ValueError(
+                f"{source}: dense MLP layers among the expert layers (decoder_sparse_step "
+                f"{step}, mlp_only_layers {dense}) are not supported"
+            )
+    if arch == "OlmoeForCausalLM":
+        fields["qk_norm_full"] = True
+        fields["clip_qkv"] = hf.get("clip_qkv")
+    if hf.get("num_experts_per_tok") is None:
+        raise ValueError(f"{source}: missing required field 'num_experts_per_tok'")
+    return fields

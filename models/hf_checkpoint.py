@@ -63,12 +63,17 @@ class LoadedModel:
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """One HF tensor and how it maps into the params layout."""
+    """One HF tensor and how it maps into the params layout.
+
+    rows: this param is rows [start, stop) of a fused HF tensor (Phi-3's qkv_proj and
+    gate_up_proj): readers give the whole tensor (hf_shape), to_layout takes its rows, and
+    to_hf gives those rows back."""
 
     hf_name: str
     hf_shape: tuple[int, ...]
     to_layout: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    rows: tuple[int, int] | None = None
 
 
 def _identity(x: np.ndarray) -> np.ndarray:
@@ -95,6 +100,20 @@ def _split(hf_dim: int, layout_shape: tuple[int, ...]):
     return (lambda w: w.reshape(layout_shape)), (lambda x: x.reshape(hf_dim))
 
 
+def _norm_plus_one():
+    """A Gemma norm weight w (HF's model multiplies by 1 + w) <-> w + 1, in float32."""
+    return (lambda w: w.astype(np.float32) + 1), (lambda x: x.astype(np.float32) - 1)
+
+
+def _fused_rows(name: str, hf_shape: tuple[int, ...], start: int, stop: int, layout_shape):
+    """Rows [start, stop) of a fused torch Linear weight as a layout array ([in, out] split
+    as _linear does)."""
+    to_layout, to_hf = _linear(stop - start, hf_shape[1], layout_shape)
+    return TensorSpec(
+        name, hf_shape, lambda w: to_layout(w[start:stop]), to_hf, rows=(start, stop)
+    )
+
+
 def tensor_specs(cfg: ModelConfig) -> dict[tuple, TensorSpec]:
     """Maps each params path (("embed",), ("layers", i, "wq"), ...) to its HF tensor."""
     d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -102,6 +121,11 @@ def tensor_specs(cfg: ModelConfig) -> dict[tuple, TensorSpec]:
 
     def plain(name: str, shape: tuple[int, ...]) -> TensorSpec:
         return TensorSpec(name, shape, _identity, _identity)
+
+    def norm(name: str, shape: tuple[int, ...]) -> TensorSpec:
+        if cfg.gemma_norms:
+            return TensorSpec(name, shape, *_norm_plus_one())
+        return plain(name, shape)
 
     def linear(name: str, out_dim: int, in_dim: int, layout_shape: tuple[int, ...]):
         return TensorSpec(name, (out_dim, in_dim), *_linear(out_dim, in_dim, layout_shape))
@@ -113,8 +137,8 @@ def tensor_specs(cfg: ModelConfig) -> dict[tuple, TensorSpec]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         layer = {
-            "input_norm": plain(p + "input_layernorm.weight", (d,)),
-            "post_attn_norm": plain(p + "post_attention_layernorm.weight", (d,)),
+            "input_norm": norm(p + "input_layernorm.weight", (d,)),
+            "post_attn_norm": norm(p + "post_attention_layernorm.weight", (d,)),
             "wq": linear(p + "self_attn.q_proj.weight", hq * dh, d, (d, hq, dh)),
             "wk": linear(p + "self_attn.k_proj.weight", hkv * dh, d, (d, hkv, dh)),
             "wv": linear(p + "self_attn.v_proj.weight", hkv * dh, d, (d, hkv, dh)),
@@ -128,11 +152,24 @@ def tensor_specs(cfg: ModelConfig) -> dict[tuple, TensorSpec]:
             layer["bk"] = bias(p + "self_attn.k_proj.bias", hkv)
             layer["bv"] = bias(p + "self_attn.v_proj.bias", hkv)
         if cfg.qk_norm:
-            layer["q_norm"] = plain(p + "self_attn.q_norm.weight", (dh,))
-            layer["k_norm"] = plain(p + "self_attn.k_norm.weight", (dh,))
+            layer["q_norm"] = norm(p + "self_attn.q_norm.weight", (dh,))
+            layer["k_norm"] = norm(p + "self_attn.k_norm.weight", (dh,))
+        if cfg.post_norms:  # Gemma: HF's post_attention_layernorm is the attention output's
+            layer["attn_out_norm"] = layer["post_attn_norm"]
+            layer["post_attn_norm"] = norm(p + "pre_feedforward_layernorm.weight", (d,))
+            layer["mlp_out_norm"] = norm(p + "post_feedforward_layernorm.weight", (d,))
+        if cfg.architecture == "Phi3ForCausalLM":  # fused projections, split here
+            qkv, q, kv = (hq + 2 * hkv) * dh, hq * dh, hkv * dh
+            name = p + "self_attn.qkv_proj.weight"
+            layer["wq"] = _fused_rows(name, (qkv, d), 0, q, (d, hq, dh))
+            layer["wk"] = _fused_rows(name, (qkv, d), q, q + kv, (d, hkv, dh))
+            layer["wv"] = _fused_rows(name, (qkv, d), q + kv, qkv, (d, hkv, dh))
+            name = p + "mlp.gate_up_proj.weight"
+            layer["w_gate"] = _fused_rows(name, (2 * f, d), 0, f, (d, f))
+            layer["w_up"] = _fused_rows(name, (2 * f, d), f, 2 * f, (d, f))
         for key, spec in layer.items():
             specs[("layers", i, key)] = spec
-    specs[("final_norm",)] = plain("model.norm.weight", (d,))
+    specs[("final_norm",)] = norm("model.norm.weight", (d,))
     if not cfg.tie_word_embeddings:
         specs[("lm_head",)] = linear("lm_head.weight", v, d, (d, v))
     return specs
@@ -519,9 +556,16 @@ def save_hf_model(path: str | os.PathLike, config: dict[str, Any], params: dict[
     for key, spec in tensor_specs(cfg).items():
         value = params[key[0]][key[1]][key[2]] if key[0] == "layers" else params[key[0]]
         hf = np.ascontiguousarray(spec.to_hf(np.asarray(value)))
-        if hf.shape != spec.hf_shape:
+        shape = spec.hf_shape
+        if spec.rows is not None:  # a part of a fused tensor
+            shape = (spec.rows[1] - spec.rows[0], *shape[1:])
+        if hf.shape != shape:
             raise ValueError(f"params{list(key)}: shape {list(value.shape)} does not match config")
-        tensors[spec.hf_name] = hf
+        if spec.rows is None:
+            tensors[spec.hf_name] = hf
+        else:
+            fused = tensors.setdefault(spec.hf_name, np.zeros(spec.hf_shape, hf.dtype))
+            fused[spec.rows[0] : spec.rows[1]] = hf
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     return out

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) as pure functions over a params pytree.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2/3, Phi-3) as pure functions
+over a params pytree. The families differ only in ModelConfig flags; layers with different
+attention (Gemma's sliding-window and full layers) run in groups of their repeating pattern.
 
 `forward` runs one ragged batch of new tokens through the model: it writes each token's K/V
 into its slot of the paged pool and attends over the sequence's pages. The pool comes in and
@@ -17,12 +19,14 @@ all-gather of the logits. With tp_axis None nothing changes.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from models.config import ModelConfig
+from models.config import LinearRopeScaling, LongRopeScaling, ModelConfig, RopeScaling
 
 # attention_backend -> dispatcher arguments: None/"pallas" pick the platform's best (the
 # reference on CPU); "pallas_interpret" runs the GPU kernel in the Pallas interpreter.
@@ -37,12 +41,21 @@ _ATTENTION_BACKENDS = {
 KVPool = tuple[jax.Array, jax.Array]
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim // 2], with Llama 3 scaling when configured."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    rs = cfg.rope_scaling
-    if rs is not None:
+def rope_inv_freq(cfg: ModelConfig, *, local: bool = False, long: bool = False) -> np.ndarray:
+    """Inverse frequencies [rotary_dim // 2], scaled as configured.
+
+    local: a sliding-window layer's, which has its own base and no scaling when
+    cfg.rope_local_theta is set (Gemma 3). long: LongRoPE's long factors (else short)."""
+    dim = cfg.rotary_dim
+    own_base = local and cfg.rope_local_theta is not None
+    theta = cfg.rope_local_theta if own_base else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    rs = None if own_base else cfg.rope_scaling
+    if isinstance(rs, LinearRopeScaling):
+        inv_freq = inv_freq / rs.factor
+    elif isinstance(rs, LongRopeScaling):
+        inv_freq = inv_freq / np.asarray(rs.long_factor if long else rs.short_factor)
+    elif isinstance(rs, RopeScaling):
         low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
         high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
         wavelen = 2 * np.pi / inv_freq
@@ -64,7 +77,11 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array,
 
 
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [T, H, Dh] rotated by rope_cos_sin's tables."""
+    """x [T, H, Dh] rotated by rope_cos_sin's tables (partial rotary: tables narrower than
+    Dh rotate the first dims and pass the rest)."""
+    if cos.shape[-1] != x.shape[-1]:
+        r = cos.shape[-1]
+        return jnp.concatenate([rotate(x[..., :r], cos, sin), x[..., r:]], axis=-1)
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
@@ -95,6 +112,55 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight * xf.astype(x.dtype)
+
+
+def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMSNorm: the product with the weight (stored with Gemma's + 1) in float32."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def _rope_tables(cfg, positions, context_lens, query_start) -> dict[bool, tuple]:
+    """cos and sin [T, 1, rotary_dim] for each rope a layer can have: {False: the full-
+    attention layers' (every layer's, without a local base), True: the sliding-window
+    layers' (cfg.rope_local_theta)}. LongRoPE picks each token's factors by its sequence's
+    length this step (long past original_max_position_embeddings, as transformers picks by
+    the length of its forward) and scales the tables by attention_factor."""
+    kinds = [False] + ([True] if cfg.rope_local_theta is not None else [])
+    rs = cfg.rope_scaling
+    tables = {}
+    for local in kinds:
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg, local=local))
+        if isinstance(rs, LongRopeScaling) and not (local and cfg.rope_local_theta is not None):
+            cos_long, sin_long = rope_cos_sin(positions, rope_inv_freq(cfg, local=local, long=True))
+            tokens = jnp.arange(positions.shape[0], dtype=jnp.int32)
+            seq = jnp.searchsorted(query_start, tokens, side="right") - 1
+            seq = jnp.clip(seq, 0, context_lens.shape[0] - 1)
+            long = (context_lens[seq] > rs.original_max_position_embeddings)[:, None, None]
+            cos = jnp.where(long, cos_long, cos) * rs.attention_factor
+            sin = jnp.where(long, sin_long, sin) * rs.attention_factor
+        tables[local] = _computed_once(cos, sin)
+    return tables
+
+
+def layer_pattern(cfg: ModelConfig) -> int:
+    """The period of the layers' attention kinds (window, rope): the smallest p with layer
+    i's kind that of layer i % p (1: uniform layers; Gemma 2: 2; Gemma 3: 6)."""
+    kinds = _layer_kinds(cfg)
+    return next(
+        p for p in range(1, len(kinds) + 1)
+        if all(kinds[i] == kinds[i % p] for i in range(len(kinds)))
+    )
+
+
+def _layer_kinds(cfg: ModelConfig) -> list[tuple]:
+    """Each layer's static attention settings: (sliding window, local rope)."""
+    local = cfg.rope_local_theta is not None
+    return [(w, local and w is not None) for w in cfg.windows]
 
 
 def _write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
@@ -143,27 +209,34 @@ def forward(
     """
     attn_kwargs = dict(
         sm_scale=cfg.sm_scale,
-        sliding_window=cfg.sliding_window,
+        soft_cap=cfg.attn_soft_cap,
         **_ATTENTION_BACKENDS[attention_backend],
     )
-    cos, sin = _computed_once(*rope_cos_sin(positions, rope_inv_freq(cfg)))
+    norm = gemma_rms_norm if cfg.gemma_norms else rms_norm
+    act = _ACTIVATIONS[cfg.hidden_act]
+    ropes = _rope_tables(cfg, positions, context_lens, query_start)
+    kinds = _layer_kinds(cfg)
     x = _embed(params["embed"], cfg, token_ids, tp_axis)  # [T, D]
+    if cfg.embed_scale:  # in the activation dtype, as transformers scales
+        x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
     k_pages, v_pages = kv_pages
     page_size = k_pages.shape[2]
     offsets = layer_offsets(cfg, k_pages)
 
-    def run_layer(carry, layer_and_offset):
+    def run_layer(carry, layer_and_offset, kind=kinds[0]):
         x, k_pages, v_pages = carry
         layer, offset = layer_and_offset
-        h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
+        window, local = kind  # static: a layer group's own
+        cos, sin = ropes[local]
+        h = norm(x, layer["input_norm"], cfg.rms_norm_eps)
         q = jnp.einsum("td,dhk->thk", h, layer["wq"])
         k = jnp.einsum("td,dhk->thk", h, layer["wk"])
         v = jnp.einsum("td,dhk->thk", h, layer["wv"])
         if cfg.attention_bias:
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
         if cfg.qk_norm:
-            q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+            q = norm(q, layer["q_norm"], cfg.rms_norm_eps)
+            k = norm(k, layer["k_norm"], cfg.rms_norm_eps)
         q = rotate(q, cos, sin)
         k = rotate(k, cos, sin)
         slots = slot_mapping + offset * page_size
@@ -172,28 +245,67 @@ def forward(
         table = page_table + offset
         if decode_only:
             attn = pallas_kernels.paged_decode_attention(
-                q, k_pages, v_pages, context_lens, table, **attn_kwargs
+                q, k_pages, v_pages, context_lens, table, sliding_window=window, **attn_kwargs
             )
         else:
             attn = pallas_kernels.paged_prefill_attention(
                 q, k_pages, v_pages, context_lens, table, query_start,
-                max_query_len=max_query_len, **attn_kwargs
+                max_query_len=max_query_len, sliding_window=window, **attn_kwargs
             )
-        x = x + _reduce(jnp.einsum("thk,hkd->td", attn, layer["wo"]), tp_axis)
-        h = rms_norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)
-        gate = jax.nn.silu(h @ layer["w_gate"])
-        x = x + _reduce((gate * (h @ layer["w_up"])) @ layer["w_down"], tp_axis)
+        out = _reduce(jnp.einsum("thk,hkd->td", attn, layer["wo"]), tp_axis)
+        if cfg.post_norms:
+            out = norm(out, layer["attn_out_norm"], cfg.rms_norm_eps)
+        x = x + out
+        h = norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)
+        gate = act(h @ layer["w_gate"])
+        out = _reduce((gate * (h @ layer["w_up"])) @ layer["w_down"], tp_axis)
+        if cfg.post_norms:
+            out = norm(out, layer["mlp_out_norm"], cfg.rms_norm_eps)
+        x = x + out
         return (x, k_pages, v_pages), None
 
     carry = (x, k_pages, v_pages)
     layers = params["layers"]
-    if isinstance(layers, dict):  # stacked: one traced layer
+    period = layer_pattern(cfg)
+    if isinstance(layers, dict) and period == 1:  # stacked: one traced layer
         carry, _ = jax.lax.scan(run_layer, carry, (layers, offsets))
+    elif isinstance(layers, dict) and period < cfg.num_layers:
+        carry = _scan_groups(run_layer, carry, layers, offsets, kinds, period)
     else:
+        if isinstance(layers, dict):  # no repeating pattern: unrolled
+            layers = [{k: v[i] for k, v in layers.items()} for i in range(cfg.num_layers)]
         for i, layer in enumerate(layers):
-            carry, _ = run_layer(carry, (layer, i * (k_pages.shape[1] // cfg.num_layers)))
+            per_layer = k_pages.shape[1] // cfg.num_layers
+            carry, _ = run_layer(carry, (layer, i * per_layer), kinds[i])
     x, k_pages, v_pages = carry
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), (k_pages, v_pages)
+    return norm(x, params["final_norm"], cfg.rms_norm_eps), (k_pages, v_pages)
+
+
+def _scan_groups(run_layer, carry, layers: dict, offsets, kinds: list, period: int):
+    """Stacked layers whose kinds repeat every `period` layers: lax.scan over the groups,
+    each running its `period` layers unrolled with their own static kinds, then the layers
+    past the last whole group unrolled. A group's layers are read from the stacked arrays by
+    index (as scan reads its xs), so no weights are copied into a grouped layout.
+
+        layers  0 1 2 3 4 5 | 6 7 8 9 10 11 | ... | 24 25
+        scan    group 0     | group 1       | ... | leftover (unrolled)
+    """
+    num_layers = len(kinds)
+    num_groups = num_layers // period
+
+    def take(i):
+        return {k: jax.lax.dynamic_index_in_dim(v, i, keepdims=False) for k, v in layers.items()}
+
+    def run_group(carry, g):
+        for j in range(period):
+            i = g * period + j
+            carry, _ = run_layer(carry, (take(i), offsets[i]), kinds[j])
+        return carry, None
+
+    carry, _ = jax.lax.scan(run_group, carry, jnp.arange(num_groups, dtype=jnp.int32))
+    for i in range(num_groups * period, num_layers):
+        carry, _ = run_layer(carry, ({k: v[i] for k, v in layers.items()}, offsets[i]), kinds[i])
+    return carry
 
 
 def stack_layers(params: dict, place=None) -> dict:
@@ -229,6 +341,8 @@ def compute_logits(
     else:
         logits = hidden @ params["lm_head"]
     logits = logits.astype(jnp.float32)
+    if cfg.final_soft_cap is not None:
+        logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
     if tp_axis is not None and logits.shape[-1] != cfg.vocab_size:
         logits = jax.lax.all_gather(logits, tp_axis, axis=1, tiled=True)
     return logits
@@ -284,6 +398,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float
             layer.update(bq=w(hq, dh), bk=w(hkv, dh), bv=w(hkv, dh))
         if cfg.qk_norm:
             layer.update(q_norm=ones(dh), k_norm=ones(dh))
+        if cfg.post_norms:
+            layer.update(attn_out_norm=ones(d), mlp_out_norm=ones(d))
         layers.append(layer)
     params = {"embed": w(cfg.vocab_size, d), "layers": layers, "final_norm": ones(d)}
     if not cfg.tie_word_embeddings:

@@ -98,6 +98,8 @@ def _layout_shape(cfg: ModelConfig, key: tuple) -> tuple[int, ...]:
         "lm_head": (d, v),
         "input_norm": (d,),
         "post_attn_norm": (d,),
+        "attn_out_norm": (d,),
+        "mlp_out_norm": (d,),
         "wq": (d, hq, dh),
         "wk": (d, hkv, dh),
         "wv": (d, hkv, dh),

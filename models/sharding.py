@@ -113,6 +113,8 @@ def param_specs(cfg: ModelConfig, tensor_parallel_size: int, *, stacked: bool = 
         layer.update(bq=P(TP, None), bk=P(KV, None), bv=P(KV, None))
     if cfg.qk_norm:
         layer.update(q_norm=P(), k_norm=P())
+    if cfg.post_norms:
+        layer.update(attn_out_norm=P(), mlp_out_norm=P())
     specs = {
         "embed": P(vocab, None),
         "layers": (
