@@ -9,7 +9,8 @@ add_generation_prompt, bos_token, eos_token, tools and documents (None), plus an
 
 Messages are validated first: a non-empty list of {"role", "content"} with role one of
 ROLES and content a string or a list of {"type": "text", "text": ...} parts (joined with
-newlines into one string). Every error is a ValueError; a template's own error
+newlines into one string); an assistant's tool_calls get their function arguments as
+objects (OpenAI sends JSON text; templates write them with tojson). Every error is a ValueError; a template's own error
 (raise_exception, a Jinja error) carries the template's message.
 
 BOS: a template that writes bos_token itself (Llama 3's does) must not get a second BOS from
@@ -59,8 +60,33 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             raise ValueError(f"{where}.content: missing")
         copy = dict(message)
         copy["content"] = _content_text(message["content"], where, allow_none=role == "assistant")
+        if role == "assistant" and message.get("tool_calls") is not None:
+            copy["tool_calls"] = _tool_calls(message["tool_calls"], where)
         checked.append(copy)
     return checked
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's tool calls, each function's arguments as an object: OpenAI sends them
+    as JSON text and templates write them with tojson (as vLLM, which parses them too)."""
+    if not isinstance(calls, (list, tuple)):
+        raise ValueError(f"{where}.tool_calls: must be a list of tool calls")  # noqa: TRY004
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{at}.function: must be an object with a name and arguments")  # noqa: TRY004
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                raise ValueError(f"{at}.function.arguments: not valid JSON") from None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"{at}.function.arguments: must be a JSON object")  # noqa: TRY004
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
 
 
 def _content_text(content: Any, where: str, *, allow_none: bool) -> str | None:

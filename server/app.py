@@ -62,6 +62,8 @@ class Server:
             sampling_defaults=defaults,
             api_key=options.api_key,
             chat_template=options.chat_template,
+            tool_call_parser=options.tool_call_parser,
+            enable_auto_tool_choice=options.enable_auto_tool_choice,
             state=lambda: self.state,
         )
         self.state = "warming_up"  # then "serving", then "draining"

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API (FastAPI on uvicorn), on the same EngineLoop as gRPC.
 
 Routes: GET /v1/models, /v1/models/{id}; POST /v1/completions, /v1/chat/completions
-(streamed as server-sent events when stream=true); GET /health (200 serving, 503 while
-warming up or draining); GET /metrics (the server's Prometheus registry). With an API key,
-/v1/* needs `Authorization: Bearer KEY` (server/auth.py).
+(streamed as server-sent events when stream=true; tools and tool_choice: server/tool_calls.py);
+POST /tokenize, /detokenize (vLLM's); GET /health (200 serving, 503 while warming up or
+draining); GET /metrics (the server's Prometheus registry). With an API key, /v1/*,
+/tokenize and /detokenize need `Authorization: Bearer KEY` (server/auth.py).
 
 A call's life: the body is checked (openai_protocol), one engine request per prompt is
 submitted with a `prepare` that tokenizes or renders the chat and fits max_tokens on the
@@ -23,6 +24,7 @@ import socket
 import time
 from collections.abc import Callable
 
+import pydantic
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,8 +41,16 @@ from server.engine_loop import (
     new_request_id,
 )
 from server.metrics import Metrics, outcome_of, record_rejection, record_request
-from server.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from server.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+)
 from server.openai_responses import DONE, Assembler, sse
+from server.tool_calls import plan_tools
 
 logger = logging.getLogger("jpaged.server")
 
@@ -60,6 +70,8 @@ class OpenAIServer:
         sampling_defaults: dict | None = None,
         api_key: str | None = None,
         chat_template: str | None = None,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
         state: Callable[[], str] = lambda: "serving",
     ) -> None:
         self._loop = loop
@@ -69,6 +81,8 @@ class OpenAIServer:
         self._defaults = dict(sampling_defaults or {})
         self._api_key = api_key
         self._chat_template = chat_template
+        self._tool_call_parser = tool_call_parser
+        self._auto_tools = enable_auto_tool_choice
         self._state = state  # "warming_up", "serving" or "draining"
         self._vocab_size = int(loop.engine.model_config.vocab_size)
         self._max_model_len = int(loop.engine.max_model_len)
@@ -83,6 +97,15 @@ class OpenAIServer:
         v1.add_api_route("/completions", self.completions, methods=["POST"])
         v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
         app.include_router(v1)
+        app.add_api_route(
+            "/tokenize", self.tokenize, methods=["POST"], dependencies=[Depends(self._check_key)]
+        )
+        app.add_api_route(
+            "/detokenize",
+            self.detokenize,
+            methods=["POST"],
+            dependencies=[Depends(self._check_key)],
+        )
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_exception_handler(APIError, _api_error)
@@ -147,6 +170,66 @@ class OpenAIServer:
         )
         return await _api_error(request, error)
 
+    # ---- tokenize -----------------------------------------------------------------------
+
+    async def tokenize(self, request: Request) -> dict:
+        """vLLM's /tokenize: a prompt's or a conversation's token ids (the chat as
+        /v1/chat/completions renders it, tools included); token_strs (return_token_strs)
+        are the tokenizer's own token strings."""
+        body = await _parsed(request, lambda d: TokenizeChatRequest if "messages" in d
+                             else TokenizeRequest)  # fmt: skip
+        self._check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            proto.check_template_kwargs(body)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            render = proto.chat_renderer(body, self._chat_template, tools=tools)
+
+            def run(engine) -> list[int]:
+                return render(engine)[1]
+        else:
+            prompt, special = body.prompt, body.add_special_tokens
+
+            def run(engine) -> list[int]:
+                if engine.tokenizer is None:
+                    raise APIError(400, "the model has no tokenizer", param="prompt")
+                if special:
+                    return list(engine.tokenizer.encode(prompt))
+                return list(engine.tokenizer.encode(prompt, add_special_tokens=False))
+
+        def strs(engine) -> list[str]:
+            backend = getattr(engine.tokenizer, "backend", None)
+            if backend is None:
+                return [engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+            return [backend.id_to_token(t) for t in ids]
+
+        try:
+            ids = await self._loop.call(run)
+        except ValueError as e:  # a malformed conversation, a template error
+            raise _as_api_error(e) from None
+        token_strs = await self._loop.call(strs) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self._max_model_len, "tokens": ids,
+                "token_strs": token_strs}  # fmt: skip
+
+    async def detokenize(self, request: Request) -> dict:
+        """vLLM's /detokenize: token ids -> text (special tokens kept)."""
+        body = await _parsed(request, lambda d: DetokenizeRequest)
+        self._check_model(body.model)
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < self._vocab_size:
+                raise APIError(
+                    400,
+                    f"tokens[{i}] = {t} is out of range [0, {self._vocab_size})",
+                    param="tokens",
+                )
+        ids = list(body.tokens)
+
+        def run(engine) -> str:
+            if engine.tokenizer is None:
+                raise APIError(400, "the model has no tokenizer", param="tokens")
+            return engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+        return {"prompt": await self._loop.call(run)}
+
     # ---- completions --------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request):
@@ -167,17 +250,24 @@ class OpenAIServer:
         rid = _request_id(request, "chatcmpl")
         try:
             self._check_model(body.model)
-            params = self._params(body)
-            render = proto.chat_renderer(body, self._chat_template)
+            tools = plan_tools(
+                body, parser_name=self._tool_call_parser, auto_enabled=self._auto_tools
+            )
+            params = self._params(body, tool_constraint=tools.constraint)
+            render = proto.chat_renderer(body, self._chat_template, tools=tools.tools)
             plans = [self._plan(render, params, body, "messages")]
         except APIError as e:
             self._reject(rid, e)
             raise
-        return await self._run("chat", rid, body, plans, request)
+        return await self._run("chat", rid, body, plans, request, tool_plan=tools)
 
-    def _params(self, body):
+    def _params(self, body, tool_constraint=None):
         return proto.to_sampling_params(
-            body, defaults=self._defaults, max_n=self._max_n, vocab_size=self._vocab_size
+            body,
+            defaults=self._defaults,
+            max_n=self._max_n,
+            vocab_size=self._vocab_size,
+            tool_constraint=tool_constraint,
         )
 
     def _plan(self, render, params, body, where: str) -> proto.PromptPlan:
@@ -189,7 +279,9 @@ class OpenAIServer:
             max_tokens_field=body.requested_max_tokens()[1],
         )
 
-    async def _run(self, kind: str, rid: str, body, plans: list[proto.PromptPlan], request):
+    async def _run(
+        self, kind: str, rid: str, body, plans: list[proto.PromptPlan], request, tool_plan=None
+    ):
         start = time.monotonic()
         handles = await self._submit(rid, body, plans)
         echo = [p.prompt_text for p in plans] if getattr(body, "echo", False) else None
@@ -204,6 +296,7 @@ class OpenAIServer:
             return_token_ids=body.return_token_ids,
             include_usage=options.include_usage,
             continuous_usage=options.continuous_usage_stats,
+            tool_plan=tool_plan,
         )
         call = _Call(asm, start)
         headers = {"x-request-id": rid}
@@ -384,6 +477,20 @@ def _outcome(asm: Assembler) -> str:
 
 def _num_tokens(asm: Assembler) -> int:
     return sum(c.num_tokens for h in asm.handles for c in h.choices)
+
+
+async def _parsed(request: Request, model_of):
+    """The JSON body as the pydantic model model_of(body) names; a 400 otherwise."""
+    try:
+        data = await request.json()
+    except ValueError as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body: must be a JSON object")
+    try:
+        return model_of(data).model_validate(data)
+    except pydantic.ValidationError as e:
+        raise proto.from_validation_errors(list(e.errors())) from None
 
 
 async def _watch_disconnect(request: Request, gone: asyncio.Event, wake: asyncio.Event) -> None:

@@ -160,11 +160,17 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    """One message; fields beyond these (name, tool_call_id ...) go to the chat template."""
+    """One message; fields beyond these go to the chat template as they are. An assistant's
+    tool_calls are OpenAI's ({"id", "type", "function": {"name", "arguments"}}; arguments
+    may be the JSON text or the object, the template gets the object), a tool message's
+    tool_call_id names the call it answers (server/tool_calls.py checks it is there)."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = self.model_dump(exclude_none=True)
@@ -174,8 +180,33 @@ class ChatMessage(BaseModel):
         return out
 
 
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # accepted: required and named choice always follow the schema
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = None
+    # None: "auto" when tools are given and the server parses tool calls, else "none"
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -197,6 +228,33 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def param_names(self) -> dict[str, str]:
         return {"logprobs": "top_logprobs", "max_tokens": self.requested_max_tokens()[1]}
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize of a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's /tokenize of a conversation, rendered as /v1/chat/completions renders it."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- values -----------------------------------------------------------------------------
@@ -225,12 +283,19 @@ _RESERVED_TEMPLATE_VARS = frozenset(
 
 
 def to_sampling_params(
-    req: _SamplingRequest, *, defaults: dict, max_n: int, vocab_size: int
+    req: _SamplingRequest,
+    *,
+    defaults: dict,
+    max_n: int,
+    vocab_size: int,
+    tool_constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams, max_tokens as asked (None when unset: fitted later).
 
     defaults: SamplingParams fields for those the request leaves unset (the serve command's
-    flags over the model's own defaults). Raises APIError(400) naming the field.
+    flags over the model's own defaults). tool_constraint: the grammar of a "required" or
+    named tool_choice (server/tool_calls.py), which no other constraint may join. Raises
+    APIError(400) naming the field.
     """
     _check_http_only_fields(req, vocab_size)
     given = {f: getattr(req, f) for f in _SAMPLING_FIELDS if getattr(req, f) is not None}
@@ -242,6 +307,15 @@ def to_sampling_params(
     if req.logit_bias:
         given["logit_bias"] = {int(k): v for k, v in req.logit_bias.items() if v}
     constraint = structured_outputs_of(req)
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise APIError(
+                400,
+                "tool_choice required or a named function decodes under the tools' schemas: "
+                "it cannot be combined with response_format, structured_outputs or guided_*",
+                param="tool_choice",
+            )
+        constraint = tool_constraint
     if constraint is not None:
         given["structured_outputs"] = constraint
     max_tokens, _ = req.requested_max_tokens()
@@ -289,13 +363,15 @@ def _check_http_only_fields(req: _SamplingRequest, vocab_size: int) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        for key in req.chat_template_kwargs or {}:
-            if key in _RESERVED_TEMPLATE_VARS or not key.isidentifier():
-                raise APIError(
-                    400,
-                    f"chat_template_kwargs may not set {key!r}",
-                    param="chat_template_kwargs",
-                )
+        check_template_kwargs(req)
+
+
+def check_template_kwargs(req: ChatCompletionRequest | TokenizeChatRequest) -> None:
+    for key in req.chat_template_kwargs or {}:
+        if key in _RESERVED_TEMPLATE_VARS or not key.isidentifier():
+            raise APIError(
+                400, f"chat_template_kwargs may not set {key!r}", param="chat_template_kwargs"
+            )
 
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -486,10 +562,15 @@ def completion_renderer(prompt: str | list[int], *, echo: bool):
     return render
 
 
-def chat_renderer(req: ChatCompletionRequest, server_template: str | None):
+def chat_renderer(
+    req: ChatCompletionRequest, server_template: str | None, tools: list[dict] | None = None
+):
+    """tools: the chat template's `tools` variable (set when the request gives tools)."""
     messages = [m.to_dict() for m in req.messages]
     template = req.chat_template or server_template
     extra = dict(req.chat_template_kwargs or {})
+    if tools is not None:
+        extra["tools"] = tools
 
     def render(engine) -> tuple[str, list[int]]:
         text, ids = engine.chat_prompt(
@@ -615,7 +696,9 @@ def _our_words(e: dict) -> str | None:
 
 
 def _shown(value) -> str:
-    text = json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool)) else repr(value)
+    text = (
+        json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool)) else repr(value)
+    )
     return text if len(text) <= 40 else text[:37] + "..."
 
 

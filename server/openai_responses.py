@@ -17,8 +17,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from typing import TYPE_CHECKING
 
 from server.engine_loop import ChoiceState, RequestHandle
+from server.tool_parsers import ToolCallStream
+
+if TYPE_CHECKING:
+    from server.tool_calls import ToolPlan
 
 DONE = b"data: [DONE]\n\n"
 
@@ -69,6 +74,7 @@ class Assembler:
         return_token_ids: bool = False,
         include_usage: bool = False,
         continuous_usage: bool = False,
+        tool_plan: ToolPlan | None = None,
     ) -> None:
         self.kind = kind
         self.request_id = request_id
@@ -87,6 +93,14 @@ class Assembler:
             for c in h.choices
         ]
         self._object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        # chat with tools: each choice's text read into content and tool calls
+        self._tool_plan = tool_plan
+        self._tools: dict[int, ToolCallStream] = {}
+        if tool_plan is not None:
+            for cur in self._cursors:
+                stream = tool_plan.stream()
+                if stream is not None:
+                    self._tools[cur.index] = stream
         self._echo_logprobs = kind == "completion" and num_logprobs is not None
 
     @property
@@ -164,18 +178,40 @@ class Assembler:
         """One chunk per delta, as server-sent events."""
         out = []
         for d in deltas:
-            if self.kind == "chat":
-                choice = {"index": d.index, "delta": {"content": d.text} if d.text else {}}
+            if self.kind != "chat":
+                parts = [{"text": d.text}]
+            elif d.index in self._tools:
+                parts = self._tool_deltas(d)
             else:
-                choice = {"index": d.index, "text": d.text}
-            choice["logprobs"] = self._logprobs(d, texts)
-            choice["finish_reason"] = d.finish_reason
+                parts = [{"delta": {"content": d.text} if d.text else {}}]
+            last = {"logprobs": self._logprobs(d, texts), "finish_reason": self._finish(d)}
             if d.finish_reason is not None:
-                choice["stop_reason"] = d.stop_reason
+                last["stop_reason"] = d.stop_reason
             if self.return_token_ids:
-                choice["token_ids"] = d.token_ids
-            out.append(sse(self._chunk([choice])))
+                last["token_ids"] = d.token_ids
+            for i, part in enumerate(parts):
+                choice = {"index": d.index, **part}
+                choice.update(last if i == len(parts) - 1 else {"logprobs": None,
+                                                                "finish_reason": None})  # fmt: skip
+                out.append(sse(self._chunk([choice])))
         return b"".join(out)
+
+    def _tool_deltas(self, d: Delta) -> list[dict]:
+        """A choice's content and tool-call deltas, one chunk each (at least one chunk when
+        the delta carries a finish, logprobs or token ids)."""
+        content, calls = self._tools[d.index].feed(d.text, final=d.finish_reason is not None)
+        parts = [{"delta": {"content": content}}] if content else []
+        parts += [{"delta": {"tool_calls": [call]}} for call in calls]
+        carries = d.finish_reason is not None or self.num_logprobs is not None
+        if not parts and (carries or self.return_token_ids):
+            parts = [{"delta": {}}]
+        return parts
+
+    def _finish(self, d: Delta) -> str | None:
+        stream = self._tools.get(d.index)
+        if stream is None or d.finish_reason is None:
+            return d.finish_reason
+        return self._tool_plan.finish_reason(d.finish_reason, bool(stream.calls))
 
     def usage_chunk(self) -> bytes:
         chunk = self._chunk([])
@@ -200,13 +236,20 @@ class Assembler:
         """The non-streamed response: deltas holds each choice's whole output."""
         choices = []
         for d in sorted(deltas, key=lambda d: d.index):
-            if self.kind == "chat":
-                choice = {"index": d.index, "message": {"role": "assistant", "content": d.text}}
-            else:
+            if self.kind != "chat":
                 choice = {"index": d.index, "text": d.text}
+            elif d.index in self._tools:
+                stream = self._tools[d.index]
+                stream.feed(d.text, final=True)
+                message = {"role": "assistant", "content": stream.content}
+                if stream.calls:
+                    message["tool_calls"] = stream.calls
+                choice = {"index": d.index, "message": message}
+            else:
+                choice = {"index": d.index, "message": {"role": "assistant", "content": d.text}}
             choice.update(
                 logprobs=self._logprobs(d, texts),
-                finish_reason=d.finish_reason,
+                finish_reason=self._finish(d),
                 stop_reason=d.stop_reason,
             )
             if self.return_token_ids:

@@ -9,6 +9,9 @@ import dataclasses
 import os
 import pathlib
 
+# server/tool_parsers.py's PARSERS (named here so that the command line imports no more)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerOptions:
@@ -23,6 +26,9 @@ class ServerOptions:
     max_n: int = 64
     api_key: str | None = None  # required on every API call when set
     chat_template: str | None = None  # Jinja text; None: the model's own
+    # tool_choice "auto": the format tool calls are parsed from (server/tool_parsers.py)
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
     # SamplingParams fields for requests that leave them unset (the serve command's flags).
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
 
@@ -41,6 +47,13 @@ class ServerOptions:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                f"{self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
 
     @classmethod
     def from_args(
@@ -56,6 +69,8 @@ class ServerOptions:
             max_n=args.max_n,
             api_key=args.api_key or os.environ.get("JPAGED_API_KEY") or None,
             chat_template=read_chat_template(args.chat_template),
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
             sampling_defaults=dict(sampling_defaults or {}),
         )
 
@@ -125,6 +140,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="chat template for /v1/chat/completions: a Jinja file or the template text "
         "(default: the model's own)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="the format the model writes tool calls in, read for tool_choice 'auto': hermes "
+        "(<tool_call> JSON: Qwen 2.5/3, Hermes), llama3_json (Llama 3.1/3.2 JSON), mistral "
+        "([TOOL_CALLS] array) (default: none)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="parse tool calls out of the model's text for tool_choice 'auto' (and requests "
+        "with tools and no tool_choice); needs --tool-call-parser",
     )
     g.add_argument(
         "--max-waiting",

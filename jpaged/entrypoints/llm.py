@@ -103,12 +103,19 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         use_tqdm: bool = False,
+        tools: list[dict] | None = None,
         **template_kwargs,
     ) -> list[RequestOutput]:
         """Generates a reply to each conversation (vLLM's signature): messages is one
         conversation (a list of {"role", "content"}) or a list of them, rendered with the
         model's chat template (or chat_template) with BOS once. Returns one RequestOutput
         per conversation, its prompt the rendered text.
+
+        tools: OpenAI's tool definitions ({"type": "function", "function": {"name",
+        "description", "parameters"}}), the template's `tools` variable. Assistant messages
+        may carry tool_calls (arguments as JSON text or objects) and tool messages the
+        results. The reply is text as the model wrote it: to decode a call whose arguments
+        follow a tool's schema, pass StructuredOutputsParams(json=that schema).
 
         Raises ValueError for a malformed conversation (naming the message and field), a
         template that raises, or a model without a chat template when none is given.
@@ -125,6 +132,7 @@ class LLM:
                         chat_template=chat_template,
                         add_generation_prompt=add_generation_prompt,
                         continue_final_message=continue_final_message,
+                        **({"tools": tools} if tools is not None else {}),
                         **template_kwargs,
                     )
                 )

@@ -88,7 +88,14 @@ CASES = [
         'max_tokens: must be an integer, got "many"',
     ),
     ("unknown field", COMP, {"prompt": "t1", "best_of": 3}, 400, "best_of", "unknown field"),
-    ("tools", CHAT, {"messages": USER, "tools": []}, 400, "tools", "does not support"),
+    (
+        "a tool that is not a function",
+        CHAT,
+        {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}, "x": 1}]},
+        400,
+        "tools[0].x",
+        "unknown field",
+    ),
     (
         "logit_bias id outside the vocabulary",
         COMP,

@@ -1,0 +1,211 @@
+"""Tool calling over HTTP on the real SmolLM2-135M-Instruct, with the official openai client.
+
+A named tool_choice and "required" decode under the tools' schemas, so their arguments
+validate (jsonschema), streamed and not, and the streamed fragments concatenate to the
+non-streamed arguments for the same seed. tool_choice "auto" reads the model's text with
+--tool-call-parser hermes: its output is pinned here with a regex constraint (SmolLM2 has no
+tool-calling template of its own), so the exact content and calls are known. The tools reach
+the chat template (Qwen 2.5's, sent as the request's chat_template) and a multi-turn history
+with a tool call and its result renders as /tokenize and LLM.chat render it.
+
+One engine and one server for the module.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+from serving_helpers import RunningServer, openai_client
+from tool_templates import QWEN25_TEMPLATE
+
+from jpaged import LLM
+from models.chat_template import render_chat
+from models.demo import SMOLLM2_DIR, cache_root, ensure_smollm2
+
+# The user's jpaged cache, read at collection (demo_model_dir later moves JPAGED_CACHE_DIR).
+_SMOLLM2_DIR = cache_root() / SMOLLM2_DIR
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "maxLength": 10}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather",
+     "description": "The current weather in a city", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time",
+     "description": "The local time in a time zone", "parameters": TIME}},
+]  # fmt: skip
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+MAX_TOKENS = 60  # a call here is 15 to 30 tokens
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(ensure_smollm2(_SMOLLM2_DIR)), max_num_seqs=4, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    s = RunningServer(
+        llm.llm_engine, model_name="smollm2", tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
+    )  # fmt: skip
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server, timeout=300)
+
+
+def ask(client, **kwargs):
+    kwargs = {"model": "smollm2", "messages": ASK, "tools": TOOLS, "max_tokens": MAX_TOKENS,
+              "temperature": 1.0, **kwargs}  # fmt: skip
+    return client.chat.completions.create(**kwargs)
+
+
+def streamed_calls(client, **kwargs) -> tuple[list[dict], str, str | None]:
+    """(calls as a client assembles them from the deltas, content, finish_reason)."""
+    calls: dict[int, dict] = {}
+    content, finish = "", None
+    for chunk in ask(client, stream=True, **kwargs):
+        (choice,) = chunk.choices
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or ():
+            if d.id is not None:
+                assert d.index == len(calls) and d.type == "function"
+                assert d.function.arguments == ""
+                calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+            else:
+                assert d.function.name is None
+                calls[d.index]["arguments"] += d.function.arguments
+        finish = choice.finish_reason or finish
+    return list(calls.values()), content, finish
+
+
+def plain(message) -> list[dict]:
+    return [
+        {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+        for c in message.tool_calls
+    ]
+
+
+def test_named_call_validates_and_streams_the_same_arguments(client):
+    for seed in (0, 1, 2):
+        r = ask(client, tool_choice=NAMED, seed=seed)
+        (choice,) = r.choices
+        assert choice.finish_reason == "stop"  # a named choice keeps "stop", as vLLM
+        assert choice.message.content is None
+        (call,) = plain(choice.message)
+        assert call["name"] == "get_weather" and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["arguments"]), WEATHER)
+        calls, content, finish = streamed_calls(client, tool_choice=NAMED, seed=seed)
+        assert (content, finish) == ("", "stop")
+        assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call["arguments"])]
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_calls_validate_and_stream_the_same_arguments(client, parallel):
+    for seed in (0, 3):
+        kwargs = {"tool_choice": "required", "seed": seed, "parallel_tool_calls": parallel}
+        (choice,) = ask(client, **kwargs).choices
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        calls = plain(choice.message)
+        assert len(calls) >= 1 if parallel else len(calls) == 1
+        for c in calls:
+            jsonschema.validate(json.loads(c["arguments"]), SCHEMAS[c["name"]])
+        got, content, finish = streamed_calls(client, **kwargs)
+        assert (content, finish) == ("", "tool_calls")
+        assert [(c["name"], c["arguments"]) for c in got] == [
+            (c["name"], c["arguments"]) for c in calls
+        ]
+        assert len({c["id"] for c in calls + got}) == 2 * len(calls)
+
+
+def test_n_with_tools_gives_each_choice_its_calls(client):
+    r = ask(client, tool_choice="required", n=2, seed=5, parallel_tool_calls=False)
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice in r.choices:
+        (call,) = plain(choice.message)
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        assert choice.finish_reason == "tool_calls"
+
+
+# What the hermes parser reads under tool_choice "auto": SmolLM2's output pinned by a regex.
+PINNED = (
+    r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "(Paris|Lyon)", "unit": "celsius"\}\}\n</tool_call>'
+)
+
+
+def test_auto_reads_hermes_calls_out_of_the_text(client):
+    extra = {"structured_outputs": {"regex": PINNED}}
+    (choice,) = ask(client, seed=0, extra_body=extra).choices  # tool_choice unset: "auto"
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    (call,) = plain(choice.message)
+    city = json.loads(call["arguments"])["city"]
+    assert call["arguments"] == f'{{"city": "{city}", "unit": "celsius"}}'
+    assert call["name"] == "get_weather" and city in ("Paris", "Lyon")
+    calls, content, finish = streamed_calls(client, seed=0, tool_choice="auto", extra_body=extra)
+    assert (content, finish) == ("Let me check.", "tool_calls")  # no markup leaked
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call["arguments"])]
+
+
+def test_tool_choice_none_leaves_the_text_as_content(client):
+    extra = {"structured_outputs": {"regex": PINNED}}
+    (choice,) = ask(client, seed=0, tool_choice="none", extra_body=extra).choices
+    assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+    assert choice.message.content.startswith("Let me check.\n<tool_call>\n")
+
+
+HISTORY = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+     "function": {"name": "get_weather",
+                  "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+]  # fmt: skip
+
+
+def test_a_tool_result_turn_renders_with_the_tools(server, client, llm):
+    """The history (arguments as JSON text) renders as the template renders the objects;
+    /tokenize, the chat call and LLM.chat agree on it."""
+    as_objects = [dict(m) for m in HISTORY]
+    as_objects[1] = {**HISTORY[1], "tool_calls": [{**HISTORY[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]}  # fmt: skip
+    text = render_chat(QWEN25_TEMPLATE, as_objects, tools=TOOLS, add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": ' in text
+    assert "<tool_response>\n" + '{"temperature": 21}' + "\n</tool_response>" in text
+    assert json.dumps(TOOLS[1]) in text
+    ids = llm.get_tokenizer().encode(text)
+    body = {"messages": HISTORY, "tools": TOOLS, "chat_template": QWEN25_TEMPLATE}
+    r = httpx.post(server.http_url + "/tokenize", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": len(ids), "max_model_len": 512, "tokens": ids, "token_strs": None}
+    reply = client.chat.completions.create(
+        model="smollm2", messages=HISTORY, tools=TOOLS, max_tokens=4, tool_choice="none",
+        extra_body={"chat_template": QWEN25_TEMPLATE},
+    )  # fmt: skip
+    assert reply.usage.prompt_tokens == len(ids)
+    (out,) = llm.chat(HISTORY, llm.get_default_sampling_params().clone(max_tokens=1),
+                      chat_template=QWEN25_TEMPLATE, tools=TOOLS)  # fmt: skip
+    assert out.prompt == text and out.prompt_token_ids == ids
