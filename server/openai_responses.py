@@ -9,7 +9,9 @@ non-streamed response is the same deltas taken once at the end. Token texts for 
 are decoded by the caller (on the engine thread) and passed in. A completion that echoes its
 prompt with logprobs holds the echo back until the engine's prompt logprobs arrived (they
 come with the first token), so the echoed tokens carry them as OpenAI's do: the first prompt
-token's logprob and top_logprobs are null.
+token's logprob and top_logprobs are null. A chat with tools (a ToolPlan) reads each choice's
+text through its own ToolCallStream: content and tool-call deltas (one chunk each) while
+streaming, message.content and message.tool_calls at the end, finish_reason as the plan says.
 """
 
 from __future__ import annotations
