@@ -4,7 +4,8 @@ from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
 from jpaged.core.beam_search import BeamSearchOutput, BeamSearchSequence
 from jpaged.core.engine import LLMEngine
 from jpaged.entrypoints.llm import LLM
-from jpaged.outputs import CompletionOutput, RequestOutput
+from jpaged.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from jpaged.pooling import PoolingParams
 from jpaged.sample.sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = [
@@ -14,8 +15,10 @@ __all__ = [
     "BeamSearchSequence",
     "CacheConfig",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineConfig",
     "LLMEngine",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",

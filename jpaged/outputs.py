@@ -38,3 +38,20 @@ class RequestOutput:
     # with the N most likely at its position (complete in the first output that has it).
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     error: str | None = None  # why a choice ended with finish_reason "error"
+    # An embedding request's embedding (jpaged/pooling.py), in its finished output.
+    embedding: list[float] | None = None
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # [dimensions or hidden_size]
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt (vLLM's shape: output.outputs.embedding)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -35,7 +35,7 @@ JPAGED_FLOORS = (
     ("worker",),
     ("sample",),
     ("structured_output",),
-    ("config", "outputs", "tokenizer"),
+    ("config", "outputs", "pooling", "tokenizer"),
 )
 
 

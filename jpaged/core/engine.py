@@ -41,6 +41,7 @@ from jpaged.core.page_allocator import PageAllocator
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import RequestGroup, SeqStatus, Sequence
 from jpaged.outputs import RequestOutput
+from jpaged.pooling import Pooler, PoolingParams, sentence_transformers_pooling
 from jpaged.sample.sampler import SamplerOutput
 from jpaged.sample.sampling_params import SamplingParams
 from jpaged.spec_decode.draft_model import DraftModel
@@ -268,6 +269,12 @@ class LLMEngine:
         self.sampling_defaults = (
             dict(loaded.generation_defaults) if config.generation_config == "auto" else {}
         )
+        # Embeddings: the pooling a sentence-transformers directory names, else the last
+        # token's hidden state, normalised (decoder embedding models).
+        path = Path(loaded.path)
+        self.default_pooling = (
+            sentence_transformers_pooling(path) if path.is_dir() else None
+        ) or PoolingParams()
         dtype = jax.tree_util.tree_leaves(loaded.params)[0].dtype
         itemsize = np.dtype(dtype).itemsize
         draft = self._load_draft(config, dtype)
@@ -606,8 +613,11 @@ class LLMEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
-        """Queues a request. params.output_kind says what step() returns for it."""
+        """Queues a request. params.output_kind says what step() returns for it. With
+        pooling, an embedding request (jpaged/pooling.py): params must ask for one token
+        (max_tokens=1, n=1), and its finished output carries the embedding."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._groups:
@@ -620,7 +630,14 @@ class LLMEngine:
         unservable = self.scheduler.unservable(len(token_ids), params.n)
         if unservable is not None:  # no preemption could ever make room for it
             raise ValueError(unservable)
-        at_cap = self.runner.refusal_at_cap(params, len(token_ids))
+        pooler = None
+        if pooling is not None:
+            if params.max_tokens != 1 or params.n != 1:
+                raise ValueError(
+                    "an embedding request's sampling params must have max_tokens=1 and n=1"
+                )
+            pooler = Pooler(pooling, len(token_ids), self.model_config.hidden_size)
+        at_cap = self.runner.refusal_at_cap(params, len(token_ids), pooling=pooler is not None)
         if at_cap is not None:  # its program cannot be compiled: only this request fails
             raise ValueError(at_cap)
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -639,6 +656,7 @@ class LLMEngine:
             arrival=self._arrivals,
             cache_salt=cache_salt,
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
+            pooler=pooler,
         )
         self._arrivals += 1
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
@@ -850,6 +868,8 @@ class LLMEngine:
         out = self.runner.fetch(step)
         if step.plan.prompt_targets is not None:
             self._record_prompt_logprobs(step.plan, out)
+        if step.plan.pools:
+            self._record_pooled(step.plan, out)
         if self._tracker is not None:
             self._record_acceptance(step.plan, out)
             self._note_decode_step(step.plan, out)
@@ -878,6 +898,16 @@ class LLMEngine:
                     )
                     recorded.append({int(targets[t]): float(out.prompt_logprobs[t]), **dict(top)})
                 position += 1
+
+    def _record_pooled(self, plan: StepPlan, out: SamplerOutput) -> None:
+        """Adds each embedding row's chunk of its prompt to its request's Pooler."""
+        for i, seq_id in enumerate(plan.seq_ids.tolist()):
+            seq = self.scheduler.sequence(seq_id)
+            if seq is not None and seq.group.pooler is not None:
+                start = int(plan.starts[i])
+                n = min(int(plan.num_new_tokens[i]), seq.num_prompt_tokens - start)
+                if n > 0:
+                    seq.group.pooler.add(start, n, out.pooled[i])
 
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """Grammars, text and stop strings for the sequences that got tokens, then their

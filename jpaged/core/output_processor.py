@@ -178,6 +178,9 @@ class OutputProcessor:
             num_cached_tokens=group.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
             error=group.error,
+            embedding=None
+            if group.pooler is None or group.pooler.embedding is None or not finished
+            else group.pooler.embedding.tolist(),
         )
 
     def _prompt_logprobs(self, group: RequestGroup, delta: bool) -> list | None:

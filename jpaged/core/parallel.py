@@ -71,19 +71,26 @@ class DataParallelEngine:
         self.chat_template = first.chat_template
         self.model_name = first.model_name
         self.sampling_defaults = first.sampling_defaults
+        self.default_pooling = first.default_pooling
         self.eos_token_ids = first.eos_token_ids
         self.max_model_len = first.max_model_len
         self.load_seconds = sum(r.load_seconds for r in self.replicas)
         self.warmup_seconds = sum(r.warmup_seconds for r in self.replicas)
 
     def add_request(
-        self, request_id: str, prompt, params: SamplingParams, *, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        pooling=None,
     ) -> None:
         """LLMEngine.add_request on the replica with the fewest unfinished requests."""
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
         replica = min(self.replicas, key=lambda r: r.num_unfinished_requests())
-        replica.add_request(request_id, prompt, params, cache_salt=cache_salt)
+        replica.add_request(request_id, prompt, params, cache_salt=cache_salt, pooling=pooling)
         self._owner[request_id] = replica
 
     def tokenize_prompt(self, prompt):

@@ -274,8 +274,10 @@ class Scheduler:
         swapped = bool(seq.swap_pages)
         if swapped:  # its computed K/V comes back from host into fresh pages
             hits, computed = [], seq.num_computed_tokens
-        elif seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
-            hits, computed = [], 0  # the prompt's log-probabilities need its logits
+        elif (
+            seq.params.prompt_logprobs is not None or seq.group.pooler is not None
+        ) and seq.num_output_tokens == 0:
+            hits, computed = [], 0  # prompt log-probabilities and embeddings need every token
         else:
             hits = self._prefix_hits(seq)
             computed = len(hits) * self.page_size
@@ -330,6 +332,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING
             else 1 + len(self._reserved_rows.get(seq.seq_id, ())),
             in_prompt=seq.num_output_tokens == 0,
+            pooling=seq.group.pooler is not None,
         )
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from jpaged.pooling import Pooler
 from jpaged.sample.sampling_params import SamplingParams
 
 
@@ -37,6 +38,7 @@ class RequestGroup:
     # prompt_logprobs: [None, {id: logprob} for prompt tokens 1..] as prefill computes them
     prompt_logprobs: list | None = None
     error: str | None = None  # a constraint's error that ended a sequence ("error")
+    pooler: Pooler | None = None  # an embedding request's running sums (jpaged/pooling.py)
 
     @property
     def finished(self) -> bool:

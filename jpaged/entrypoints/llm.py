@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from jpaged.core.beam_search import BeamSearchOutput, beam_search
 from jpaged.core.parallel import make_engine
 from jpaged.entrypoints.engine_args import engine_config_from_args
-from jpaged.outputs import RequestOutput
+from jpaged.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from jpaged.pooling import PoolingParams
 from jpaged.sample.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,45 @@ class LLM:
         for out, (text, _) in zip(outs, rendered, strict=True):
             out.prompt = text
         return outs
+
+    def embed(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt (jpaged/pooling.py; default: the model's
+        sentence-transformers pooling, else the last token's hidden state, normalised),
+        batched through the engine like generation; returns them in prompt order. A bad
+        prompt raises ValueError naming its index and nothing is submitted."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        engine = self.llm_engine
+        pooling = engine.default_pooling if pooling_params is None else pooling_params
+        if not isinstance(pooling, PoolingParams):
+            raise ValueError(
+                f"pooling_params must be a PoolingParams, got {type(pooling).__name__}"
+            )
+        for i, p in enumerate(prompts):
+            try:
+                engine.tokenize_prompt(p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        one = SamplingParams(
+            max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        ids = []
+        for p in prompts:
+            rid = f"embed-{next(self._ids)}"
+            engine.add_request(rid, p, one, pooling=pooling)
+            ids.append(rid)
+        outs = self._run(ids, use_tqdm)
+        return [
+            EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
+            for o in outs
+        ]
 
     def beam_search(
         self,

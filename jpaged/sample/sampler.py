@@ -75,6 +75,9 @@ class SamplerOutput(NamedTuple):
     spec_logprobs: jax.Array | None = None  # float32[S, K+1]
     # A draft model's step: the distribution each row's proposal was drawn from.
     draft_probs: jax.Array | None = None  # float32[S, V]
+    # Steps with embedding rows (jpaged/pooling.py): per row, the sum of its tokens' final
+    # hidden states, the first's and the last's.
+    pooled: jax.Array | None = None  # float32[S, 3, D]
 
 
 def seeds_to_key_data(seeds) -> np.ndarray:

@@ -7,9 +7,9 @@ bucket key), then the call's padded numpy inputs. A follower builds empty inputs
 shapes the key implies, receives into them, and makes the same call; the outputs are
 replicated, so process 0 reads the sampled tokens from its own devices.
 
-    header int32[11]: kind (0 stop, 1 prelude, 2 step), num_tokens, num_seqs, num_page_cols,
+    header int32[12]: kind (0 stop, 1 prelude, 2 step), num_tokens, num_seqs, num_page_cols,
                       decode_only, num_logprobs, Hp, Ho (Hp = Ho = -1: no penalties),
-                      bias_width, prompt_logprobs, spec_k
+                      bias_width, prompt_logprobs, spec_k, pooling
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from jpaged.worker.step_inputs import StepKey
 logger = logging.getLogger(__name__)
 
 _STOP, _PRELUDE, _STEP = 0, 1, 2
-_HEADER = 11
+_HEADER = 12
 
 
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
@@ -72,7 +72,7 @@ class StepBroadcast:
                       key.num_logprobs)  # fmt: skip
             if key.penalty_shape is not None:
                 h[6:8] = key.penalty_shape
-            h[8:11] = (key.bias_width, key.prompt_logprobs, key.spec_k)
+            h[8:12] = (key.bias_width, key.prompt_logprobs, key.spec_k, key.pooling)
         multihost_utils.broadcast_one_to_all(h)
 
     def prelude(self, updates: np.ndarray, copies: np.ndarray):
@@ -106,5 +106,5 @@ class StepBroadcast:
                 continue
             penalty = None if h[6] < 0 else (int(h[6]), int(h[7]))
             key = StepKey(int(h[1]), int(h[2]), int(h[3]), bool(h[4]), int(h[5]), penalty,
-                          int(h[8]), bool(h[9]), int(h[10]))  # fmt: skip
+                          int(h[8]), bool(h[9]), spec_k=int(h[10]), pooling=bool(h[11]))  # fmt: skip
             runner.run_step(key, runner.dummy_inputs(key))

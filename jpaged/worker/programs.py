@@ -163,11 +163,27 @@ def step(
         all_logits = compute_logits(params, model_config, hidden, tp_axis)
         lp, top_ids, top_lp = prompt_logprobs(all_logits, inputs.prompt_targets)
         out = out._replace(prompt_logprobs=lp, prompt_top_ids=top_ids, prompt_top_logprobs=top_lp)
+    if key.pooling:
+        out = out._replace(pooled=_pooled(hidden, inputs.query_start))
     # jnp.pad, not .at[:num_seqs].set(): when num_seqs is the whole length, that scatter's
     # index array is a zero-size constant, and jax 0.11's CPU compiler crashes on a zero-size
     # constant inside shard_map (tests/parallel/test_zero_size_constant.py).
     tokens = jnp.pad(out.tokens, (0, prev_tokens.shape[0] - key.num_seqs))
     return out, tokens, DeviceState(*kv_pages, page_table)
+
+
+def _pooled(hidden: jax.Array, query_start: jax.Array) -> jax.Array:
+    """float32[S, 3, D] of hidden [T, D] and the rows' query_start [S + 1]: each row's sum
+    of its tokens' hidden states, its first token's and its last's (jpaged/pooling.py adds
+    them up over a prompt's chunks). Rows without tokens get zeros and arbitrary first/last
+    rows; nothing reads them."""
+    h = hidden.astype(jnp.float32)
+    num_tokens, num_rows = h.shape[0], query_start.shape[0] - 1
+    row_of = jnp.searchsorted(query_start[1:], jnp.arange(num_tokens), side="right")  # [T]
+    sums = jax.ops.segment_sum(h, row_of, num_segments=num_rows + 1)[:num_rows]  # padding: row S
+    first = h[jnp.clip(query_start[:-1], 0, num_tokens - 1)]
+    last = h[jnp.clip(query_start[1:] - 1, 0, num_tokens - 1)]
+    return jnp.stack([sums, first, last], axis=1)
 
 
 def _verify(params, model_config, hidden, inputs: StepInputs, key: StepKey, tp_axis):

@@ -283,7 +283,9 @@ class ModelRunner:
             return None
         return self.programs.compile_refusal("its step program")
 
-    def refusal_at_cap(self, params, num_prompt_tokens: int = 0) -> str | None:
+    def refusal_at_cap(
+        self, params, num_prompt_tokens: int = 0, *, pooling: bool = False
+    ) -> str | None:
         """Why a request of these SamplingParams and prompt length cannot run now, or None:
         Linux's mapping cap allows no compile and no compiled step program holds its steps
         alone (its prompt at once, its n rows, its context of prompt + max_tokens at most
@@ -293,7 +295,8 @@ class ModelRunner:
         s = self.config.scheduler
         end = min(num_prompt_tokens + (params.max_tokens or s.max_model_len), s.max_model_len)
         demand = Demand(params=params, num_prompt_tokens=num_prompt_tokens,
-                        num_new_tokens=num_prompt_tokens, context_len=end, num_rows=params.n)  # fmt: skip
+                        num_new_tokens=num_prompt_tokens, context_len=end, num_rows=params.n,
+                        pooling=pooling)  # fmt: skip
         needs = needs_key([demand], self.config)
         refusal = self.cap_refusal(needs)
         if refusal is None:
@@ -304,10 +307,11 @@ class ModelRunner:
             "penalty_shape": "penalties",
             "bias_width": "logit_bias",
             "prompt_logprobs": "prompt_logprobs",
+            "pooling": "an embedding",
         }
         asked = [name for field, name in wants.items() if getattr(needs, field)]
         plain = dataclasses.replace(needs, num_logprobs=0, penalty_shape=None, bias_width=0,
-                                    prompt_logprobs=False)  # fmt: skip
+                                    prompt_logprobs=False, pooling=False)  # fmt: skip
         sized = {"num_tokens": 1, "num_seqs": 1, "num_page_cols": 1}
         featured = dataclasses.replace(needs, **sized)
         if asked and not any(holds(dataclasses.replace(k, **sized), featured) for k in keys):
@@ -346,7 +350,7 @@ class ModelRunner:
         if not holding:
             return key
         sizes = ("num_tokens", "num_seqs", "num_page_cols")
-        extras = ("num_logprobs", "bias_width", "prompt_logprobs")
+        extras = ("num_logprobs", "bias_width", "prompt_logprobs", "pooling")
         chosen = min(holding, key=lambda k: tuple(getattr(k, f) for f in sizes + extras)
                      + (k.penalty_shape or (0, 0),))  # fmt: skip
         self._padded_up[key] = chosen

@@ -36,6 +36,7 @@ class StepKey:
     spec_k: int = 0  # speculative decoding: proposals verified per row (0: a plain step)
     spec_draft: bool = False  # the proposals come from a draft model (its probabilities given)
     draft: bool = False  # a draft model's step: sample a proposal and return its distribution
+    pooling: bool = False  # embedding rows: their hidden states pooled (jpaged/pooling.py)
 
 
 @jax.tree_util.register_dataclass
@@ -78,7 +79,7 @@ def holds(program: StepKey, key: StepKey) -> bool:
     sizes = ("num_tokens", "num_seqs", "num_page_cols", "num_logprobs", "bias_width")
     if any(getattr(program, f) < getattr(key, f) for f in sizes):
         return False
-    if key.prompt_logprobs and not program.prompt_logprobs:
+    if any(getattr(key, f) and not getattr(program, f) for f in ("prompt_logprobs", "pooling")):
         return False
     if key.penalty_shape is None:
         return True
@@ -98,6 +99,7 @@ class Demand:
     context_len: int  # the most tokens it holds: prompt + max_tokens, at most max_model_len
     num_rows: int = 1  # page-table rows: n for a parent still to fork
     in_prompt: bool = True  # prompt tokens left to compute (prompt logprobs are computed then)
+    pooling: bool = False  # an embedding request (its prompt's hidden states are pooled)
 
 
 def needs_key(demands: list[Demand], config: EngineConfig) -> StepKey:
@@ -125,6 +127,7 @@ def needs_key(demands: list[Demand], config: EngineConfig) -> StepKey:
         penalty_shape=penalty_shape,
         bias_width=pow2_width(max(biases)) if biases else 0,
         prompt_logprobs=any(d.in_prompt and d.params.prompt_logprobs is not None for d in demands),
+        pooling=any(d.in_prompt and d.pooling for d in demands),
     )
 
 
@@ -153,6 +156,7 @@ def step_key(plan: StepPlan, config: EngineConfig) -> StepKey:
         "penalty_shape": penalty_shape,
         "bias_width": 0 if sampling.bias_ids is None else sampling.bias_ids.shape[1],
         "prompt_logprobs": plan.prompt_targets is not None,
+        "pooling": plan.pools,
         "spec_k": config.num_speculative_tokens if plan.proposals is not None else 0,
         "spec_draft": plan.proposals is not None and config.speculative.method == "draft_model",
     }

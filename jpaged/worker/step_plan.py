@@ -82,6 +82,7 @@ class StepPlan:
     # None when no row proposes.
     proposals: np.ndarray | None = None
     num_proposed: np.ndarray | None = None
+    pools: bool = False  # some row computes prompt tokens of an embedding request
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -153,7 +154,7 @@ def build(
     constrained: list[int] = []
     prompt_spans: list[tuple[int, int, int, int]] = []  # (row, first token, start, n)
     spec_rows: list[tuple[int, list[int]]] = []  # (row, its proposals)
-    wants_logprobs = False
+    wants_logprobs = pools = False
     for i, (seq, n, start, _, _, proposals) in enumerate(rows):
         pages = seq.pages
         if proposals:  # the last token, then the proposals after it (speculative decoding)
@@ -194,6 +195,7 @@ def build(
         if p.prompt_logprobs is not None and n and start < seq.num_prompt_tokens - 1:
             prompt_spans.append((i, len(tok) - n, start, n))
         wants_logprobs |= p.logprobs is not None
+        pools |= bool(n) and seq.group.pooler is not None and start < seq.num_prompt_tokens
     s = len(rows)
     banned = np.full((s, MAX_BANNED), -1, np.int32)
     for i, stops in ban:
@@ -274,6 +276,7 @@ def build(
         prompt_targets=prompt_targets,
         proposals=proposals,
         num_proposed=num_proposed,
+        pools=pools,
     )
 
 

@@ -112,7 +112,7 @@ def _record_calls(runner, calls: list) -> None:
 @pytest.mark.parametrize("penalties", [False, True])
 def test_step_broadcast_replays_every_call(monkeypatch, penalties):
     wire: list = []
-    key = StepKey(16, 4, 4, False, 20, (16, 32) if penalties else None)
+    key = StepKey(16, 4, 4, False, 20, (16, 32) if penalties else None, pooling=penalties)
 
     # Process 0: each broadcast is recorded as the wire carries it.
     leader, led = _runner(), []

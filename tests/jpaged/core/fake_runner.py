@@ -188,7 +188,7 @@ class FakeRunner:
     def num_buckets(self) -> int:
         return len(bucket_keys(self.config)) + 1 + (2 if self.swap_space is not None else 0)
 
-    def refusal_at_cap(self, params, num_prompt_tokens: int = 0) -> None:
+    def refusal_at_cap(self, params, num_prompt_tokens: int = 0, *, pooling=False) -> None:
         return None  # no mapping cap: the fake compiles nothing
 
     def cap_refusal(self, needs) -> None:
