@@ -161,6 +161,11 @@ class ParallelConfig:
         1, "devices each replica's weights and KV heads are split over"
     )
     data_parallel_size: int = setting(1, "engine replicas, each on its own tensor-parallel devices")
+    enable_expert_parallel: bool = setting(
+        False,
+        "expert parallelism (mixture-of-experts models: num_experts / T whole experts on "
+        "each tensor-parallel device, instead of a slice of every expert)",
+    )
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)

@@ -193,6 +193,13 @@ class ModelConfig:
                         f"{self.rotary_dim // 2} (rotary dims / 2)"
                     )
 
+    def with_expert_parallel(self, enable: bool) -> ModelConfig:
+        """This config with expert_parallel set when enabled and the model has experts (a
+        dense model ignores the flag, as vLLM's does)."""
+        if not enable or not self.num_experts:
+            return self
+        return dataclasses.replace(self, expert_parallel=True)
+
     @property
     def windows(self) -> tuple[int | None, ...]:
         """Each layer's sliding window (None: full attention)."""

@@ -364,6 +364,7 @@ def load_gguf_model(
     mesh: Any = None,
     on_host: bool = False,
     stacked: bool | Callable[[ModelConfig], bool] = False,
+    expert_parallel: bool = False,
 ) -> hf_checkpoint.LoadedModel:
     """Loads a GGUF file, dequantized into dtype.
 
@@ -373,6 +374,7 @@ def load_gguf_model(
       mesh: a Mesh of models.sharding (None: every param on the default device).
       on_host: keep params as numpy arrays, ignoring mesh.
       stacked: the layers stacked for lax.scan (hf_checkpoint.build_params), unless on_host.
+      expert_parallel: experts split over the mesh (ModelConfig.with_expert_parallel).
 
     Returns:
       LoadedModel with the tokenizer, chat template, BOS/EOS texts and sampling defaults the
@@ -386,7 +388,7 @@ def load_gguf_model(
     from models import gguf_tokenizer
 
     file = GGUFFile(path)
-    config = _config(file)
+    config = _config(file).with_expert_parallel(expert_parallel)
     target_dtype = hf_checkpoint.resolve_dtype(dtype)
     permuted = file.metadata["general.architecture"] == "llama"
     heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}

@@ -67,13 +67,24 @@ class TensorSpec:
 
     rows: this param is rows [start, stop) of a fused HF tensor (Phi-3's qkv_proj and
     gate_up_proj): readers give the whole tensor (hf_shape), to_layout takes its rows, and
-    to_hf gives those rows back."""
+    to_hf gives those rows back.
+    experts: this param stacks `experts` HF tensors, hf_name with "{expert}" formatted to
+    0 .. experts - 1, each of hf_shape: readers give them stacked, [experts, *hf_shape]
+    (GGUF stores them so), and to_layout / to_hf map that stack."""
 
     hf_name: str
     hf_shape: tuple[int, ...]
     to_layout: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
     rows: tuple[int, int] | None = None
+    experts: int = 0
+
+    @property
+    def hf_names(self) -> list[str]:
+        """The HF tensors this param is read from (one, or one per expert)."""
+        if not self.experts:
+            return [self.hf_name]
+        return [self.hf_name.format(expert=e) for e in range(self.experts)]
 
 
 def _identity(x: np.ndarray) -> np.ndarray:
@@ -167,12 +178,45 @@ def tensor_specs(cfg: ModelConfig) -> dict[tuple, TensorSpec]:
             name = p + "mlp.gate_up_proj.weight"
             layer["w_gate"] = _fused_rows(name, (2 * f, d), 0, f, (d, f))
             layer["w_up"] = _fused_rows(name, (2 * f, d), f, 2 * f, (d, f))
+        if cfg.num_experts:
+            del layer["w_gate"], layer["w_up"], layer["w_down"]
+            layer.update(_expert_specs(cfg, p))
+        if cfg.qk_norm_full:  # OLMoE: one norm over the whole projection, as [H, Dh]
+            layer["q_norm"] = bias(p + "self_attn.q_norm.weight", hq)
+            layer["k_norm"] = bias(p + "self_attn.k_norm.weight", hkv)
         for key, spec in layer.items():
             specs[("layers", i, key)] = spec
     specs[("final_norm",)] = norm("model.norm.weight", (d,))
     if not cfg.tie_word_embeddings:
         specs[("lm_head",)] = linear("lm_head.weight", v, d, (d, v))
     return specs
+
+
+# Per-expert tensor names: Mixtral's block_sparse_moe.experts.N.w1/w3/w2, the others'
+# mlp.experts.N.gate_proj/up_proj/down_proj; the router is block_sparse_moe.gate / mlp.gate.
+_EXPERT_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe.", "w1", "w3", "w2"),
+    "Qwen3MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+    "OlmoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def _expert_specs(cfg: ModelConfig, prefix: str) -> dict[str, TensorSpec]:
+    """A layer's router [D, E] and stacked experts [E, D, F] / [E, F, D] (from torch
+    Linear weights [F, D] / [D, F] per expert)."""
+    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    block, gate, up, down = _EXPERT_NAMES[cfg.architecture]
+    swap = (lambda w: np.swapaxes(w, 1, 2)), (lambda x: np.swapaxes(x, 1, 2))
+
+    def experts(name: str, shape: tuple[int, int]) -> TensorSpec:
+        return TensorSpec(f"{prefix}{block}experts.{{expert}}.{name}.weight", shape, *swap, experts=e)
+
+    return {
+        "router": TensorSpec(f"{prefix}{block}gate.weight", (e, d), *_linear(e, d, (d, e))),
+        "w_gate_exps": experts(gate, (f, d)),
+        "w_up_exps": experts(up, (f, d)),
+        "w_down_exps": experts(down, (d, f)),
+    }
 
 
 def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
@@ -345,6 +389,7 @@ def load_hf_model(
     mesh: Any = None,
     on_host: bool = False,
     stacked: bool | Callable[[ModelConfig], bool] = False,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """Loads a Hugging Face model directory.
 
@@ -359,6 +404,7 @@ def load_hf_model(
         receives only its shard (None: every param on the default device).
       on_host: keep params as numpy arrays (for conversion), ignoring mesh.
       stacked: the layers stacked for lax.scan (build_params), unless on_host.
+      expert_parallel: experts split over the mesh (ModelConfig.with_expert_parallel).
 
     Returns:
       LoadedModel. tokenizer is None when there is no tokenizer.json (the engine can still
@@ -376,11 +422,11 @@ def load_hf_model(
         raise FileNotFoundError(f"{model_dir}: model directory not found")
     target_dtype = resolve_dtype(dtype)
     config_path = model_dir / CONFIG_FILE
-    config = read_hf_config(model_dir)
+    config = read_hf_config(model_dir).with_expert_parallel(expert_parallel)
 
     files, weights_source = _weight_files(model_dir)
     specs = tensor_specs(config)
-    wanted = {spec.hf_name for spec in specs.values()}
+    wanted = {name for spec in specs.values() for name in spec.hf_names}
     unexpected = sorted(
         name
         for name in files
@@ -399,19 +445,24 @@ def load_hf_model(
     handles: dict[Path, Any] = {}
     with contextlib.ExitStack() as stack:
 
-        def read(spec: TensorSpec) -> np.ndarray:
-            file = files.get(spec.hf_name)
+        def read_one(name: str, shape: tuple[int, ...]) -> np.ndarray:
+            file = files.get(name)
             if file is None:
-                raise ValueError(f"{weights_source}: missing tensor {spec.hf_name!r}")
+                raise ValueError(f"{weights_source}: missing tensor {name!r}")
             if file not in handles:
                 handles[file] = stack.enter_context(_open(file))
-            array = _read_tensor(handles[file], file, spec.hf_name)
-            if tuple(array.shape) != spec.hf_shape:
+            array = _read_tensor(handles[file], file, name)
+            if tuple(array.shape) != shape:
                 raise ValueError(
-                    f"{file}: tensor {spec.hf_name!r} has shape {list(array.shape)}, "
-                    f"expected {list(spec.hf_shape)} from {config_path}"
+                    f"{file}: tensor {name!r} has shape {list(array.shape)}, "
+                    f"expected {list(shape)} from {config_path}"
                 )
             return array
+
+        def read(spec: TensorSpec) -> np.ndarray:
+            if spec.experts:
+                return np.stack([read_one(n, spec.hf_shape) for n in spec.hf_names])
+            return read_one(spec.hf_name, spec.hf_shape)
 
         params = build_params(
             config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host, stacked=stacked
@@ -559,9 +610,13 @@ def save_hf_model(path: str | os.PathLike, config: dict[str, Any], params: dict[
         shape = spec.hf_shape
         if spec.rows is not None:  # a part of a fused tensor
             shape = (spec.rows[1] - spec.rows[0], *shape[1:])
+        if spec.experts:
+            shape = (spec.experts, *shape)
         if hf.shape != shape:
             raise ValueError(f"params{list(key)}: shape {list(value.shape)} does not match config")
-        if spec.rows is None:
+        if spec.experts:
+            tensors.update(zip(spec.hf_names, hf, strict=True))
+        elif spec.rows is None:
             tensors[spec.hf_name] = hf
         else:
             fused = tensors.setdefault(spec.hf_name, np.zeros(spec.hf_shape, hf.dtype))

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from models import moe
 from models.config import LinearRopeScaling, LongRopeScaling, ModelConfig, RopeScaling
 
 # attention_backend -> dispatcher arguments: None/"pallas" pick the platform's best (the
@@ -237,6 +238,11 @@ def forward(
         if cfg.qk_norm:
             q = norm(q, layer["q_norm"], cfg.rms_norm_eps)
             k = norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        if cfg.qk_norm_full:
+            q = _full_rms_norm(q, layer["q_norm"], cfg.rms_norm_eps, cfg.num_heads, tp_axis)
+            k = _full_rms_norm(k, layer["k_norm"], cfg.rms_norm_eps, cfg.num_kv_heads, _kv_axis(tp_axis))
+        if cfg.clip_qkv is not None:
+            q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
         q = rotate(q, cos, sin)
         k = rotate(k, cos, sin)
         slots = slot_mapping + offset * page_size
@@ -257,8 +263,7 @@ def forward(
             out = norm(out, layer["attn_out_norm"], cfg.rms_norm_eps)
         x = x + out
         h = norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)
-        gate = act(h @ layer["w_gate"])
-        out = _reduce((gate * (h @ layer["w_up"])) @ layer["w_down"], tp_axis)
+        out = _mlp(h, layer, cfg, act, tp_axis)
         if cfg.post_norms:
             out = norm(out, layer["mlp_out_norm"], cfg.rms_norm_eps)
         x = x + out
@@ -348,6 +353,33 @@ def compute_logits(
     return logits
 
 
+def _mlp(h: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis) -> jax.Array:
+    """The feed-forward of normed h [T, D]: the gated MLP, or the experts (models/moe.py)."""
+    if cfg.num_experts:
+        return moe.moe_mlp(h, layer, cfg, act, tp_axis)
+    gate = act(h @ layer["w_gate"])
+    return _reduce((gate * (h @ layer["w_up"])) @ layer["w_down"], tp_axis)
+
+
+def _kv_axis(tp_axis):
+    """The mesh axis the KV heads are split over: the first of the kv-major TP pair
+    (models/sharding.py); each KV head's shard is replicated over the second."""
+    return tp_axis[0] if isinstance(tp_axis, tuple) else tp_axis
+
+
+def _full_rms_norm(x: jax.Array, weight: jax.Array, eps: float, num_heads: int, axis) -> jax.Array:
+    """RMSNorm of x [T, H, Dh] over all num_heads heads' dims at once (OLMoE's q/k norm,
+    weight [H, Dh]); with axis set the heads are split over it and the mean is summed."""
+    xf = x.astype(jnp.float32)
+    if axis is None:
+        mean = jnp.mean(xf.reshape(xf.shape[0], -1) ** 2, axis=-1)
+    else:
+        total = jax.lax.psum(jnp.sum(xf * xf, axis=(1, 2)), axis)
+        mean = total / (num_heads * x.shape[-1])
+    xf = xf * jax.lax.rsqrt(mean + eps)[:, None, None]
+    return weight * xf.astype(x.dtype)
+
+
 def _reduce(x: jax.Array, tp_axis) -> jax.Array:
     """Sums a row-parallel matmul's partial results over the tensor-parallel devices."""
     return x if tp_axis is None else jax.lax.psum(x, tp_axis)
@@ -398,8 +430,17 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float
             layer.update(bq=w(hq, dh), bk=w(hkv, dh), bv=w(hkv, dh))
         if cfg.qk_norm:
             layer.update(q_norm=ones(dh), k_norm=ones(dh))
+        if cfg.qk_norm_full:
+            layer.update(q_norm=ones(hq, dh), k_norm=ones(hkv, dh))
         if cfg.post_norms:
             layer.update(attn_out_norm=ones(d), mlp_out_norm=ones(d))
+        if cfg.num_experts:
+            e, fe = cfg.num_experts, cfg.moe_intermediate_size
+            del layer["w_gate"], layer["w_up"], layer["w_down"]
+            layer.update(
+                router=w(d, e), w_gate_exps=w(e, d, fe), w_up_exps=w(e, d, fe),
+                w_down_exps=w(e, fe, d),
+            )
         layers.append(layer)
     params = {"embed": w(cfg.vocab_size, d), "layers": layers, "final_norm": ones(d)}
     if not cfg.tie_word_embeddings:

@@ -48,6 +48,7 @@ def load_model(
     mesh: Any = None,
     revision: str | None = None,
     stacked: bool | Callable[[ModelConfig], bool] = False,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """Loads any model jpaged reads (see the module docstring).
 
@@ -60,6 +61,8 @@ def load_model(
         built on the host by the HF and GGUF loaders (a callable: decided from the model's
         config once read, as EngineConfig.scans_layers); an Orbax checkpoint (saved per layer)
         is restored per layer and stacked on the devices (models/llama.py stack_layers).
+      expert_parallel: a mixture-of-experts model's experts split over the mesh's
+        tensor-parallel devices (ModelConfig.with_expert_parallel); HF and GGUF only.
 
     Raises:
       FileNotFoundError, ValueError: as the chosen loader; ValueError for a repo that cannot
@@ -68,8 +71,12 @@ def load_model(
     local = hub.resolve_model_path(str(path), revision)
     gguf_file = gguf.find_gguf(local)
     if gguf_file is not None:
-        return gguf.load_gguf_model(gguf_file, dtype=dtype, mesh=mesh, stacked=stacked)
+        return gguf.load_gguf_model(
+            gguf_file, dtype=dtype, mesh=mesh, stacked=stacked, expert_parallel=expert_parallel
+        )
     if orbax_checkpoint.is_orbax_dir(local):
+        if expert_parallel:
+            raise ValueError(f"{local}: expert parallelism is not supported for Orbax checkpoints")
         loaded = orbax_checkpoint.load_orbax_model(local, dtype=dtype, mesh=mesh)
         if callable(stacked):
             stacked = stacked(loaded.config)
@@ -85,7 +92,9 @@ def load_model(
             layers = param_shardings(loaded.config, mesh, stacked=True)["layers"]
             place = lambda name, a: jax.device_put(a, layers[name])
         return dataclasses.replace(loaded, params=stack_layers(loaded.params, place))
-    return load_hf_model(local, dtype=dtype, mesh=mesh, stacked=stacked)
+    return load_hf_model(
+        local, dtype=dtype, mesh=mesh, stacked=stacked, expert_parallel=expert_parallel
+    )
 
 
 def read_config(path: str | os.PathLike, *, revision: str | None = None) -> ModelConfig:

@@ -15,7 +15,9 @@ kv-major, the device at (i, r) holds query heads whose KV head is exactly its KV
 
 Megatron layout: wq/wk/wv, w_gate/w_up and lm_head are column-parallel (output dim split),
 wo and w_down row-parallel (input dim split, followed by one all-reduce each), embed is
-vocab-parallel (masked lookup + all-reduce). Norms are replicated. Per-device pool bytes are
+vocab-parallel (masked lookup + all-reduce). Norms are replicated. Experts (models/moe.py):
+the router replicated; each expert's F split like w_gate/w_down, or with expert parallelism
+(ModelConfig.expert_parallel) whole experts split over TP, E / T per device. Per-device pool bytes are
 total / min(T, num_kv_heads).
 """
 
@@ -53,10 +55,14 @@ def check_tp(cfg: ModelConfig, tensor_parallel_size: int) -> None:
             f"tensor_parallel_size ({t}) must divide num_key_value_heads ({hkv}) or be a "
             "multiple of it"
         )
-    for name, size in (
-        ("num_attention_heads", cfg.num_heads),
-        ("intermediate_size", cfg.intermediate_size),
-    ):
+    split = [("num_attention_heads", cfg.num_heads)]
+    if not cfg.num_experts:
+        split.append(("intermediate_size", cfg.intermediate_size))
+    elif cfg.expert_parallel:
+        split.append(("num_experts", cfg.num_experts))
+    else:
+        split.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+    for name, size in split:
         if size % t:
             raise ValueError(f"tensor_parallel_size ({t}) must divide {name} ({size})")
 
@@ -115,6 +121,15 @@ def param_specs(cfg: ModelConfig, tensor_parallel_size: int, *, stacked: bool = 
         layer.update(q_norm=P(), k_norm=P())
     if cfg.post_norms:
         layer.update(attn_out_norm=P(), mlp_out_norm=P())
+    if cfg.qk_norm_full:  # [H, Dh], split as the heads
+        layer.update(q_norm=P(TP, None), k_norm=P(KV, None))
+    if cfg.num_experts:  # [E, D, F], [E, F, D]: experts split, or each expert's F
+        del layer["w_gate"], layer["w_up"], layer["w_down"]
+        if cfg.expert_parallel:
+            up = down = P(TP, None, None)
+        else:
+            up, down = P(None, None, TP), P(None, TP, None)
+        layer.update(router=P(), w_gate_exps=up, w_up_exps=up, w_down_exps=down)
     specs = {
         "embed": P(vocab, None),
         "layers": (

@@ -39,12 +39,14 @@ def load_for_config(config: EngineConfig, *, data_parallel: bool = False) -> Loa
     if p.num_devices > 1 or jax.process_count() > 1:
         d = p.data_parallel_size if data_parallel else 1
         cfg = read_config(path, revision=config.revision)
+        cfg = cfg.with_expert_parallel(p.enable_expert_parallel)
         mesh = sharding.make_mesh(cfg, p.tensor_parallel_size, d)
     loaded = load_model(
         path,
         dtype=config.dtype,
         mesh=mesh,
         revision=config.revision,
+        expert_parallel=p.enable_expert_parallel,
         stacked=functools.partial(config.scans_layers, jax.default_backend()),
     )
     shipped = builtin_generation_defaults(path)

@@ -1,0 +1,54 @@
+"""Mixture-of-experts models under tensor parallelism (each expert's intermediate dim split)
+and expert parallelism (whole experts split): on 8 simulated CPU devices, every family's
+greedy tokens through the engine equal transformers' at T = 2, and with
+--enable-expert-parallel at T = 2 and 4, where each device holds E / T experts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from moe_families import FAMILIES, hf_greedy, prompts, save_tiny
+
+pytestmark = pytest.mark.needs_torch  # transformers writes the checkpoints and the reference
+
+
+@pytest.fixture(scope="module")
+def moe_results(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("moe_ep")
+    want = {f: hf_greedy(save_tiny(root / f, f), prompts(160)) for f in FAMILIES}
+    res = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("moe_worker.py")), str(root), *FAMILIES],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ),
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    return {"want": want, "got": json.loads(res.stdout.strip().splitlines()[-1])}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("t", "ep"), [(2, False), (2, True), (4, True)])
+def test_tokens_equal_transformers(moe_results, family, t, ep):
+    got = moe_results["got"][f"{family}/{t}/{ep}"]
+    assert got["tokens"] == moe_results["want"][family]
+    assert got["pages_used"] == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_weights_layout(moe_results, family):
+    """Stacked [layers, E, D, F]: TP splits F, expert parallelism splits E (8 experts)."""
+    f = 32 if family == "qwen3moe" else 48
+    layouts = {k: v["layout"] for k, v in moe_results["got"].items() if k.startswith(family)}
+    assert layouts[f"{family}/2/False"]["w_gate_exps"][1] == [3, 8, 64, f // 2]
+    assert layouts[f"{family}/2/False"]["w_down_exps"][1] == [3, 8, f // 2, 64]
+    assert layouts[f"{family}/2/True"]["w_gate_exps"][1] == [3, 4, 64, f]
+    assert layouts[f"{family}/4/True"]["w_gate_exps"][1] == [3, 2, 64, f]
+    assert layouts[f"{family}/4/True"]["w_down_exps"][1] == [3, 2, f, 64]
+    assert layouts[f"{family}/4/True"]["router"][1] == [3, 64, 8]  # replicated
