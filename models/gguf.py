@@ -6,7 +6,9 @@ models/config.py:
 
   general.architecture   llama -> LlamaForCausalLM (Llama 2/3, Mistral, SmolLM2),
                          qwen2 -> Qwen2ForCausalLM (q/k/v biases), qwen3 -> Qwen3ForCausalLM
-                         (q/k RMSNorm)
+                         (q/k RMSNorm), qwen3moe -> Qwen3MoeForCausalLM, olmoe ->
+                         OlmoeForCausalLM, llama with {arch}.expert_count -> Mixtral
+                         (experts stored stacked: ffn_gate_inp, ffn_{gate,up,down}_exps)
   {arch}.*               layers, sizes, heads, head dim, context length, rope base, norm eps
   rope_freqs.weight      Llama 3.1+ rope scaling, stored as per-frequency divisors; read back
                          as the llama3 RopeScaling that produces exactly those divisors
@@ -44,7 +46,11 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+# llama.cpp's "llama" architecture with experts ({arch}.expert_count > 0) is Mixtral.
+EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
 # GGML tensor types jpaged dequantizes (through gguf.quants) when loading.
 SUPPORTED_TENSOR_TYPES = (
     "F32",
@@ -83,6 +89,15 @@ _LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Experts: llama.cpp stores a layer's experts stacked, one tensor [E, ...] each.
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.{expert}.gate_proj.weight": "ffn_gate_exps.weight",
+    "mlp.experts.{expert}.up_proj.weight": "ffn_up_exps.weight",
+    "mlp.experts.{expert}.down_proj.weight": "ffn_down_exps.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.experts.{expert}.w1.weight": "ffn_gate_exps.weight",
+    "block_sparse_moe.experts.{expert}.w3.weight": "ffn_up_exps.weight",
+    "block_sparse_moe.experts.{expert}.w2.weight": "ffn_down_exps.weight",
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -246,6 +261,27 @@ def _config(file: GGUFFile) -> ModelConfig:
         rope_scaling = llama3_rope_scaling(
             file.read(ROPE_FREQS), rope_theta, head_dim, original, source=str(source)
         )
+    num_experts = int(field("expert_count", 0))
+    moe = {}
+    if num_experts:
+        architecture = EXPERT_ARCHITECTURES.get(arch, ARCHITECTURES[arch])
+        # Mixtral and Qwen3-MoE renormalise the top-k weights (llama.cpp hard-codes it per
+        # architecture), OLMoE does not; expert_weights_norm says so where a file has it.
+        norm = field("expert_weights_norm", arch != "olmoe")
+        moe = {
+            "num_experts": num_experts,
+            "num_experts_per_tok": int(field("expert_used_count", required=True)),
+            "moe_intermediate_size": int(
+                field("expert_feed_forward_length", field("feed_forward_length"))
+            ),
+            "norm_topk_prob": bool(norm),
+        }
+        if arch == "olmoe":
+            moe.update(qk_norm_full=True, clip_qkv=field("attention.clamp_kqv"))
+    elif arch in ("qwen3moe", "olmoe"):
+        raise ValueError(f"{source}: missing metadata field '{arch}.expert_count'")
+    else:
+        architecture = ARCHITECTURES[arch]
     eos_ids = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
         value = meta.get(f"tokenizer.ggml.{key}")
@@ -254,7 +290,7 @@ def _config(file: GGUFFile) -> ModelConfig:
     bos = meta.get("tokenizer.ggml.bos_token_id")
     try:
         return ModelConfig(
-            architecture=ARCHITECTURES[arch],
+            architecture=architecture,
             vocab_size=file.shape(embed)[0],
             hidden_size=hidden,
             intermediate_size=int(field("feed_forward_length", required=True)),
@@ -268,7 +304,8 @@ def _config(file: GGUFFile) -> ModelConfig:
             max_position_embeddings=int(field("context_length", required=True)),
             tie_word_embeddings=gguf_tensor_name("lm_head.weight") not in file.tensors,
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in file.tensors,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3moe"),
+            **moe,
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=tuple(eos_ids),
         )
@@ -412,10 +449,11 @@ def load_gguf_model(
         if name not in file.tensors:
             raise ValueError(f"{file.path}: missing tensor {name!r}")
         shape = file.shape(name)
-        if shape != spec.hf_shape:
+        expected = (spec.experts, *spec.hf_shape) if spec.experts else spec.hf_shape
+        if shape != expected:
             raise ValueError(
                 f"{file.path}: tensor {name!r} has shape {list(shape)}, expected "
-                f"{list(spec.hf_shape)} from the file's metadata"
+                f"{list(expected)} from the file's metadata"
             )
         w = file.read(name)
         kind = name.split(".")[-2]  # "blk.3.attn_q.weight" -> "attn_q"

@@ -139,3 +139,117 @@ def test_engine_greedy_tokens_equal_transformers(checkpoints, family):
         compilation_cache_dir=None,
     )
     assert got == want
+
+
+def _write_gguf(hf_dir, out, family: str) -> None:
+    """The checkpoint as llama.cpp's converter writes it: its experts stacked per layer
+    ([E, out, in]), the llama architecture's (Mixtral's) Q/K rows permuted for GGML's rope."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = {"qwen3moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}[family]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    num_experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    writer = gguf.GGUFWriter(str(out), arch)
+    u32 = {
+        "context_length": cfg["max_position_embeddings"],
+        "embedding_length": cfg["hidden_size"],
+        "block_count": cfg["num_hidden_layers"],
+        "feed_forward_length": cfg["intermediate_size"],
+        "attention.head_count": heads,
+        "attention.head_count_kv": kv_heads,
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "expert_count": num_experts,
+        "expert_used_count": cfg["num_experts_per_tok"],
+    }
+    if cfg.get("moe_intermediate_size"):
+        u32["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+    for key, value in u32.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    writer.add_float32(f"{arch}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
+    if cfg.get("clip_qkv"):
+        writer.add_float32(f"{arch}.attention.clamp_kqv", cfg["clip_qkv"])
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer_names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate": "ffn_gate_inp",
+        "block_sparse_moe.gate": "ffn_gate_inp",
+    }
+    experts = {
+        "gate_proj": "gate",
+        "up_proj": "up",
+        "down_proj": "down",
+        "w1": "gate",
+        "w3": "up",
+        "w2": "down",
+    }
+    out_tensors = {}
+    for name, w in tensors.items():
+        if name in names:
+            out_tensors[names[name]] = w
+            continue
+        parts = name.split(".")
+        i, rest = parts[2], ".".join(parts[3:-1])
+        if ".experts." in name:
+            e, proj = int(parts[-3]), parts[-2]
+            stack = out_tensors.setdefault(
+                f"blk.{i}.ffn_{experts[proj]}_exps.weight",
+                np.zeros((num_experts, *w.shape), w.dtype),
+            )
+            stack[e] = w
+            continue
+        short = layer_names[rest]
+        if arch == "llama" and short in ("attn_q", "attn_k"):
+            h = heads if short == "attn_q" else kv_heads
+            w = w.reshape(h, 2, head_dim // 2, -1).swapaxes(1, 2).reshape(w.shape)
+        out_tensors[f"blk.{i}.{short}.weight"] = w
+    for name, w in out_tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(w, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.needs_torch
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_equals_hf_directory(checkpoints, tmp_path, family):
+    from models.loader import load_model
+
+    path = tmp_path / f"{family}.gguf"
+    _write_gguf(checkpoints[family], path, family)
+    from_gguf, from_hf = load_model(path), load_hf_model(checkpoints[family])
+    assert from_gguf.config.architecture == from_hf.config.architecture
+    for name in (
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "qk_norm",
+        "qk_norm_full",
+        "clip_qkv",
+    ):
+        assert getattr(from_gguf.config, name) == getattr(from_hf.config, name), name
+    flat_gguf = jax.tree_util.tree_leaves_with_path(from_gguf.params)
+    flat_hf = jax.tree_util.tree_leaves_with_path(from_hf.params)
+    assert [p for p, _ in flat_gguf] == [p for p, _ in flat_hf]
+    for (p, a), (_, b) in zip(flat_gguf, flat_hf, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
