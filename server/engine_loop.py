@@ -37,6 +37,7 @@ from typing import Any
 
 from jpaged.core.engine import EngineStepError
 from jpaged.outputs import RequestOutput
+from jpaged.pooling import PoolingParams
 from jpaged.sample.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jpaged.server")
@@ -114,6 +115,7 @@ class RequestHandle:
         # engine computed them all (it sends them in one output).
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.prompt_logprobs_sent = False  # gRPC: they go out in one message
+        self.embedding: list[float] | None = None  # an embedding request's, when finished
         self.accepted = False  # the engine took the request
         self.finished = False
         self.aborted = False  # by Abort or by the server's drain; the stream ends as "abort"
@@ -129,6 +131,8 @@ class RequestHandle:
         self.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.embedding is not None:
+            self.embedding = out.embedding
         for d in out.outputs:
             c = self.choices[d.index]
             c.text += d.text
@@ -217,6 +221,7 @@ class EngineLoop:
         *,
         prepare: Callable[[Any], tuple[str | list[int], SamplingParams]] | None = None,
         event: asyncio.Event | None = None,
+        pooling: PoolingParams | None = None,
     ) -> RequestHandle:
         """Queues a request for the engine. Raises Draining, Overloaded or DuplicateRequestId.
 
@@ -227,6 +232,7 @@ class EngineLoop:
           both (a chat rendered and tokenized, max_tokens fitted to the prompt); params.n
           must stay the same. Its ValueError rejects the request as the engine's would.
         event: the handle's change event, to share one among the handles of one call.
+        pooling: an embedding request (jpaged/pooling.py); its handle gets the embedding.
         """
         if self._draining:
             raise Draining("the server is shutting down")
@@ -243,7 +249,7 @@ class EngineLoop:
         with self._lock:
             self._num_queued_adds += 1
         params = params.clone(output_kind=RequestOutputKind.DELTA)
-        self._commands.put(("add", engine_id, prompt, params, cache_salt, prepare))
+        self._commands.put(("add", engine_id, prompt, params, cache_salt, prepare, pooling))
         return handle
 
     def release(self, handle: RequestHandle) -> None:
@@ -358,12 +364,13 @@ class EngineLoop:
         """Carries out one command; returns True for "stop"."""
         kind = cmd[0]
         if kind == "add":
-            _, engine_id, prompt, params, salt, prepare = cmd
+            _, engine_id, prompt, params, salt, prepare, pooling = cmd
             try:
                 if prepare is not None:
                     prompt, params = prepare(self.engine)
                     params = params.clone(output_kind=RequestOutputKind.DELTA)
-                self.engine.add_request(engine_id, prompt, params, cache_salt=salt)
+                extra = {} if pooling is None else {"pooling": pooling}
+                self.engine.add_request(engine_id, prompt, params, cache_salt=salt, **extra)
                 self._active.add(engine_id)
                 accepted.append((engine_id, None if isinstance(prompt, str) else len(prompt)))
             # ValueError is bad input; anything else is an engine bug that must fail this

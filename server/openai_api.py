@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI on uvicorn), on the same EngineLoop as gRPC.
 
-Routes: GET /v1/models, /v1/models/{id}; POST /v1/completions, /v1/chat/completions
+Routes: GET /v1/models, /v1/models/{id}; POST /v1/embeddings (server/openai_embeddings.py),
+/v1/completions, /v1/chat/completions
 (streamed as server-sent events when stream=true; tools and tool_choice: server/tool_calls.py);
 POST /tokenize, /detokenize (vLLM's); GET /health (200 serving, 503 while warming up or
 draining); GET /metrics (the server's Prometheus registry). With an API key, /v1/*,
@@ -31,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server import openai_embeddings
 from server import openai_protocol as proto
 from server.auth import bearer_matches
 from server.engine_loop import (
@@ -41,6 +43,7 @@ from server.engine_loop import (
     new_request_id,
 )
 from server.metrics import Metrics, outcome_of, record_rejection, record_request
+from server.openai_embeddings import EmbeddingRequest
 from server.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -96,6 +99,7 @@ class OpenAIServer:
         v1.add_api_route("/models/{model_id:path}", self.get_model, methods=["GET"])
         v1.add_api_route("/completions", self.completions, methods=["POST"])
         v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
+        v1.add_api_route("/embeddings", self.embeddings, methods=["POST"])
         app.include_router(v1)
         app.add_api_route(
             "/tokenize", self.tokenize, methods=["POST"], dependencies=[Depends(self._check_key)]
@@ -229,6 +233,20 @@ class OpenAIServer:
             return engine.tokenizer.decode(ids, skip_special_tokens=False)
 
         return {"prompt": await self._loop.call(run)}
+
+    # ---- embeddings ---------------------------------------------------------------------
+
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> JSONResponse:
+        """OpenAI's /v1/embeddings (server/openai_embeddings.py)."""
+        rid = _request_id(request, "embd")
+        self._check_model(body.model)
+        try:
+            result = await openai_embeddings.embeddings(
+                self._loop, body, request_id=rid, model_name=self._model_name
+            )
+        except (Overloaded, Draining, DuplicateRequestId) as e:
+            raise _as_api_error(e) from None
+        return JSONResponse(result, headers={"x-request-id": rid})
 
     # ---- completions --------------------------------------------------------------------
 

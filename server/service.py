@@ -19,7 +19,7 @@ import grpc
 
 from jpaged.sample.sampling_params import SamplingParams
 from jpaged.structured_output import StructuredOutputsParams
-from server import wire
+from server import embeddings, wire
 from server.engine_loop import (
     Draining,
     DuplicateRequestId,
@@ -229,6 +229,46 @@ class GenerationService:
         return pb.DetokenizeResponse(text=text)
 
 
+    async def Embed(self, request, context):
+        """The embeddings of the request's inputs (server/embeddings.py)."""
+        given = request.request_id
+        client_id = given if 0 < len(given) <= _MAX_REQUEST_ID_LEN else new_request_id()
+        try:
+            wire.raise_if_invalid(request)
+            items = [
+                x.text if x.WhichOneof("input") == "text" else list(x.token_ids.ids)
+                for x in request.inputs
+            ]
+            pooling = embeddings.pooling_for(
+                self._loop.engine,
+                dimensions=request.dimensions if request.HasField("dimensions") else None,
+                normalize=request.normalize if request.HasField("normalize") else None,
+            )
+        except ValueError as e:
+            await self._reject(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", e, client_id
+            )
+        try:
+            vectors, num_tokens = await embeddings.embed(
+                self._loop, items, pooling, request_id=client_id
+            )
+        except (ValueError, DuplicateRequestId) as e:
+            await self._reject(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", e, client_id
+            )
+        except Overloaded as e:
+            await self._reject(
+                context, grpc.StatusCode.RESOURCE_EXHAUSTED, "resource_exhausted", e, client_id
+            )
+        except Draining as e:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, "unavailable", e, client_id)
+        except embeddings.EngineFailure as e:
+            await self._reject(context, grpc.StatusCode.INTERNAL, "internal", e, client_id)
+        return pb.EmbedResponse(
+            embeddings=[pb.Embedding(values=v) for v in vectors], prompt_tokens=num_tokens
+        )
+
+
 def sampling_params_from_proto(
     msg: pb.SamplingParameters, defaults: dict | None = None
 ) -> SamplingParams:
@@ -373,5 +413,6 @@ def add_to_server(service: GenerationService, server: grpc.aio.Server) -> None:
         ),
         "Tokenize": unary(service.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
         "Detokenize": unary(service.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse),
+        "Embed": unary(service.Embed, pb.EmbedRequest, pb.EmbedResponse),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -42,6 +42,7 @@ def test_stubs_import_and_describe_the_service():
         "GetModelInfo": ("GetModelInfoRequest", "GetModelInfoResponse", False),
         "Tokenize": ("TokenizeRequest", "TokenizeResponse", False),
         "Detokenize": ("DetokenizeRequest", "DetokenizeResponse", False),
+        "Embed": ("EmbedRequest", "EmbedResponse", False),
     }
     assert hasattr(pb_grpc, "GenerationStub")
     # Every SamplingParams field a client sets is in the proto, with presence for the scalar

@@ -59,6 +59,11 @@ class GenerationStub:
                 request_serializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/jpaged.v1.Generation/Embed',
+                request_serializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -96,6 +101,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """The embedding of each input: its prompt run once and the last hidden states pooled as
+        the model names (sentence-transformers), else the last token's, L2-normalised.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +136,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
                     response_serializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +278,33 @@ class Generation:
             '/jpaged.v1.Generation/Detokenize',
             server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
             server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jpaged.v1.Generation/Embed',
+            server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+            server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,135 @@
+"""POST /v1/embeddings on SmolLM2 over loopback: transformers' pooled hidden states, OpenAI's
+shapes (float and base64), usage, and bad inputs as 400s naming the field."""
+
+from __future__ import annotations
+
+import base64
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import torch  # the reference runs transformers (tests/needs_torch.py reads this import)
+import transformers
+from serving_helpers import RunningServer, openai_client
+
+from jpaged import LLM
+from models.demo import SMOLLM2_DIR, cache_root, ensure_smollm2
+
+INPUTS = [
+    "Paris",
+    "The capital of France is Paris, a city on the Seine.",
+    "Photosynthesis turns sunlight, water and carbon dioxide into sugar and oxygen; "
+    "plants, algae and some bacteria do it, and almost all life depends on it.",
+]
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def gguf():
+    return ensure_smollm2(cache_root() / SMOLLM2_DIR)
+
+
+@pytest.fixture(scope="module")
+def server(gguf):
+    llm = LLM(str(gguf), max_num_seqs=2, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=32)
+    s = RunningServer(llm.llm_engine, model_name="smollm2")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def reference(gguf):
+    """transformers' normalised last-token hidden state of each input, and its token ids."""
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    out = []
+    with torch.no_grad():
+        for text in INPUTS:
+            ids = tok(text, return_tensors="pt").input_ids
+            h = model.model(ids).last_hidden_state[0, -1].double().numpy()
+            out.append((ids[0].tolist(), h / np.linalg.norm(h)))
+    return out
+
+
+def post(server, body) -> httpx.Response:
+    return httpx.post(f"{server.http_url}/v1/embeddings", json=body, timeout=120)
+
+
+def test_embeddings_equal_transformers_in_float_and_base64(server, reference):
+    # Three mixed-length inputs, two sequence slots, a 32-token budget: chunked and batched.
+    r = post(server, {"model": "smollm2", "input": INPUTS, "encoding_format": "float"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["object"], body["model"]) == ("list", "smollm2")
+    assert [(d["object"], d["index"]) for d in body["data"]] == [("embedding", i) for i in range(3)]
+    for d, (_, want) in zip(body["data"], reference, strict=True):
+        np.testing.assert_allclose(d["embedding"], want, atol=1e-5)
+    num_tokens = sum(len(ids) for ids, _ in reference)
+    assert body["usage"] == {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    # The official client asks for base64 and decodes it: the same float32 values.
+    got = openai_client(server, timeout=120).embeddings.create(model="smollm2", input=INPUTS)
+    assert [e.embedding for e in got.data] == [d["embedding"] for d in body["data"]]
+    raw = post(server, {"input": INPUTS[0], "encoding_format": "base64"}).json()["data"][0]
+    decoded = np.frombuffer(base64.b64decode(raw["embedding"]), "<f4")
+    assert decoded.tolist() == body["data"][0]["embedding"]
+
+
+def test_token_id_inputs_and_dimensions(server, reference):
+    ids = [i for i, _ in reference]
+    r = post(server, {"input": ids[:2], "dimensions": 64, "encoding_format": "float"}).json()
+    for d, (_, full) in zip(r["data"], reference[:2], strict=True):
+        want = full[:64] / np.linalg.norm(full[:64])
+        np.testing.assert_allclose(d["embedding"], want, atol=1e-5)
+    one = post(server, {"input": ids[0], "encoding_format": "float"}).json()
+    assert len(one["data"]) == 1 and one["usage"]["prompt_tokens"] == len(ids[0])
+
+
+@pytest.mark.parametrize(
+    ("body", "message", "param"),
+    [
+        ({"input": "word " * 200}, "input[0] has 201 tokens; the limit is 127 (max_model_len "
+         "128 less one)", "input"),
+        ({"input": ["fine", ""]}, "input[1]: must not be empty", "input"),
+        ({"input": []}, "input: must not be empty", "input"),
+        ({"input": [[1, 2], [3, 99999]]}, "input[1]: prompt token id 99999 is outside the "
+         "vocabulary [0, 49152)", "input"),
+        ({"input": "x", "dimensions": 4096}, "dimensions: 4096 is more than the model's 576 "
+         "dimensions", "dimensions"),
+        ({"input": "x", "model": "gpt-4"}, "The model `gpt-4` does not exist (this server "
+         "serves `smollm2`).", "model"),
+    ],
+)  # fmt: skip
+def test_bad_inputs_are_400s_naming_the_field_and_the_server_serves_on(
+    server, body, message, param
+):
+    r = post(server, body)
+    error = r.json()["error"]
+    assert r.status_code in (400, 404) and (error["message"], error["param"]) == (message, param)
+    ok = post(server, {"input": "Paris"})
+    assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) > 0
+    assert server.wait_until(lambda s: s.num_running == 0).num_running == 0
+
+
+def test_grpc_embed_gives_the_http_embeddings(server, reference):
+    from server.proto.jpaged.v1 import generation_pb2 as pb
+
+    ids = reference[1][0]
+    request = pb.EmbedRequest(
+        inputs=[pb.EmbedInput(text=INPUTS[0]), pb.EmbedInput(token_ids=pb.TokenIds(ids=ids))],
+        dimensions=64,
+    )
+    got = server.stub.Embed(request, timeout=120)
+    want = [post(server, {"input": x, "dimensions": 64}).json() for x in (INPUTS[0], ids)]
+    assert [list(e.values) for e in got.embeddings] == [w["data"][0]["embedding"] for w in want]
+    assert got.prompt_tokens == sum(w["usage"]["prompt_tokens"] for w in want)
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput(text="word " * 200)]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == ("input[0] has 201 tokens; the limit is 127 (max_model_len 128 "
+                                   "less one)")  # fmt: skip
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub.Embed(pb.EmbedRequest())
+    assert err.value.details() == "input: must not be empty"
