@@ -8,7 +8,8 @@ each layer's sliding window or full attention), the Gemma norms (stored with Gem
 already added: a plain RMSNorm weight) with post-attention and post-MLP norms, the sqrt(hidden)
 embedding scale, soft-capping, GELU, a local rope base, partial rotary, linear and LongRoPE
 scaling. Phi-3's fused qkv_proj and gate_up_proj are split into wq/wk/wv, w_gate/w_up when
-loaded.
+loaded. Qwen3MoeForCausalLM, MixtralForCausalLM and OlmoeForCausalLM replace every layer's
+MLP by experts (models/moe.py); OLMoE adds q/k norms over the whole projection and clip_qkv.
 
 Params layout (a pytree of arrays; every loader and initializer produces exactly this):
   embed:      [vocab, hidden]
@@ -19,7 +20,10 @@ Params layout (a pytree of arrays; every loader and initializer produces exactly
     wo [num_heads, head_dim, hidden]
     bq [num_heads, head_dim], bk/bv [num_kv_heads, head_dim]     (attention_bias only)
     q_norm [head_dim], k_norm [head_dim]                         (qk_norm only)
-    w_gate, w_up [hidden, intermediate], w_down [intermediate, hidden]
+    q_norm [num_heads, head_dim], k_norm [num_kv_heads, head_dim] (qk_norm_full: OLMoE)
+    w_gate, w_up [hidden, intermediate], w_down [intermediate, hidden]   (dense layers)
+    router [hidden, E], w_gate_exps / w_up_exps [E, hidden, moe_intermediate],
+    w_down_exps [E, moe_intermediate, hidden]     (num_experts = E > 0, instead of w_gate...)
   final_norm: [hidden]
   lm_head:    [hidden, vocab]                                    (absent when tied)
 """

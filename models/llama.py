@@ -11,6 +11,8 @@ head_dim], layer l's pages at l * N .. l * N + N - 1, so a layer's attention rea
 pool (a kernel operand, never a slice copy) through its page table offset by l * N, and the
 layers can run under lax.scan with the pool as the loop's carry, updated in place.
 
+Mixture-of-experts configs (cfg.num_experts) run models/moe.py in place of the gated MLP.
+
 Tensor parallelism: with `tp_axis` set, the functions run inside shard_map on one device's
 shards (layout of models/sharding.py): the same code over local heads and columns, plus one
 psum after each row-parallel matmul (wo, w_down), one for the vocab-parallel embedding, and an

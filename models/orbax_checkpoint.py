@@ -113,6 +113,12 @@ def _layout_shape(cfg: ModelConfig, key: tuple) -> tuple[int, ...]:
         "q_norm": (dh,),
         "k_norm": (dh,),
     }
+    e, fe = cfg.num_experts, cfg.moe_intermediate_size
+    shapes.update(
+        router=(d, e), w_gate_exps=(e, d, fe), w_up_exps=(e, d, fe), w_down_exps=(e, fe, d)
+    )
+    if cfg.qk_norm_full:  # OLMoE's norms over the whole projection
+        shapes.update(q_norm=(hq, dh), k_norm=(hkv, dh))
     return shapes[key[-1]]
 
 

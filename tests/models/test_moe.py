@@ -253,3 +253,16 @@ def test_gguf_equals_hf_directory(checkpoints, tmp_path, family):
     assert [p for p, _ in flat_gguf] == [p for p, _ in flat_hf]
     for (p, a), (_, b) in zip(flat_gguf, flat_hf, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
+
+
+@pytest.mark.needs_torch
+def test_orbax_conversion_equals_hf_directory(checkpoints, tmp_path):
+    from models.loader import load_model
+    from models.orbax_checkpoint import convert_hf_to_orbax
+
+    convert_hf_to_orbax(checkpoints["olmoe"], tmp_path / "olmoe")
+    restored, from_hf = load_model(tmp_path / "olmoe"), load_hf_model(checkpoints["olmoe"])
+    same = jax.tree_util.tree_map(
+        lambda a, b: bool(np.array_equal(a, b)), restored.params, from_hf.params
+    )
+    assert all(jax.tree_util.tree_leaves(same))

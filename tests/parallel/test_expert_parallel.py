@@ -17,12 +17,12 @@ from moe_families import FAMILIES, hf_greedy, prompts, save_tiny
 pytestmark = pytest.mark.needs_torch  # transformers writes the checkpoints and the reference
 
 
-@pytest.fixture(scope="module")
-def moe_results(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("moe_ep")
-    want = {f: hf_greedy(save_tiny(root / f, f), prompts(160)) for f in FAMILIES}
+def _run(root: Path, family: str) -> dict:
+    """transformers' tokens and the worker's results for one family (one worker process
+    per family, so pytest-xdist spreads the families over its workers)."""
+    want = hf_greedy(save_tiny(root / family, family), prompts(160))
     res = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("moe_worker.py")), str(root), *FAMILIES],
+        [sys.executable, str(Path(__file__).with_name("moe_worker.py")), str(root), family],
         capture_output=True,
         text=True,
         timeout=900,
@@ -34,18 +34,16 @@ def moe_results(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize(("t", "ep"), [(2, False), (2, True), (4, True)])
-def test_tokens_equal_transformers(moe_results, family, t, ep):
-    got = moe_results["got"][f"{family}/{t}/{ep}"]
-    assert got["tokens"] == moe_results["want"][family]
-    assert got["pages_used"] == 0
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_expert_weights_layout(moe_results, family):
-    """Stacked [layers, E, D, F]: TP splits F, expert parallelism splits E (8 experts)."""
+def test_tokens_equal_transformers_and_experts_are_split(tmp_path, family):
+    """Greedy tokens at TP 2, EP 2 and EP 4 equal transformers'; stacked expert weights
+    [layers, E, D, F] per device: TP splits F, expert parallelism splits the 8 experts."""
+    results = _run(tmp_path, family)
+    for t, ep in [(2, False), (2, True), (4, True)]:
+        got = results["got"][f"{family}/{t}/{ep}"]
+        assert got["tokens"] == results["want"], (t, ep)
+        assert got["pages_used"] == 0
     f = 32 if family == "qwen3moe" else 48
-    layouts = {k: v["layout"] for k, v in moe_results["got"].items() if k.startswith(family)}
+    layouts = {k: v["layout"] for k, v in results["got"].items()}
     assert layouts[f"{family}/2/False"]["w_gate_exps"][1] == [3, 8, 64, f // 2]
     assert layouts[f"{family}/2/False"]["w_down_exps"][1] == [3, 8, f // 2, 64]
     assert layouts[f"{family}/2/True"]["w_gate_exps"][1] == [3, 4, 64, f]
