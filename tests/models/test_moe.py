@@ -266,3 +266,25 @@ def test_orbax_conversion_equals_hf_directory(checkpoints, tmp_path):
         lambda a, b: bool(np.array_equal(a, b)), restored.params, from_hf.params
     )
     assert all(jax.tree_util.tree_leaves(same))
+
+
+def test_enable_expert_parallel_flag():
+    """vLLM's flag reaches ParallelConfig, and the loaders' ModelConfig only for a model with
+    experts (a dense model ignores it)."""
+    import argparse
+
+    from jpaged.entrypoints.engine_args import (
+        add_engine_flags,
+        engine_config_from_args,
+        engine_kwargs,
+    )
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    args = parser.parse_args(["--tensor-parallel-size", "4", "--enable-expert-parallel"])
+    config = engine_config_from_args(**engine_kwargs(args))
+    assert config.parallel.enable_expert_parallel and config.parallel.tensor_parallel_size == 4
+    assert not engine_config_from_args().parallel.enable_expert_parallel
+    assert _moe_cfg().with_expert_parallel(True).expert_parallel
+    dense = _moe_cfg(num_experts=0, architecture="LlamaForCausalLM")
+    assert dense.with_expert_parallel(True) is dense
