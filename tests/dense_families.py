@@ -1,0 +1,146 @@
+"""Helpers for the Gemma 2, Gemma 3, Mistral (sliding window) and Phi-3 tests: tiny random
+checkpoints from a transformers config object, transformers' logits and greedy tokens, our
+logits over a shuffled paged pool, and our greedy tokens through the engine.
+
+Everything is float32 with eager attention in transformers (soft-capping needs it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.llama import compute_logits, forward, stack_layers
+
+_forward = jax.jit(forward, static_argnums=(1,), static_argnames=("decode_only",))
+
+
+def save_tiny(path: str | Path, config, *, seed: int = 0) -> Path:
+    """A random model of the transformers config, saved with save_pretrained. Norm weights
+    are perturbed away from their init so that a misplaced norm (or a missing + 1) shows."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(path, safe_serialization=True)
+    return Path(path)
+
+
+def hf_model(path):
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32
+    )
+    return model.eval()
+
+
+def hf_logits(path, token_ids: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return hf_model(path)(torch.tensor([token_ids])).logits[0].numpy()
+
+
+def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt alone."""
+    import torch
+
+    model = hf_model(path)
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )
+            outs.append(gen[0, len(p) :].tolist())
+    return outs
+
+
+def paged_logits(loaded, chunks: list[int], token_ids: list[int], *, page=4, stacked=False):
+    """One sequence through forward() in chunks (1: a decode step) over a shuffled page
+    table whose unused pages hold NaN; the logits of every position [len(token_ids), V]."""
+    cfg = loaded.config
+    params = stack_layers(loaded.params) if stacked else loaded.params
+    num_pages = -(-len(token_ids) // page) + 8
+    shape = (cfg.num_kv_heads, cfg.num_layers * num_pages, page, cfg.head_dim)
+    caches = (jnp.full(shape, jnp.nan), jnp.full(shape, jnp.nan))
+    pages = np.random.default_rng(0).permutation(np.arange(1, num_pages))
+    table = pages[None, : -(-len(token_ids) // page)].astype(np.int32)
+    out, start = [], 0
+    for n in chunks:
+        pos = np.arange(start, start + n)
+        hidden, caches = _forward(
+            params,
+            cfg,
+            caches,
+            jnp.asarray(token_ids[start : start + n], jnp.int32),
+            jnp.asarray(pos, jnp.int32),
+            jnp.asarray(table[0][pos // page] * page + pos % page, jnp.int32),
+            jnp.asarray([start + n], jnp.int32),
+            jnp.asarray(table),
+            jnp.asarray([0, n], jnp.int32),
+            decode_only=n == 1,
+        )
+        out.append(np.asarray(compute_logits(params, cfg, hidden)))
+        start += n
+    return np.concatenate(out)
+
+
+def prompts_with_shared_prefix(vocab: int, lengths: list[int], *, prefix: int, seed: int = 0):
+    """Prompts of the given lengths, each starting with the same `prefix` tokens (so that
+    prefix caching shares their first pages)."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, vocab, prefix).tolist()
+    return [shared + rng.integers(0, vocab, n - prefix).tolist() for n in lengths]
+
+
+def engine_greedy(path, prompts, max_tokens: int, **engine_kwargs) -> list[list[int]]:
+    """Our greedy tokens, every prompt submitted together to one LLM; its pool must be
+    whole again after."""
+    from jpaged import LLM, SamplingParams
+
+    llm = LLM(str(path), **engine_kwargs)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    stats = llm.stats()
+    assert stats["pages_used"] == 0
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def hf_greedy_incremental(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens one forward per token over its cache, without generate
+    (Phi-3's generate drops its cache once a sequence first passes the LongRoPE original
+    length and recomputes it with the long factors; a paged engine keeps its keys)."""
+    import torch
+
+    model = hf_model(path)
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model(torch.tensor([p]), use_cache=True)
+            tokens = [int(out.logits[0, -1].argmax())]
+            for j in range(len(p), len(p) + max_new_tokens - 1):
+                out = model(
+                    torch.tensor([[tokens[-1]]]),
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                    position_ids=torch.tensor([[j]]),
+                )
+                tokens.append(int(out.logits[0, -1].argmax()))
+            outs.append(tokens)
+    return outs
