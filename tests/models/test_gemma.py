@@ -152,3 +152,33 @@ def test_engine_greedy_equals_transformers(checkpoints, name):
         enable_prefix_caching=True,
     )
     assert ours == hf_greedy(path, prompts, 8)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tensor_parallel_2_gives_the_single_device_tokens(checkpoints, name):
+    """Soft-capping, post-norms and the grouped layers under shard_map on 2 CPU devices."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    prompts = prompts_with_shared_prefix(VOCAB, [12, 21, 30], prefix=4, seed=2)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("dense_tp_worker.py")),
+            str(checkpoints[name]),
+            json.dumps(prompts),
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ),
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    tokens = json.loads(res.stdout.strip().splitlines()[-1])
+    assert tokens["2"] == tokens["1"]
+    assert tokens["1"] == hf_greedy(checkpoints[name], prompts, 6)
