@@ -55,7 +55,7 @@ from jpaged.worker.model_loading import load_for_config
 from jpaged.worker.runner import InFlightStep, ModelRunner
 from jpaged.worker.step_inputs import bucket, needs_key
 from jpaged.worker.step_plan import StepPlan
-from models.config import ModelConfig
+from models.config import LongRopeScaling, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -287,6 +287,14 @@ class LLMEngine:
             config.cache, config, self.model_config, itemsize, extra_bytes_per_page=extra
         )
         self.config = config = fit_max_model_len(config, self.num_pages, given=max_len_given)
+        if isinstance(self.model_config.rope_scaling, LongRopeScaling) and (
+            config.cache.enable_prefix_caching
+        ):
+            # A LongRoPE key depends on its sequence's length (short or long factors): a page
+            # cached by a short prompt is not the page a long one would compute.
+            logger.warning("prefix caching is off: the model's LongRoPE keys depend on length")
+            cache = dataclasses.replace(config.cache, enable_prefix_caching=False)
+            self.config = config = dataclasses.replace(config, cache=cache)
         self.max_model_len = config.scheduler.max_model_len
         self.num_swap_pages = resolve_num_swap_pages(config, self.model_config, itemsize)
         self._new_host_state()

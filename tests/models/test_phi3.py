@@ -113,7 +113,8 @@ def test_engine_greedy_equals_transformers(checkpoints, name):
     the engine does not: hf_greedy_incremental). The others equal generate's."""
     path = checkpoints[name]
     # No shared prefix under LongRoPE: a page cached by a short sequence holds keys of the
-    # short factors, which a long prompt must not reuse (not handled yet; issue 28 report).
+    # short factors, which a long prompt must not reuse (the engine turns prefix caching off
+    # for LongRoPE: test_a_longrope_engine_turns_prefix_caching_off).
     prefix = 0 if name == "phi3_longrope" else 8
     prompts = prompts_with_shared_prefix(VOCAB, [8, 10, 14, 20, 30], prefix=prefix, seed=1)
     ours = engine_greedy(
@@ -133,3 +134,14 @@ def test_engine_greedy_equals_transformers(checkpoints, name):
     for i, (a, b) in enumerate(zip(ours, generated, strict=True)):
         if i not in crossing:
             assert a == b, i
+
+
+def test_a_longrope_engine_turns_prefix_caching_off(checkpoints):
+    """A LongRoPE key depends on its sequence's length, so a cached page is not reusable."""
+    from jpaged import LLM
+
+    for name, cached in (("phi3_longrope", False), ("mistral_window", True)):
+        llm = LLM(str(checkpoints[name]), max_num_seqs=2, max_model_len=64, num_pages=24,
+                  page_size=4, enable_prefix_caching=True)  # fmt: skip
+        assert llm.llm_engine.config.cache.enable_prefix_caching is cached, name
+        assert llm.llm_engine.allocator.enable_prefix_caching is cached, name
