@@ -311,6 +311,7 @@ class OpenAIServer:
             handles,
             echo_texts=echo,
             num_logprobs=plans[0].params.logprobs,
+            prompt_logprobs=getattr(body, "prompt_logprobs", None),
             return_token_ids=body.return_token_ids,
             include_usage=options.include_usage,
             continuous_usage=options.continuous_usage_stats,

@@ -211,6 +211,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     # vLLM's chat extras
+    prompt_logprobs: int | None = None  # non-streamed only, as vLLM
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -304,6 +305,8 @@ def to_sampling_params(
         given["logprobs"] = num_logprobs
         if isinstance(req, CompletionRequest) and req.echo:
             given["prompt_logprobs"] = num_logprobs  # the echoed prompt carries logprobs
+    if isinstance(req, ChatCompletionRequest) and req.prompt_logprobs is not None:
+        given["prompt_logprobs"] = req.prompt_logprobs
     if req.logit_bias:
         given["logit_bias"] = {int(k): v for k, v in req.logit_bias.items() if v}
     constraint = structured_outputs_of(req)
@@ -363,6 +366,11 @@ def _check_http_only_fields(req: _SamplingRequest, vocab_size: int) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(
+                400, "prompt_logprobs are not sent in a stream: ask without stream=true",
+                param="prompt_logprobs",
+            )  # fmt: skip
         check_template_kwargs(req)
 
 

@@ -73,6 +73,7 @@ class Assembler:
         *,
         echo_texts: list[str | None] | None = None,
         num_logprobs: int | None = None,
+        prompt_logprobs: int | None = None,  # chat's (vLLM's), non-streamed
         return_token_ids: bool = False,
         include_usage: bool = False,
         continuous_usage: bool = False,
@@ -84,6 +85,7 @@ class Assembler:
         self.handles = handles
         self.created = int(time.time())
         self.num_logprobs = num_logprobs
+        self.prompt_logprobs = prompt_logprobs if kind == "chat" else None
         self.return_token_ids = return_token_ids
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
@@ -147,9 +149,13 @@ class Assembler:
 
     def ids_to_decode(self, deltas: list[Delta]) -> set[int]:
         """Token ids whose text the logprobs of deltas name (none without logprobs)."""
-        if self.num_logprobs is None:
-            return set()
         ids = set()
+        if self.prompt_logprobs is not None:
+            for h in self.handles:
+                for position in h.prompt_logprobs or ():
+                    ids.update(position or ())
+        if self.num_logprobs is None:
+            return ids
         for d in deltas:
             ids.update(d.token_ids, d.prompt_ids or ())
             for position in [*d.logprobs, *(d.prompt_logprobs or ())]:
@@ -257,7 +263,7 @@ class Assembler:
             if self.return_token_ids:
                 choice["token_ids"] = d.token_ids
             choices.append(choice)
-        return {
+        body = {
             "id": self.request_id,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": self.created,
@@ -265,6 +271,13 @@ class Assembler:
             "choices": choices,
             "usage": self.usage(),
         }
+        if self.prompt_logprobs is not None:
+            handle = self.handles[0]
+            body["prompt_logprobs"] = [
+                None if p is None else _ranked(p, t, self.prompt_logprobs, texts)
+                for t, p in zip(handle.prompt_token_ids or (), handle.prompt_logprobs or ())
+            ]
+        return body
 
     def usage(self) -> dict:
         prompt = sum(h.num_prompt_tokens for h in self.handles)
@@ -314,6 +327,21 @@ class Assembler:
 
         top = [entry(t, lp) for t, lp in _best(position, self.num_logprobs)]
         return {**entry(token, position.get(token)), "top_logprobs": top}
+
+
+def _ranked(position: dict[int, float], token: int, k: int, texts: dict[int, str]) -> dict:
+    """vLLM's prompt logprobs of one position: {id: {"logprob", "rank", "decoded_token"}}
+    for the prompt's token and the k most likely. rank is 1 for the most likely; the prompt's
+    token, when it is not among the k, has rank null (the engine does not compute it)."""
+    top = [t for t, _ in _best({t: v for t, v in position.items() if t != token}, k)]
+    if token in position and len(position) <= k:  # it is among the k most likely
+        top = [t for t, _ in _best(position, k)]
+    out = {}
+    for t in dict.fromkeys([token, *top]):
+        if t in position:
+            rank = top.index(t) + 1 if t in top else None
+            out[str(t)] = {"logprob": position[t], "rank": rank, "decoded_token": texts[t]}
+    return out
 
 
 def _best(position: dict[int, float], k: int) -> list[tuple[int, float]]:

@@ -62,6 +62,9 @@ def llm():
 
 @pytest.fixture(scope="module")
 def server(llm):
+    # Compiled here, outside RunningServer's 60 s start-up limit; the server's own warm-up
+    # then finds every program compiled.
+    llm.llm_engine.warm_up(64, up_to=512)
     s = RunningServer(
         llm.llm_engine, model_name="smollm2", tool_call_parser="hermes",
         enable_auto_tool_choice=True,
@@ -209,3 +212,31 @@ def test_a_tool_result_turn_renders_with_the_tools(server, client, llm):
     (out,) = llm.chat(HISTORY, llm.get_default_sampling_params().clone(max_tokens=1),
                       chat_template=QWEN25_TEMPLATE, tools=TOOLS)  # fmt: skip
     assert out.prompt == text and out.prompt_token_ids == ids
+
+
+def test_chat_prompt_logprobs_are_the_engines(server, llm):
+    """vLLM's prompt_logprobs on chat: each prompt token after the first with its logprob,
+    the 2 most likely, their ranks and texts, as the offline engine computes them."""
+    ids = llm.llm_engine.chat_prompt(ASK)[1]
+    (want,) = llm.generate([ids], llm.get_default_sampling_params().clone(
+        max_tokens=1, prompt_logprobs=2))  # fmt: skip
+    body = {"messages": ASK, "max_tokens": 1, "prompt_logprobs": 2}
+    r = httpx.post(server.http_url + "/v1/chat/completions", json=body, timeout=60)
+    got = r.json()["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None and want.prompt_logprobs[0] is None
+    decode = llm.get_tokenizer().decode
+    for t, position, entry in zip(ids[1:], want.prompt_logprobs[1:], got[1:], strict=True):
+        best = sorted(position.items(), key=lambda kv: -kv[1])
+        top = [k for k, _ in best if k != t][:2] if len(position) > 2 else [k for k, _ in best]
+        assert list(entry) == list(dict.fromkeys(map(str, [t, *top])))
+        assert sorted(v["rank"] for v in entry.values() if v["rank"] is not None) == [1, 2]
+        for k, v in entry.items():
+            rank = top.index(int(k)) + 1 if int(k) in top else None
+            assert v == {
+                "logprob": position[int(k)],
+                "rank": rank,
+                "decoded_token": decode([int(k)], skip_special_tokens=False),
+            }
+    stream = httpx.post(server.http_url + "/v1/chat/completions",
+                        json={**body, "stream": True}, timeout=60)  # fmt: skip
+    assert (stream.status_code, stream.json()["error"]["param"]) == (400, "prompt_logprobs")
