@@ -1,4 +1,4 @@
-"""Helpers for the Gemma 2, Gemma 3, Mistral (sliding window) and Phi-3 tests: tiny random
+"""Helpers for the Gemma 2, Gemma 3, Mistral (sliding window), Phi-3 and MoE tests: tiny random
 checkpoints from a transformers config object, transformers' logits and greedy tokens, our
 logits over a shuffled paged pool, and our greedy tokens through the engine.
 
@@ -67,6 +67,7 @@ def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
+                pad_token_id=0,  # models without one (OLMoE) would warn and guess
             )
             outs.append(gen[0, len(p) :].tolist())
     return outs

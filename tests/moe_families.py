@@ -1,12 +1,15 @@
 """Tiny random Qwen3-MoE, Mixtral and OLMoE checkpoints from transformers' config classes,
-and transformers' greedy tokens for them (float32, eager attention). Shared by
+and transformers' greedy tokens for them (float32, eager attention; the reference and
+paged-logits helpers are dense_families'). Shared by
 tests/models/test_moe.py and tests/parallel/test_expert_parallel.py (which writes them in
 the test process and runs the engines in a worker with 8 CPU devices)."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
+
+import dense_families
+from dense_families import prompts_with_shared_prefix
 
 FAMILIES = ("qwen3moe", "mixtral", "olmoe")
 # Prompt lengths: longer than a page and than a step's token budget, sharing a prefix.
@@ -65,97 +68,15 @@ def save_tiny(path: str | Path, family: str, *, seed: int = 0) -> Path:
 
 def prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     """PROMPT_LENGTHS prompts, each starting with the same PREFIX tokens."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    shared = rng.integers(0, vocab, PREFIX).tolist()
-    return [shared + rng.integers(0, vocab, n - PREFIX).tolist() for n in PROMPT_LENGTHS]
+    return prompts_with_shared_prefix(vocab, list(PROMPT_LENGTHS), prefix=PREFIX, seed=seed)
 
 
 def hf_greedy(path, token_prompts: list[list[int]], max_new_tokens: int = MAX_TOKENS):
-    """transformers' greedy tokens for each prompt alone."""
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32
-    ).eval()
-    outs = []
-    with torch.no_grad():
-        for p in token_prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
-
-
-def hf_logits(path, token_ids: list[int]):
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32
-    ).eval()
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].numpy()
-
-
-def paged_logits(loaded, chunks: list[int], token_ids: list[int], *, page=4, stacked=False):
-    """One sequence through models.llama.forward in chunks (1: a decode step) over a
-    shuffled page table whose unused pages hold NaN; the logits of every position."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from models.llama import compute_logits, stack_layers
-
-    cfg = loaded.config
-    params = stack_layers(loaded.params) if stacked else loaded.params
-    num_pages = -(-len(token_ids) // page) + 8
-    shape = (cfg.num_kv_heads, cfg.num_layers * num_pages, page, cfg.head_dim)
-    pool = (jnp.full(shape, jnp.nan), jnp.full(shape, jnp.nan))
-    pages = np.random.default_rng(0).permutation(np.arange(1, num_pages))
-    table = pages[None, : -(-len(token_ids) // page)].astype(np.int32)
-    out, start = [], 0
-    for n in chunks:
-        pos = np.arange(start, start + n)
-        hidden, pool = _jitted_forward()(
-            params,
-            cfg,
-            pool,
-            jnp.asarray(token_ids[start : start + n], jnp.int32),
-            jnp.asarray(pos, jnp.int32),
-            jnp.asarray(table[0][pos // page] * page + pos % page, jnp.int32),
-            jnp.asarray([start + n], jnp.int32),
-            jnp.asarray(table),
-            jnp.asarray([0, n], jnp.int32),
-            decode_only=n == 1,
-        )
-        out.append(np.asarray(compute_logits(params, cfg, hidden)))
-        start += n
-    return np.concatenate(out)
-
-
-@functools.cache
-def _jitted_forward():
-    import jax
-
-    from models.llama import forward
-
-    return jax.jit(forward, static_argnums=(1,), static_argnames=("decode_only",))
+    """transformers' greedy tokens for each prompt alone (dense_families.hf_greedy)."""
+    return dense_families.hf_greedy(path, token_prompts, max_new_tokens)
 
 
 def engine_greedy(path, token_prompts, max_tokens: int = MAX_TOKENS, **engine_kwargs):
     """Our greedy tokens, every prompt submitted together to one LLM; its pool is whole
-    again after."""
-    from jpaged import LLM, SamplingParams
-
-    llm = LLM(str(path), **engine_kwargs)
-    outs = llm.generate(token_prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    assert llm.stats()["pages_used"] == 0
-    return [o.outputs[0].token_ids for o in outs]
+    again after (dense_families.engine_greedy)."""
+    return dense_families.engine_greedy(path, token_prompts, max_tokens, **engine_kwargs)

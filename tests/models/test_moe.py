@@ -8,16 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from moe_families import (
-    FAMILIES,
-    MAX_TOKENS,
-    engine_greedy,
-    hf_greedy,
-    hf_logits,
-    paged_logits,
-    prompts,
-    save_tiny,
-)
+from dense_families import hf_logits, paged_logits
+from moe_families import FAMILIES, MAX_TOKENS, engine_greedy, hf_greedy, prompts, save_tiny
 
 from models import moe
 from models.config import ModelConfig
