@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -412,6 +413,7 @@ class FakeLoaded:
     bos_token: str | None = "<s>"
     eos_token: str | None = "</s>"
     generation_defaults: dict = dataclasses.field(default_factory=dict)
+    path: Path = Path("no-such-fake-model")  # not a directory: no sentence-transformers pooling
 
 
 def fake_loaded(*, max_position_embeddings: int = 64, salt: int = 0, draft=False) -> FakeLoaded:
