@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
+
+# The checkout's jpaged, installed or not (as tests/parallel's workers do).
+sys.path[:0] = [str(Path(__file__).resolve().parents[2])]
 
 # First, as tests/parallel/sharded_worker.py puts it: appended after the test environment's
 # flags it did not take effect (one device).
