@@ -187,6 +187,14 @@ class EngineConfig:
     dtype: str | None = setting(
         None, "bfloat16 or float32 (default: bfloat16 on accelerators, float32 on CPU)"
     )
+    quantization: str | None = setting(
+        None,
+        "int8 or fp8: the attention and MLP weights stored quantized (a float checkpoint per "
+        "output channel; a GGUF's Q8_0 blocks kept, its 2- to 6-bit blocks re-quantized to "
+        "int8); embeddings and LM head stay in dtype (default: float weights; a "
+        "compressed-tensors fp8 checkpoint loads fp8)",
+        choices=("int8", "fp8"),
+    )
     seed: int = setting(
         0, "engine seed: seeds the requests that have none of their own", flag="engine-seed"
     )
@@ -268,6 +276,10 @@ class EngineConfig:
             raise ValueError(
                 f"generation_config must be one of {GENERATION_CONFIGS}, "
                 f"got {self.generation_config!r}"
+            )
+        if self.quantization not in (None, "int8", "fp8"):
+            raise ValueError(
+                f"quantization must be one of int8, fp8 (or unset), got {self.quantization!r}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

@@ -28,6 +28,7 @@ a ValueError whose message names the file and what is wrong.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from models import hf_checkpoint
+from models import quantization as quant
 from models.config import ModelConfig, RopeScaling
 
 GGUF_MAGIC = b"GGUF"
@@ -195,6 +197,26 @@ class GGUFFile:
             rows = quants.dequantize(data[i : i + DEQUANTIZE_ROWS], kind)
             out[i : i + DEQUANTIZE_ROWS] = rows.reshape(-1, *out.shape[1:])
         return out.reshape(self.shape(name))
+
+
+# Block size of GGML's quantized types (Q4_0 .. Q8_0; the K-quants' 256-element super-blocks
+# hold 32-element sub-blocks too): int8 re-quantization keeps one scale per such block.
+GGML_BLOCK = 32
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _quantize(file: GGUFFile, method: str, name: str, spec, value: np.ndarray):
+    """A projection's stored form under --quantization (load_gguf_model's docstring)."""
+    if name not in quant.QUANTIZED_PARAMS:
+        return value
+    kind = file.tensors[gguf_tensor_name(spec.hf_name)].tensor_type.name
+    axes = quant.QUANTIZED_PARAMS[name]
+    if method == "fp8" or kind in _FLOAT_TYPES or value.shape[axes[-1]] % GGML_BLOCK:
+        return quant.quantize(value, axes, method, name=spec.hf_name)
+    scale_dtype = np.float16 if kind == "Q8_0" else np.float32
+    return quant.quantize(
+        value, axes, "int8", group=GGML_BLOCK, scale_dtype=scale_dtype, name=spec.hf_name
+    )
 
 
 def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -402,8 +424,10 @@ def load_gguf_model(
     on_host: bool = False,
     stacked: bool | Callable[[ModelConfig], bool] = False,
     expert_parallel: bool = False,
+    quantization: str | None = None,
 ) -> hf_checkpoint.LoadedModel:
-    """Loads a GGUF file, dequantized into dtype.
+    """Loads a GGUF file, dequantized into dtype, or with quantization its projections kept
+    quantized (models/quantization.py).
 
     Args:
       path: a .gguf file.
@@ -412,6 +436,12 @@ def load_gguf_model(
       on_host: keep params as numpy arrays, ignoring mesh.
       stacked: the layers stacked for lax.scan (hf_checkpoint.build_params), unless on_host.
       expert_parallel: experts split over the mesh (ModelConfig.with_expert_parallel).
+      quantization: None: every tensor dequantized into dtype. "int8": the projections as
+        int8 per 32-element block of the input dim (GGUF's blocks): a Q8_0 tensor keeps its
+        own int8 values and float16 block scales exactly; the 2- to 6-bit types are
+        re-quantized per block from their dequantized values (float32 scales); F32/F16/BF16
+        per output channel. "fp8": float8_e4m3fn per output channel. The embedding table
+        (token_embd, also the tied LM head), output.weight and norms stay in dtype.
 
     Returns:
       LoadedModel with the tokenizer, chat template, BOS/EOS texts and sampling defaults the
@@ -424,6 +454,7 @@ def load_gguf_model(
     """
     from models import gguf_tokenizer
 
+    quant.check_method(quantization)
     file = GGUFFile(path)
     config = _config(file).with_expert_parallel(expert_parallel)
     target_dtype = hf_checkpoint.resolve_dtype(dtype)
@@ -461,8 +492,12 @@ def load_gguf_model(
             w = unpermute_rows(w, heads[kind])
         return w
 
+    quantize = None
+    if quantization is not None:
+        quantize = functools.partial(_quantize, file, quantization)
     params = hf_checkpoint.build_params(
-        config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host, stacked=stacked
+        config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host, stacked=stacked,
+        quantize=quantize,
     )
     return hf_checkpoint.LoadedModel(
         config=config,

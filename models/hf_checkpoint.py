@@ -280,13 +280,30 @@ def _tensor_names(path: Path) -> list[str]:
 
 
 def _read_tensor(handle, path: Path, name: str) -> np.ndarray:
-    """One tensor as a numpy array; bfloat16 comes back as ml_dtypes.bfloat16."""
+    """One tensor as a numpy array; bfloat16 comes back as ml_dtypes.bfloat16, float8
+    (F8_E4M3, which safetensors' numpy reader cannot return) as ml_dtypes.float8_e4m3fn."""
     from safetensors import SafetensorError
 
     try:
+        if handle.get_slice(name).get_dtype() == "F8_E4M3":
+            return _read_fp8(path, name)
         return handle.get_tensor(name)
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{path}: cannot read tensor {name!r}: {e}") from None
+
+
+def _read_fp8(path: Path, name: str) -> np.ndarray:
+    """An F8_E4M3 tensor of a safetensors file, read through its header (the format: an
+    8-byte little-endian header size, a JSON header of dtype/shape/data_offsets, the data)."""
+    import ml_dtypes
+
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(size))[name]
+        start, stop = entry["data_offsets"]
+        f.seek(8 + size + start)
+        data = f.read(stop - start)
+    return np.frombuffer(data, np.uint8).view(ml_dtypes.float8_e4m3fn).reshape(entry["shape"]).copy()
 
 
 def resolve_dtype(dtype: Any):
@@ -326,10 +343,13 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def _place(value: np.ndarray, sharding: Any):
-    """A host array onto its sharding: each device receives only its own slice."""
+def _place(value: Any, sharding: Any):
+    """A host array onto its sharding: each device receives only its own slice (a
+    QuantizedWeight: its arrays, on one device)."""
     import jax
 
+    if not isinstance(value, np.ndarray):
+        return _tree_map(lambda a: _place(a, sharding), value)
     if sharding is None:
         return jax.device_put(value)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
@@ -344,9 +364,15 @@ def build_params(
     mesh: Any = None,
     on_host: bool = False,
     stacked: bool | Callable[[ModelConfig], bool] = False,
+    quantize: Callable[[str, TensorSpec, np.ndarray], Any] | None = None,
 ) -> dict[str, Any]:
     """The params pytree: read(spec) gives each tensor in its Hugging Face shape (the reader
     checks it), here turned into the layout, cast to dtype and placed on its devices.
+
+    quantize(name, spec, value): a layer param's stored form from its float32 layout value (a
+    models.quantization.QuantizedWeight, or value itself to keep it in dtype); None: every
+    param in dtype. A reader may give a QuantizedWeight of the Hugging Face layout (an fp8
+    checkpoint): it is kept as stored (hf_to_layout).
 
     stacked: "layers" as one dict of [num_layers, ...] arrays (the scanned layout,
     models/llama.py stack_layers), filled on the host and placed name by name, each host
@@ -367,19 +393,53 @@ def build_params(
         )
     host: dict[str, np.ndarray] = {}  # stacked: name -> [num_layers, ...] being filled
     for key, spec in items:
-        # Cast on the host (ml_dtypes for bfloat16): jnp.asarray(x, dtype=...) would compile
-        # one XLA convert per distinct tensor shape.
-        value = np.ascontiguousarray(spec.to_layout(read(spec)), dtype=dtype)
+        value = _stored(key, spec, read(spec), dtype, quantize)
+        if shardings and not isinstance(value, np.ndarray):
+            raise ValueError(
+                f"{spec.hf_name}: quantized weights are not supported with tensor parallelism"
+            )
         if stacked and key[0] == "layers":
             name = key[2]
             if name not in host:
-                host[name] = aligned_empty((config.num_layers, *value.shape), value.dtype)
-            host[name][key[1]] = value
+                host[name] = _tree_map(
+                    lambda a: aligned_empty((config.num_layers, *a.shape), a.dtype), value
+                )
+            _set_layer(host[name], key[1], value)
             if key[1] == config.num_layers - 1:  # full: placed, the host copy dropped
                 params["layers"][name] = _place(host.pop(name), shardings.get(("layers", name)))
             continue
         _set(params, key, value if on_host else _place(value, shardings.get(key)))
     return params
+
+
+def _tree_map(fn: Callable, *trees: Any) -> Any:
+    """jax.tree.map (a param is an array, or a QuantizedWeight of two)."""
+    import jax
+
+    return jax.tree.map(fn, *trees)
+
+
+def _set_layer(stacked: Any, index: int, value: Any) -> None:
+    """Row index of a stacked host param (an array or a QuantizedWeight) set to value."""
+    import jax
+
+    for s, v in zip(jax.tree.leaves(stacked), jax.tree.leaves(value), strict=True):
+        s[index] = v
+
+
+def _stored(key: tuple, spec: TensorSpec, raw: Any, dtype: Any, quantize) -> Any:
+    """A tensor read in the Hugging Face layout as the param stores it (dtype, or quantized)."""
+    from models import quantization
+
+    if quantization.is_quantized(raw):  # already quantized in the checkpoint
+        return quantization.hf_to_layout(raw, spec, key[-1])
+    if quantize is not None and key[0] == "layers":
+        value = quantize(key[2], spec, np.asarray(spec.to_layout(raw), dtype=np.float32))
+        if quantization.is_quantized(value):
+            return value
+    # Cast on the host (ml_dtypes for bfloat16): jnp.asarray(x, dtype=...) would compile
+    # one XLA convert per distinct tensor shape.
+    return np.ascontiguousarray(spec.to_layout(raw), dtype=dtype)
 
 
 def load_hf_model(
@@ -390,6 +450,7 @@ def load_hf_model(
     on_host: bool = False,
     stacked: bool | Callable[[ModelConfig], bool] = False,
     expert_parallel: bool = False,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Loads a Hugging Face model directory.
 
@@ -405,6 +466,9 @@ def load_hf_model(
       on_host: keep params as numpy arrays (for conversion), ignoring mesh.
       stacked: the layers stacked for lax.scan (build_params), unless on_host.
       expert_parallel: experts split over the mesh (ModelConfig.with_expert_parallel).
+      quantization: "int8" or "fp8": the projections quantized per output channel at load
+        (models/quantization.py). A compressed-tensors fp8 checkpoint (config.json's
+        quantization_config) loads its float8_e4m3fn weights and weight_scale as stored.
 
     Returns:
       LoadedModel. tokenizer is None when there is no tokenizer.json (the engine can still
@@ -424,9 +488,15 @@ def load_hf_model(
     config_path = model_dir / CONFIG_FILE
     config = read_hf_config(model_dir).with_expert_parallel(expert_parallel)
 
+    from models import quantization as quant
+
+    quant.check_method(quantization)
     files, weights_source = _weight_files(model_dir)
     specs = tensor_specs(config)
     wanted = {name for spec in specs.values() for name in spec.hf_names}
+    fp8 = _compressed_tensors_fp8(_read_json(config_path), config_path)
+    if fp8:  # each quantized weight's scale (and a static input scale, unused: dynamic)
+        wanted |= {n + "_scale" for n in wanted} | {n[: -len("weight")] + "input_scale" for n in wanted}
     unexpected = sorted(
         name
         for name in files
@@ -445,29 +515,73 @@ def load_hf_model(
     handles: dict[Path, Any] = {}
     with contextlib.ExitStack() as stack:
 
-        def read_one(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        def read_one(name: str, shape: tuple[int, ...] | None) -> np.ndarray:
             file = files.get(name)
             if file is None:
                 raise ValueError(f"{weights_source}: missing tensor {name!r}")
             if file not in handles:
                 handles[file] = stack.enter_context(_open(file))
             array = _read_tensor(handles[file], file, name)
-            if tuple(array.shape) != shape:
+            if shape is not None and tuple(array.shape) != shape:
                 raise ValueError(
                     f"{file}: tensor {name!r} has shape {list(array.shape)}, "
                     f"expected {list(shape)} from {config_path}"
                 )
             return array
 
-        def read(spec: TensorSpec) -> np.ndarray:
+        def read_stored(name: str, shape: tuple[int, ...]) -> Any:
+            array = read_one(name, shape)
+            if array.dtype != np.dtype(quant.STORAGE_DTYPES["fp8"]):
+                return array
+            scale_name = name + "_scale"
+            if scale_name not in files:
+                raise ValueError(
+                    f"{weights_source}: fp8 tensor {name!r} has no {scale_name!r} "
+                    "(compressed-tensors stores one per quantized weight)"
+                )
+            return quant.QuantizedWeight(array, read_one(scale_name, None))
+
+        def read(spec: TensorSpec) -> Any:
             if spec.experts:
-                return np.stack([read_one(n, spec.hf_shape) for n in spec.hf_names])
-            return read_one(spec.hf_name, spec.hf_shape)
+                parts = [read_stored(n, spec.hf_shape) for n in spec.hf_names]
+                if quant.is_quantized(parts[0]):
+                    return quant.QuantizedWeight(
+                        np.stack([p.q for p in parts]), np.stack([p.scale for p in parts])
+                    )
+                return np.stack(parts)
+            return read_stored(spec.hf_name, spec.hf_shape)
+
+        def quantize(name: str, spec: TensorSpec, value: np.ndarray) -> Any:
+            return quant.quantize_param(name, value, quantization, name=name)
 
         params = build_params(
-            config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host, stacked=stacked
+            config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host,
+            stacked=stacked, quantize=quantize if quantization else None,
         )
     return directory_model(model_dir, config, params, mesh)
+
+
+def _compressed_tensors_fp8(raw: dict[str, Any], source: Path) -> bool:
+    """Whether config.json's quantization_config is compressed-tensors fp8 weights (the
+    only quantized checkpoint layout jpaged reads); any other quantization_config is refused."""
+    qc = raw.get("quantization_config")
+    if qc is None:
+        return False
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"{source}: quantization_config quant_method {method!r} is not supported; "
+            "supported: compressed-tensors (fp8 weights)"
+        )
+    for name, group in (qc.get("config_groups") or {}).items():
+        weights = (group or {}).get("weights") or {}
+        if (weights.get("type"), weights.get("num_bits")) != ("float", 8):
+            raise ValueError(
+                f"{source}: quantization_config config_groups.{name}.weights is "
+                f"{weights.get('type')!r} with {weights.get('num_bits')!r} bits; jpaged reads "
+                "float 8-bit (fp8 e4m3) weights only"
+            )
+    return True
 
 
 def directory_model(model_dir: Path, config: ModelConfig, params: Any, mesh: Any) -> LoadedModel:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from models import moe
+from models import moe, quantization
 from models.config import LinearRopeScaling, LongRopeScaling, ModelConfig, RopeScaling
 
 # attention_backend -> dispatcher arguments: None/"pallas" pick the platform's best (the
@@ -232,9 +232,9 @@ def forward(
         window, local = kind  # static: a layer group's own
         cos, sin = ropes[local]
         h = norm(x, layer["input_norm"], cfg.rms_norm_eps)
-        q = jnp.einsum("td,dhk->thk", h, layer["wq"])
-        k = jnp.einsum("td,dhk->thk", h, layer["wk"])
-        v = jnp.einsum("td,dhk->thk", h, layer["wv"])
+        q = quantization.einsum("td,dhk->thk", h, layer["wq"])
+        k = quantization.einsum("td,dhk->thk", h, layer["wk"])
+        v = quantization.einsum("td,dhk->thk", h, layer["wv"])
         if cfg.attention_bias:
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
         if cfg.qk_norm:
@@ -260,7 +260,7 @@ def forward(
                 q, k_pages, v_pages, context_lens, table, query_start,
                 max_query_len=max_query_len, sliding_window=window, **attn_kwargs
             )
-        out = _reduce(jnp.einsum("thk,hkd->td", attn, layer["wo"]), tp_axis)
+        out = _reduce(quantization.einsum("thk,hkd->td", attn, layer["wo"]), tp_axis)
         if cfg.post_norms:
             out = norm(out, layer["attn_out_norm"], cfg.rms_norm_eps)
         x = x + out
@@ -301,7 +301,8 @@ def _scan_groups(run_layer, carry, layers: dict, offsets, kinds: list, period: i
     num_groups = num_layers // period
 
     def take(i):
-        return {k: jax.lax.dynamic_index_in_dim(v, i, keepdims=False) for k, v in layers.items()}
+        index = lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+        return {k: jax.tree.map(index, v) for k, v in layers.items()}
 
     def run_group(carry, g):
         for j in range(period):
@@ -325,7 +326,7 @@ def stack_layers(params: dict, place=None) -> dict:
         return params
     stacked = {}
     for name in layers[0]:
-        array = jnp.stack([layer[name] for layer in layers])
+        array = jax.tree.map(lambda *a: jnp.stack(a), *[layer[name] for layer in layers])
         stacked[name] = array if place is None else place(name, array)
     return {**params, "layers": stacked}
 
@@ -359,8 +360,9 @@ def _mlp(h: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis) -> jax.Array
     """The feed-forward of normed h [T, D]: the gated MLP, or the experts (models/moe.py)."""
     if cfg.num_experts:
         return moe.moe_mlp(h, layer, cfg, act, tp_axis)
-    gate = act(h @ layer["w_gate"])
-    return _reduce((gate * (h @ layer["w_up"])) @ layer["w_down"], tp_axis)
+    mm = quantization.matmul
+    gate = act(mm(h, layer["w_gate"]))
+    return _reduce(mm(gate * mm(h, layer["w_up"]), layer["w_down"]), tp_axis)
 
 
 def _kv_axis(tp_axis):

@@ -49,6 +49,7 @@ def load_model(
     revision: str | None = None,
     stacked: bool | Callable[[ModelConfig], bool] = False,
     expert_parallel: bool = False,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Loads any model jpaged reads (see the module docstring).
 
@@ -63,6 +64,9 @@ def load_model(
         is restored per layer and stacked on the devices (models/llama.py stack_layers).
       expert_parallel: a mixture-of-experts model's experts split over the mesh's
         tensor-parallel devices (ModelConfig.with_expert_parallel); HF and GGUF only.
+      quantization: "int8" or "fp8" weights (models/quantization.py; HF and GGUF only, one
+        device); None: float weights in dtype (a compressed-tensors fp8 checkpoint still
+        loads fp8).
 
     Raises:
       FileNotFoundError, ValueError: as the chosen loader; ValueError for a repo that cannot
@@ -72,9 +76,12 @@ def load_model(
     gguf_file = gguf.find_gguf(local)
     if gguf_file is not None:
         return gguf.load_gguf_model(
-            gguf_file, dtype=dtype, mesh=mesh, stacked=stacked, expert_parallel=expert_parallel
+            gguf_file, dtype=dtype, mesh=mesh, stacked=stacked, expert_parallel=expert_parallel,
+            quantization=quantization,
         )
     if orbax_checkpoint.is_orbax_dir(local):
+        if quantization is not None:
+            raise ValueError(f"{local}: quantization is not supported for Orbax checkpoints")
         if expert_parallel:
             raise ValueError(f"{local}: expert parallelism is not supported for Orbax checkpoints")
         loaded = orbax_checkpoint.load_orbax_model(local, dtype=dtype, mesh=mesh)
@@ -93,7 +100,8 @@ def load_model(
             place = lambda name, a: jax.device_put(a, layers[name])
         return dataclasses.replace(loaded, params=stack_layers(loaded.params, place))
     return load_hf_model(
-        local, dtype=dtype, mesh=mesh, stacked=stacked, expert_parallel=expert_parallel
+        local, dtype=dtype, mesh=mesh, stacked=stacked, expert_parallel=expert_parallel,
+        quantization=quantization,
     )
 
 

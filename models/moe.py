@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.quantization import dequantize
 
 
 def route(
@@ -53,7 +54,10 @@ def moe_mlp(x: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis=None) -> j
     (plain TP or one device), or under expert parallelism the E_local experts starting at
     axis_index * E_local."""
     num_tokens, k = x.shape[0], cfg.num_experts_per_tok
-    w_gate, w_up, w_down = layer["w_gate_exps"], layer["w_up_exps"], layer["w_down_exps"]
+    # Quantized experts are dequantized in the step (models/quantization.py).
+    w_gate, w_up, w_down = (
+        dequantize(layer[name], x.dtype) for name in ("w_gate_exps", "w_up_exps", "w_down_exps")
+    )
     logits = jnp.dot(
         x.astype(jnp.float32),
         layer["router"].astype(jnp.float32),

@@ -109,6 +109,10 @@ class Metrics:
         self.pages_cached = Gauge(
             "jpaged_kv_pages_cached", "Free pages still holding prefix-cache content", registry=r
         )
+        self.weight_bytes = Gauge(
+            "jpaged_weight_bytes", "Resident bytes of the model weights (quantized: with scales)",
+            registry=r,
+        )
         self.prefix_hit_rate = Gauge(
             "jpaged_prefix_cache_hit_rate",
             "Prompt tokens served from the prefix cache / prompt tokens looked up",
@@ -158,6 +162,8 @@ class Metrics:
         self.pages_used.set(stats["pages_used"])
         self.pages_free.set(stats["pages_free"])
         self.pages_cached.set(stats["pages_cached"])
+        if "weight_bytes" in stats:  # an engine's (fake engines in tests may leave it out)
+            self.weight_bytes.set(stats["weight_bytes"])
         query, hit = stats["prefix_cache_query_tokens"], stats["prefix_cache_hit_tokens"]
         self.prefix_hit_rate.set(hit / query if query else 0.0)
         for key, counter in self._counters.items():

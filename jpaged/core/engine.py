@@ -55,6 +55,7 @@ from jpaged.worker.model_loading import load_for_config
 from jpaged.worker.runner import InFlightStep, ModelRunner
 from jpaged.worker.step_inputs import bucket, needs_key
 from jpaged.worker.step_plan import StepPlan
+from models import quantization
 from models.config import LongRopeScaling, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -250,6 +251,8 @@ class LLMEngine:
         if loaded is None:
             loaded = load_for_config(config)  # sharded when config.parallel asks for it
         self.model_config: ModelConfig = loaded.config
+        # Resident bytes of the params (quantized weights: values and scales).
+        self.weight_bytes: int = quantization.weight_bytes(loaded.params)
         self.platform: str = jax.default_backend()  # "cpu", "gpu", "tpu"
         self.config = config = config.resolve(
             self.model_config.max_position_embeddings, self.platform
@@ -1077,6 +1080,8 @@ class LLMEngine:
             load_seconds=programs.load_seconds,
             num_recompiles=programs.num_recompiles,
             num_recoveries=self.num_recoveries,
+            weight_bytes=self.weight_bytes,
+            quantization=self.config.quantization,
             **self._speculation_stats(),
         )
 

@@ -48,6 +48,7 @@ def load_for_config(config: EngineConfig, *, data_parallel: bool = False) -> Loa
         revision=config.revision,
         expert_parallel=p.enable_expert_parallel,
         stacked=functools.partial(config.scans_layers, jax.default_backend()),
+        quantization=config.quantization,
     )
     shipped = builtin_generation_defaults(path)
     if shipped:

@@ -1,0 +1,291 @@
+"""Weight quantization (models/quantization.py, issue 29): exact round trips on hand-made
+weights, the quantized linear against the dequantized weight, a GGUF Q8_0 loaded as int8 with
+its own blocks, a compressed-tensors fp8 checkpoint loaded as stored, the accelerator
+formulation lowered for cuda (abstract H200) and tpu, and clear errors for bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from models import quantization as quant
+from models.loader import load_model
+
+F8 = ml_dtypes.float8_e4m3fn
+
+
+def test_int8_per_channel_exact_values():
+    # [K=2, N=4]: channel 0 max 1, channel 1 max 4 (negative values), channel 2 all zero,
+    # channel 3 a value that rounds half away from the grid.
+    w = np.array([[1.0, -2.0, 0.0, 0.5], [0.5, -4.0, 0.0, 0.25]], np.float32)
+    qw = quant.quantize(w, (0,), "int8")
+    assert qw.q.dtype == np.int8 and qw.scale.dtype == np.float32
+    np.testing.assert_array_equal(qw.q, [[127, -64, 0, 127], [64, -127, 0, 64]])
+    np.testing.assert_array_equal(
+        qw.scale, np.array([[1 / 127, 4 / 127, 1.0, 0.5 / 127]], np.float32)
+    )
+    deq = quant.dequantize(qw, np.float32)
+    np.testing.assert_array_equal(deq[:, 2], [0.0, 0.0])  # zeros stay zeros
+    assert deq[0, 0] == np.float32(127) * np.float32(1 / 127)
+    assert deq[1, 1] == np.float32(-127) * np.float32(4 / 127)
+    assert deq[0, 1] == np.float32(-64) * np.float32(4 / 127)  # -2.015748: the grid's step
+
+
+def test_saturation_at_the_dtype_max():
+    # A float16 scale rounded below max/127 would map the max above 127: clipped to 127.
+    w = np.array([[1.0], [0.0]], np.float32)
+    scale16 = np.float16(1 / 127)
+    assert np.float32(1.0) / np.float32(scale16) > 127  # the rounding this test relies on
+    qw = quant.quantize(w, (0,), "int8", group=2, scale_dtype=np.float16)
+    np.testing.assert_array_equal(qw.q, [[127], [0]])
+    assert qw.scale.dtype == np.float16 and qw.scale[0, 0] == scale16
+    # fp8: the channel's max lands exactly on e4m3's largest finite value, 448.
+    f = quant.quantize(np.array([[3.0, -0.5], [-6.0, 0.25]], np.float32), (0,), "fp8")
+    assert f.q.dtype == F8
+    np.testing.assert_array_equal(f.q.astype(np.float32), [[224.0, -448.0], [-448.0, 224.0]])
+    np.testing.assert_array_equal(f.scale, np.float32([[6 / 448, 0.5 / 448]]))
+
+
+def test_groups_along_the_last_contraction_axis():
+    # wo-like [H=1, Dh=4, D=2], groups of 2 along Dh: one scale per (head, group, channel).
+    w = np.arange(8, dtype=np.float32).reshape(1, 4, 2) - 3.0  # [-3 .. 4]
+    qw = quant.quantize(w, (0, 1), "int8", group=2)
+    assert qw.scale.shape == (1, 2, 2) and (qw.group, qw.group_axis) == (2, -2)
+    np.testing.assert_array_equal(qw.scale[0], np.float32([[3, 2], [3, 4]]) / 127)
+    np.testing.assert_array_equal(qw.q[0], [[-127, -127], [-42, 0], [42, 64], [127, 127]])
+    # Stacked (a leading layer axis) and indexed back: the same weight.
+    stacked = quant.QuantizedWeight(qw.q[None], qw.scale[None], qw.group, qw.group_axis)
+    np.testing.assert_array_equal(quant.dequantize(stacked[0]), quant.dequantize(qw))
+
+
+def test_non_finite_weights_are_refused():
+    w = np.ones((4, 3), np.float32)
+    w[2, 1] = np.nan
+    with pytest.raises(ValueError, match=r"wq: cannot quantize a non-finite weight \(nan at index \[2, 1\]\)"):
+        quant.quantize(w, (0,), "int8", name="wq")
+    w[2, 1] = np.inf
+    with pytest.raises(ValueError, match="non-finite"):
+        quant.quantize(w, (0,), "fp8")
+    with pytest.raises(ValueError, match="group size 3 does not divide axis 0"):
+        quant.quantize(np.ones((4, 3), np.float32), (0,), group=3)
+    with pytest.raises(ValueError, match="quantization must be one of int8, fp8"):
+        quant.quantize(np.ones((4, 3), np.float32), (0,), "int4")
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("native", [False, True])
+def test_quantized_linear_equals_the_dequantized_weight(method, native):
+    """The CPU formulation (dequantize, float dot) and the accelerator one (dot_general over
+    the stored values, scaled after) both equal x times the dequantized weight."""
+    rng = np.random.default_rng(0)
+    cases = [
+        ("td,dhk->thk", (5, 32), (32, 2, 8), (0,)),
+        ("thk,hkd->td", (5, 2, 8), (2, 8, 32), (0, 1)),
+    ]
+    for subscripts, x_shape, w_shape, axes in cases:
+        x = jnp.asarray(rng.normal(size=x_shape).astype(np.float32))
+        w = quant.quantize(rng.normal(size=w_shape).astype(np.float32), axes, method)
+        qw = jax.tree.map(jnp.asarray, w)
+        want = jnp.einsum(subscripts, x, quant.dequantize(qw), precision="highest")
+        got = jax.jit(lambda x, w, s=subscripts: quant.einsum(s, x, w, native=native))(x, qw)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    x = jnp.asarray(rng.normal(size=(3, 32)).astype(np.float32))
+    qw = jax.tree.map(jnp.asarray, quant.quantize(rng.normal(size=(32, 16)), (0,), method))
+    want = jnp.matmul(x, quant.dequantize(qw), precision="highest")
+    np.testing.assert_allclose(quant.matmul(x, qw, native=native), want, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_matmul_lowers_for_cuda_and_tpu():
+    """The accelerator formulation lowers for an abstract H200 and for tpu: the program takes
+    the stored int8 / fp8 weight, widens it to the activations' bfloat16 and runs one
+    dot_general accumulating in float32."""
+    from tests.pallas_kernels.gpu_target import h200
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(4, 64)).astype(np.float32), jnp.bfloat16)
+    for method, type_name in (("int8", "i8"), ("fp8", "f8E4M3FN")):
+        qw = jax.tree.map(jnp.asarray, quant.quantize(rng.normal(size=(64, 2, 32)), (0,), method))
+
+        def f(x, w):
+            return quant.einsum("td,dhk->thk", x, w, native=True)
+
+        for platform in ("cuda", "tpu"):
+            traced = jax.jit(f).trace(x, qw)
+            if platform == "cuda":
+                with h200():
+                    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+            else:
+                text = traced.lower(lowering_platforms=("tpu",)).as_text()
+            main = next(line for line in text.splitlines() if "func.func public @main" in line)
+            assert f"tensor<64x2x32x{type_name}>" in main, main
+            assert "tensor<1x2x32xf32>" in main, main  # the per-channel scale
+            dots = [line for line in text.splitlines() if "dot_general" in line]
+            assert len(dots) == 1, text
+            want = "(tensor<4x64xbf16>, tensor<64x2x32xbf16>) -> tensor<4x2x32xf32>"
+            assert want in dots[0], dots
+
+
+# A tiny llama whose projections dominate its bytes (8 layers, tied embeddings), as GGUF.
+_TINY = {
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 8,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(tmp_path_factory):
+    from tests.checkpoints import make_tiny_checkpoint, write_gguf
+
+    root = tmp_path_factory.mktemp("q8")
+    hf = make_tiny_checkpoint(root / "hf", "llama", **_TINY)
+    write_gguf(hf, root / "model-q8_0.gguf", "Q8_0")
+    return root / "model-q8_0.gguf"
+
+
+def _layer_bytes(params) -> int:
+    return quant.weight_bytes(params["layers"])
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_gguf_q8_0_loads_as_int8_with_its_blocks(q8_gguf, stacked):
+    from gguf import GGUFReader
+
+    dense = load_model(q8_gguf, stacked=stacked)
+    q8 = load_model(q8_gguf, stacked=stacked, quantization="int8")
+    layers = q8.params["layers"]
+    layer = layers if stacked else layers[3]
+    wq = layer["wq"]
+    assert isinstance(wq, quant.QuantizedWeight) and (wq.group, wq.group_axis) == (32, -3)
+    assert wq.q.dtype == jnp.int8 and wq.scale.dtype == jnp.float16
+    assert wq.shape == ((8,) if stacked else ()) + (128, 4, 32)
+    # Exactly the file's blocks: the int8 values of blk.3.ffn_down equal the file's bytes.
+    raw = {t.name: t for t in GGUFReader(q8_gguf).tensors}["blk.3.ffn_down.weight"].data
+    blocks = np.asarray(raw).reshape(128, 512 // 32, 34)  # [out, blocks, fp16 d + 32 int8]
+    file_q = blocks[:, :, 2:].copy().view(np.int8).reshape(128, 512)  # [out=D, in=F]
+    file_d = blocks[:, :, :2].copy().view(np.float16).reshape(128, 16)
+    down = layer["w_down"][3] if stacked else layer["w_down"]
+    np.testing.assert_array_equal(np.asarray(down.q), file_q.T)
+    np.testing.assert_array_equal(np.asarray(down.scale), file_d.T)
+    # Dequantized, every projection equals the float load's (which gguf.quants dequantizes).
+    dense_layer = dense.params["layers"] if stacked else dense.params["layers"][3]
+    for name in quant.QUANTIZED_PARAMS:
+        if name in layer:
+            np.testing.assert_array_equal(quant.dequantize(layer[name]), dense_layer[name])
+    np.testing.assert_array_equal(q8.params["embed"], dense.params["embed"])  # stays float32
+    # Resident bytes: the projections at 1 + 2/32 bytes per weight (+ float32 norms).
+    projections = 8 * (128 * 128 * 2 + 128 * 64 * 2 + 3 * 128 * 512)
+    norms = 8 * 2 * 128 * 4
+    assert _layer_bytes(q8.params) == projections * (1 + 2 / 32) + norms
+    assert _layer_bytes(dense.params) == projections * 4 + norms
+    assert _layer_bytes(q8.params) <= 0.3 * _layer_bytes(dense.params)
+    embed = 2048 * 128 * 4 + 128 * 4  # the tied embedding and the final norm, float32
+    assert quant.weight_bytes(q8.params) == _layer_bytes(q8.params) + embed
+
+
+def test_gguf_q8_0_logits_equal_the_dequantized_load(q8_gguf):
+    """Greedy tokens and their logprobs through the engine: int8 weights (dequantized in the
+    step on the CPU) against the float32 load, to 1e-5; llm.stats() reports the bytes."""
+    from jpaged import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], list(range(40, 70))]
+    runs = {}
+    for method in (None, "int8"):
+        llm = LLM(model=str(q8_gguf), quantization=method, max_num_seqs=4, max_model_len=64)
+        runs[method] = (llm.generate(prompts, params), llm.stats())
+    (dense, dense_stats), (q8, q8_stats) = runs[None], runs["int8"]
+    for a, b in zip(dense, q8, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            np.testing.assert_allclose(list(lb.values()), list(la.values()), atol=1e-5)
+    assert (dense_stats["quantization"], q8_stats["quantization"]) == (None, "int8")
+    assert q8_stats["weight_bytes"] == 2_097_152 + 1_049_088  # as the test above counts
+    assert dense_stats["weight_bytes"] == 8_921_600
+
+
+def _write_fp8_checkpoint(root, *, drop_scale: str | None = None, config_groups=None):
+    """The tiny llama as a compressed-tensors fp8 checkpoint (per-channel weight_scale)."""
+    from safetensors.flax import save_file
+    from safetensors.numpy import load_file
+
+    from tests.checkpoints import make_tiny_checkpoint
+
+    hf = make_tiny_checkpoint(root, "llama")
+    tensors = load_file(str(hf / "model.safetensors"))
+    out, expected = {}, {}
+    for name, w in tensors.items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            scale = (np.abs(w).max(axis=1, keepdims=True) / 448).astype(np.float32)  # [out, 1]
+            q = (w / scale).astype(F8)
+            out[name] = jnp.asarray(q)
+            if name + "_scale" != drop_scale:
+                out[name + "_scale"] = jnp.asarray(scale)
+            expected[name] = q.astype(np.float32) * scale
+        else:
+            out[name] = jnp.asarray(w)
+    save_file(out, str(hf / "model.safetensors"))
+    config = json.loads((hf / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": config_groups or {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                "input_activations": {"num_bits": 8, "type": "float", "dynamic": True},
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+    (hf / "config.json").write_text(json.dumps(config))
+    return hf, expected
+
+
+def test_compressed_tensors_fp8_loads_without_dequantization(tmp_path):
+    hf, expected = _write_fp8_checkpoint(tmp_path / "fp8")
+    loaded = load_model(hf)
+    wq = loaded.params["layers"][1]["wq"]
+    assert isinstance(wq, quant.QuantizedWeight) and wq.q.dtype == F8
+    assert wq.scale.shape == (1, 4, 16) and wq.scale.dtype == jnp.float32
+    want = expected["model.layers.1.self_attn.q_proj.weight"].T.reshape(64, 4, 16)
+    np.testing.assert_array_equal(quant.dequantize(wq), want)
+    wo = loaded.params["layers"][0]["wo"]
+    assert wo.scale.shape == (1, 1, 64)
+    want = expected["model.layers.0.self_attn.o_proj.weight"].T.reshape(4, 16, 64)
+    np.testing.assert_array_equal(quant.dequantize(wo), want)
+    assert loaded.params["embed"].dtype == jnp.float32  # not quantized in the checkpoint
+
+
+def test_fp8_checkpoint_without_a_weight_scale_is_a_clear_error(tmp_path):
+    name = "model.layers.1.mlp.up_proj.weight"
+    hf, _ = _write_fp8_checkpoint(tmp_path / "fp8", drop_scale=name + "_scale")
+    with pytest.raises(ValueError, match=f"fp8 tensor '{name}' has no '{name}_scale'"):
+        load_model(hf)
+    hf, _ = _write_fp8_checkpoint(
+        tmp_path / "int4", config_groups={"g": {"weights": {"num_bits": 4, "type": "int"}}}
+    )
+    with pytest.raises(ValueError, match="jpaged reads float 8-bit"):
+        load_model(hf)
+
+
+def test_unknown_quantization_is_a_clear_error(q8_gguf):
+    from jpaged.config import EngineConfig
+    from jpaged.entrypoints.cli import build_parser
+
+    with pytest.raises(ValueError, match="quantization must be one of int8, fp8 .*'int4'"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be one of int8, fp8 .*'awq'"):
+        load_model(q8_gguf, quantization="awq")
+    parser = build_parser()
+    args = parser.parse_args(["generate", "hi", "--quantization", "fp8"])
+    assert args.quantization == "fp8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "hi", "--quantization", "int4"])
