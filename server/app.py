@@ -53,6 +53,9 @@ class Server:
             metrics=self.metrics,
             max_n=options.max_n,
             sampling_defaults=defaults,
+            chat_template=options.chat_template,
+            tool_call_parser=options.tool_call_parser,
+            enable_auto_tool_choice=options.enable_auto_tool_choice,
         )
         self.openai = OpenAIServer(
             self.engine_loop,

@@ -19,7 +19,7 @@ import grpc
 
 from jpaged.sample.sampling_params import SamplingParams
 from jpaged.structured_output import StructuredOutputsParams
-from server import embeddings, wire
+from server import embeddings, grpc_chat, wire
 from server.engine_loop import (
     Draining,
     DuplicateRequestId,
@@ -39,6 +39,7 @@ _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
 }
 _MAX_REQUEST_ID_LEN = 256
 
@@ -52,8 +53,14 @@ class GenerationService:
         metrics=None,
         max_n: int = 64,
         sampling_defaults: dict | None = None,
+        chat_template: str | None = None,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
     ) -> None:
         self._loop = loop
+        self._chat_template = chat_template
+        self._tool_call_parser = tool_call_parser
+        self._auto_tools = enable_auto_tool_choice
         self._sampling_defaults = dict(sampling_defaults or {})
         self._metrics = metrics
         self._max_n = max_n
@@ -68,9 +75,7 @@ class GenerationService:
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         start = time.monotonic()
-        # An id before anything else, so a rejection's log line names the request too.
-        given = getattr(request, "request_id", "")
-        client_id = given if 0 < len(given) <= _MAX_REQUEST_ID_LEN else new_request_id()
+        client_id = _client_id(request)
         try:
             wire.raise_if_invalid(request)
             prompt, params, salt = self._parse(request)
@@ -78,11 +83,51 @@ class GenerationService:
             await self._reject(
                 context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", e, client_id
             )
+        fits = None  # max_tokens the client set must fit; a default one stops at the limit
+        if request.sampling.HasField("max_tokens"):
+            fits = functools.partial(_fits_context, prompt=prompt, params=params)
+
+        def submit() -> RequestHandle:
+            return self._loop.submit(client_id, prompt, params, salt, prepare=fits)
+
+        async for message in self._serve(context, client_id, start, submit, _response):
+            yield message
+
+    async def Chat(self, request, context: grpc.aio.ServicerContext):
+        """A conversation with tools (server/grpc_chat.py), streamed as Generate streams."""
+        start = time.monotonic()
+        client_id = _client_id(request)
         try:
-            fits = None  # max_tokens the client set must fit; a default one stops at the limit
-            if request.sampling.HasField("max_tokens"):
-                fits = functools.partial(_fits_context, prompt=prompt, params=params)
-            handle = self._loop.submit(client_id, prompt, params, salt, prepare=fits)
+            wire.raise_if_invalid(request)
+            self._check_request_id(request)
+            req = grpc_chat.chat_request(request)
+            tools = grpc_chat.plan(
+                req, parser_name=self._tool_call_parser, auto_enabled=self._auto_tools
+            )
+            params = grpc_chat.with_tool_constraint(self._sampling(request.sampling), tools)
+            salt = _salt(request)
+            prepare = grpc_chat.prompt_preparer(
+                req, self._chat_template, tools, params,
+                max_tokens_set=request.sampling.HasField("max_tokens"),
+            )  # fmt: skip
+        except ValueError as e:
+            await self._reject(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", e, client_id
+            )
+        respond = functools.partial(
+            _response, response_cls=pb.ChatResponse, read=grpc_chat.ChatReader(tools, params.n)
+        )
+
+        def submit() -> RequestHandle:
+            return self._loop.submit(client_id, None, params, salt, prepare=prepare)
+
+        async for message in self._serve(context, client_id, start, submit, respond):
+            yield message
+
+    async def _serve(self, context, client_id: str, start: float, submit, respond):
+        """Submits a request and yields respond(handle, final=...) as it progresses."""
+        try:
+            handle = submit()
         except Overloaded as e:
             await self._reject(
                 context, grpc.StatusCode.RESOURCE_EXHAUSTED, "resource_exhausted", e, client_id
@@ -103,7 +148,7 @@ class GenerationService:
                     outcome, code = _error_status(handle.error)
                     await context.abort(code, _error_message(handle.error))
                 done = handle.finished or handle.aborted
-                message = _response(handle, final=done)
+                message = respond(handle, final=done)
                 if first_token_time is None and any(c.num_tokens for c in handle.choices):
                     first_token_time = time.monotonic()
                 if done:
@@ -125,12 +170,7 @@ class GenerationService:
             )
 
     def _parse(self, request) -> tuple[str | list[int], SamplingParams, str | None]:
-        if request.HasField("request_id"):
-            n = len(request.request_id)
-            if not 0 < n <= _MAX_REQUEST_ID_LEN:
-                raise ValueError(
-                    f"request_id must have 1 to {_MAX_REQUEST_ID_LEN} characters, got {n}"
-                )
+        self._check_request_id(request)
         which = request.WhichOneof("prompt")
         if which is None:
             raise ValueError("prompt is required: set text or token_ids")
@@ -147,7 +187,20 @@ class GenerationService:
                     raise ValueError(
                         f"prompt token_ids[{i}] = {t} is out of range [0, {self._vocab_size})"
                     )
-        params = sampling_params_from_proto(request.sampling, self._sampling_defaults)
+        return prompt, self._sampling(request.sampling), _salt(request)
+
+    @staticmethod
+    def _check_request_id(request) -> None:
+        if request.HasField("request_id"):
+            n = len(request.request_id)
+            if not 0 < n <= _MAX_REQUEST_ID_LEN:
+                raise ValueError(
+                    f"request_id must have 1 to {_MAX_REQUEST_ID_LEN} characters, got {n}"
+                )
+
+    def _sampling(self, sampling: pb.SamplingParameters) -> SamplingParams:
+        """SamplingParams, with this server's limits: n, token ids in the vocabulary."""
+        params = sampling_params_from_proto(sampling, self._sampling_defaults)
         if params.n > self._max_n:
             raise ValueError(f"n must be <= {self._max_n} on this server, got {params.n}")
         for i, t in enumerate(params.stop_token_ids):
@@ -158,12 +211,7 @@ class GenerationService:
         for t in params.logit_bias or {}:
             if t >= self._vocab_size:
                 raise ValueError(f"logit_bias token id {t} is out of range [0, {self._vocab_size})")
-        salt = None
-        if request.HasField("cache_salt"):
-            if not request.cache_salt:
-                raise ValueError("cache_salt must not be empty when set")
-            salt = request.cache_salt
-        return prompt, params, salt
+        return params
 
     async def _reject(self, context, code, outcome: str, error: Exception, request_id: str):
         record_rejection(
@@ -228,11 +276,9 @@ class GenerationService:
         text = await self._loop.call(lambda engine: engine.tokenizer.decode(ids))
         return pb.DetokenizeResponse(text=text)
 
-
     async def Embed(self, request, context):
         """The embeddings of the request's inputs (server/embeddings.py)."""
-        given = request.request_id
-        client_id = given if 0 < len(given) <= _MAX_REQUEST_ID_LEN else new_request_id()
+        client_id = _client_id(request)
         try:
             wire.raise_if_invalid(request)
             items = [
@@ -324,9 +370,28 @@ def structured_outputs_from_proto(msg: pb.StructuredOutputs) -> StructuredOutput
         raise ValueError(message) from None
 
 
-def _response(handle: RequestHandle, *, final: bool) -> pb.GenerateResponse:
-    """The choices' progress since the last message (the engine's deltas, as they are)."""
-    msg = pb.GenerateResponse(request_id=handle.client_id, finished=final)
+def _client_id(request) -> str:
+    """The request's id, else a new one (made before anything else, so that a rejection's
+    log line names the request too)."""
+    given = getattr(request, "request_id", "")
+    return given if 0 < len(given) <= _MAX_REQUEST_ID_LEN else new_request_id()
+
+
+def _salt(request) -> str | None:
+    if not request.HasField("cache_salt"):
+        return None
+    if not request.cache_salt:
+        raise ValueError("cache_salt must not be empty when set")
+    return request.cache_salt
+
+
+def _response(
+    handle: RequestHandle, *, final: bool, response_cls=pb.GenerateResponse, read=None
+) -> pb.GenerateResponse | pb.ChatResponse:
+    """The choices' progress since the last message: the engine's deltas as they are, or,
+    with read (a grpc_chat.ChatReader, for Chat), each choice's text read into content and
+    tool calls, read(delta, text, final, reason) returning the choice's finish reason."""
+    msg = response_cls(request_id=handle.client_id, finished=final)
     if handle.prompt_logprobs is not None and not handle.prompt_logprobs_sent:
         handle.prompt_logprobs_sent = True
         ids = handle.prompt_token_ids
@@ -336,11 +401,15 @@ def _response(handle: RequestHandle, *, final: bool) -> pb.GenerateResponse:
         text, token_ids, logprobs = c.take()
         if not (token_ids or text or final):
             continue
-        delta = msg.choices.add(index=c.index, token_ids=token_ids, text=text)
+        delta = msg.choices.add(index=c.index, token_ids=token_ids)
+        reason = (c.finish_reason or ("abort" if handle.aborted else None)) if final else None
+        if read is None:
+            delta.text = text
+        else:
+            reason = read(delta, text, final, reason)
         for t, position in zip(token_ids, logprobs):
             _add_logprob(delta.logprobs, t, position)
         if final:
-            reason = c.finish_reason or ("abort" if handle.aborted else None)
             delta.finish_reason = _FINISH_REASONS.get(reason, pb.FINISH_REASON_UNSPECIFIED)
             if isinstance(c.stop_reason, str):
                 delta.stop_string = c.stop_reason
@@ -414,5 +483,10 @@ def add_to_server(service: GenerationService, server: grpc.aio.Server) -> None:
         "Tokenize": unary(service.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
         "Detokenize": unary(service.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse),
         "Embed": unary(service.Embed, pb.EmbedRequest, pb.EmbedResponse),
+        "Chat": grpc.unary_stream_rpc_method_handler(
+            service.Chat,
+            request_deserializer=wire.parser(pb.ChatRequest),
+            response_serializer=pb.ChatResponse.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

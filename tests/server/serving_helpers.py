@@ -138,6 +138,43 @@ class Collected:
         self.final_choice = {c.index: c for c in self.final.choices}
 
 
+class ChatCollected:
+    """A Chat stream gathered per choice: content, the tool calls as a client assembles them
+    from the deltas ({"id", "name", "arguments"}; a call's first delta is checked to carry
+    its id and name and no arguments, the next ones neither), the final message's whole
+    calls in the same shape, finish reasons, usage."""
+
+    def __init__(self, messages: list[pb.ChatResponse]) -> None:
+        self.messages = messages
+        self.final = messages[-1]
+        self.usage = self.final.usage
+        self.content: dict[int, str] = {}
+        self.calls: dict[int, list[dict]] = {}
+        for m in messages:
+            for c in m.choices:
+                self.content[c.index] = self.content.get(c.index, "") + c.text
+                calls = self.calls.setdefault(c.index, [])
+                for d in c.tool_calls:
+                    if d.id:
+                        assert d.index == len(calls) and d.name and not d.arguments, d
+                        calls.append({"id": d.id, "name": d.name, "arguments": ""})
+                    else:
+                        assert not d.name, d
+                        calls[d.index]["arguments"] += d.arguments
+        self.finish_reason = {c.index: c.finish_reason for c in self.final.choices}
+        self.final_calls = {
+            c.index: [
+                {"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
+                for t in c.calls
+            ]
+            for c in self.final.choices
+        }
+
+
+def collect_chat(stub, request: pb.ChatRequest, **kwargs) -> ChatCollected:
+    return ChatCollected(list(stub.Chat(request, **kwargs)))
+
+
 def collect(stub, request: pb.GenerateRequest, **kwargs) -> Collected:
     return Collected(list(stub.Generate(request, **kwargs)))
 

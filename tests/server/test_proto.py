@@ -43,6 +43,7 @@ def test_stubs_import_and_describe_the_service():
         "Tokenize": ("TokenizeRequest", "TokenizeResponse", False),
         "Detokenize": ("DetokenizeRequest", "DetokenizeResponse", False),
         "Embed": ("EmbedRequest", "EmbedResponse", False),
+        "Chat": ("ChatRequest", "ChatResponse", True),
     }
     assert hasattr(pb_grpc, "GenerationStub")
     # Every SamplingParams field a client sets is in the proto, with presence for the scalar

@@ -8,6 +8,9 @@ tool-calling template of its own), so the exact content and calls are known. The
 the chat template (Qwen 2.5's, sent as the request's chat_template) and a multi-turn history
 with a tool call and its result renders as /tokenize and LLM.chat render it.
 
+The gRPC Chat RPC gives the same calls as HTTP for the same seed, and renders the same
+history with the tools.
+
 One engine and one server for the module.
 """
 
@@ -18,12 +21,13 @@ import json
 import httpx
 import jsonschema
 import pytest
-from serving_helpers import RunningServer, openai_client
+from serving_helpers import RunningServer, collect_chat, openai_client
 from tool_templates import QWEN25_TEMPLATE
 
 from jpaged import LLM
 from models.chat_template import render_chat
 from models.demo import SMOLLM2_DIR, cache_root, ensure_smollm2
+from server.proto.jpaged.v1 import generation_pb2 as pb
 
 # The user's jpaged cache, read at collection (demo_model_dir later moves JPAGED_CACHE_DIR).
 _SMOLLM2_DIR = cache_root() / SMOLLM2_DIR
@@ -240,3 +244,61 @@ def test_chat_prompt_logprobs_are_the_engines(server, llm):
     stream = httpx.post(server.http_url + "/v1/chat/completions",
                         json={**body, "stream": True}, timeout=60)  # fmt: skip
     assert (stream.status_code, stream.json()["error"]["param"]) == (400, "prompt_logprobs")
+
+
+# ---- gRPC Chat ----------------------------------------------------------------------------
+
+PB_TOOLS = [
+    pb.Tool(function=pb.FunctionDefinition(
+        name=t["function"]["name"], description=t["function"]["description"],
+        parameters=json.dumps(t["function"]["parameters"])))
+    for t in TOOLS
+]  # fmt: skip
+
+
+def grpc_chat(server, messages=None, **fields):
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 1.0, **fields.pop("sampling")}
+    messages = messages or [pb.ChatMessage(role="user", content=ASK[0]["content"])]
+    request = pb.ChatRequest(messages=messages, tools=PB_TOOLS,
+                             sampling=pb.SamplingParameters(**sampling), **fields)  # fmt: skip
+    return collect_chat(server.stub, request, timeout=300)
+
+
+def test_grpc_named_and_required_calls_validate_and_equal_http(server, client):
+    cases = [  # (gRPC tool_choice, HTTP's, finish_reason)
+        (pb.ToolChoice(function=pb.FunctionName(name="get_weather")), NAMED,
+         pb.FINISH_REASON_STOP),
+        (pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED), "required",
+         pb.FINISH_REASON_TOOL_CALLS),
+    ]  # fmt: skip
+    for choice, http_choice, finish in cases:
+        for seed in (0, 1):
+            got = grpc_chat(server, tool_choice=choice, parallel_tool_calls=False,
+                            sampling={"seed": seed})  # fmt: skip
+            assert got.content == {0: ""} and got.finish_reason == {0: finish}
+            (call,) = got.final_calls[0]
+            assert got.calls == got.final_calls and call["id"].startswith("call_")
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+            (want,) = ask(client, tool_choice=http_choice, seed=seed,
+                          parallel_tool_calls=False).choices  # fmt: skip
+            assert plain(want.message)[0]["name"] == call["name"]
+            assert plain(want.message)[0]["arguments"] == call["arguments"]
+
+
+def test_grpc_history_renders_with_the_tools(server, llm):
+    """HISTORY (a call and its result) as proto messages renders as the template renders
+    it with the tools (the prompt tokens of test_a_tool_result_turn_renders_with_the_tools)."""
+    body = {"messages": HISTORY, "tools": TOOLS, "chat_template": QWEN25_TEMPLATE}
+    want = httpx.post(server.http_url + "/tokenize", json=body, timeout=60).json()["count"]
+    (user, assistant, tool) = HISTORY
+    function = assistant["tool_calls"][0]["function"]
+    messages = [
+        pb.ChatMessage(role="user", content=user["content"]),
+        pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(
+            id="call_1", function=pb.FunctionCall(**function))]),
+        pb.ChatMessage(role="tool", tool_call_id="call_1", content=tool["content"]),
+    ]  # fmt: skip
+    none = pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_NONE)
+    got = grpc_chat(server, messages, tool_choice=none, chat_template=QWEN25_TEMPLATE,
+                    sampling={"max_tokens": 1})  # fmt: skip
+    assert got.usage.prompt_tokens == want and got.usage.completion_tokens == 1

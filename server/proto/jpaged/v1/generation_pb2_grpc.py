@@ -64,6 +64,11 @@ class GenerationStub:
                 request_serializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/jpaged.v1.Generation/Chat',
+                request_serializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.ChatRequest.SerializeToString,
+                response_deserializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.ChatResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -109,6 +114,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Chat(self, request, context):
+        """A conversation rendered by the model's chat template (the tools too), its choices
+        streamed as Generate streams them, each choice's text read into content and tool calls
+        as /v1/chat/completions reads it (docs/serving.md, "Tool calling").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +155,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
                     response_serializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.ChatRequest.FromString,
+                    response_serializer=server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.ChatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -305,6 +324,33 @@ class Generation:
             '/jpaged.v1.Generation/Embed',
             server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
             server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/jpaged.v1.Generation/Chat',
+            server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.ChatRequest.SerializeToString,
+            server_dot_proto_dot_jpaged_dot_v1_dot_generation__pb2.ChatResponse.FromString,
             options,
             channel_credentials,
             insecure,
