@@ -196,8 +196,10 @@ def _native_dot(subscripts: str, x: jax.Array, w: QuantizedWeight) -> jax.Array:
     )
     if free != out_sub:
         raise ValueError(f"einsum {subscripts!r}: not a plain contraction of x and w")
-    dims = ((tuple(x_sub.index(c) for c in contract), tuple(w_sub.index(c) for c in contract)),
-            ((), ()))
+    dims = (
+        (tuple(x_sub.index(c) for c in contract), tuple(w_sub.index(c) for c in contract)),
+        ((), ()),
+    )
     # The stored values widen to x's dtype inside the program (jax's dot_general takes one
     # operand dtype), which XLA fuses into the GPU/TPU matmul: the weight's bytes are read
     # once, in int8 / fp8.
@@ -254,5 +256,7 @@ def hf_to_layout(w: QuantizedWeight, spec: Any, name: str) -> QuantizedWeight:
     if scale.ndim == w.q.ndim - 1 or scale.size == 1:  # [out] or one per tensor
         scale = scale.reshape(scale.shape + (1,) * (w.q.ndim - scale.ndim))
     full = spec.to_layout(np.broadcast_to(scale, w.q.shape))
-    index = tuple(slice(0, 1) if a in QUANTIZED_PARAMS[name] else slice(None) for a in range(q.ndim))
+    index = tuple(
+        slice(0, 1) if a in QUANTIZED_PARAMS[name] else slice(None) for a in range(q.ndim)
+    )
     return QuantizedWeight(np.ascontiguousarray(q), np.ascontiguousarray(full[index]))

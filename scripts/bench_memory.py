@@ -72,6 +72,7 @@ def make_engine(
     config = engine_config_from_args(
         args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         page_size=page_size,
         num_pages=(kv_tokens or args.kv_tokens) // page_size + 1,  # the same for every run
         kv_allocation=kv_allocation,
@@ -218,6 +219,9 @@ def main() -> None:
         "a client's default cap well above typical answers",
     )
     p.add_argument("--kv-tokens", type=int, default=4096, help="KV budget in token slots")
+    p.add_argument(
+        "--quantization", default=None, choices=("int8", "fp8"), help="weights (default: float)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--min-token-bucket", type=int, default=64)

@@ -284,6 +284,7 @@ def engine_kwargs(args, workload: Workload, prefix_caching: bool = True) -> dict
         "enable_prefix_caching": prefix_caching,
         "async_scheduling": args.async_scheduling,
         "scan_layers": args.scan_layers,
+        "quantization": args.quantization,
     }
 
 
@@ -527,6 +528,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     p.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on accelerators")
     p.add_argument(
+        "--quantization", default=None, choices=("int8", "fp8"), help="jpaged's weights"
+    )
+    p.add_argument(
         "--num-requests", type=int, default=None, help="custom workload (default 64; smollm2 32)"
     )
     p.add_argument("--prompt-len", type=int, default=128, help="custom workload")
@@ -727,6 +731,7 @@ def _engine_flags(args) -> list[str]:
         "--seed", str(args.seed),
     ]
     flags += ["--precompile"] if args.precompile else []
+    flags += ["--quantization", args.quantization] if args.quantization else []
     flags += [] if args.async_scheduling else ["--no-async-scheduling"]
     if args.scan_layers is not None:
         flags += ["--scan-layers" if args.scan_layers else "--no-scan-layers"]

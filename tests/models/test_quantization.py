@@ -66,7 +66,9 @@ def test_groups_along_the_last_contraction_axis():
 def test_non_finite_weights_are_refused():
     w = np.ones((4, 3), np.float32)
     w[2, 1] = np.nan
-    with pytest.raises(ValueError, match=r"wq: cannot quantize a non-finite weight \(nan at index \[2, 1\]\)"):
+    with pytest.raises(
+        ValueError, match=r"wq: cannot quantize a non-finite weight \(nan at index \[2, 1\]\)"
+    ):
         quant.quantize(w, (0,), "int8", name="wq")
     w[2, 1] = np.inf
     with pytest.raises(ValueError, match="non-finite"):
@@ -130,21 +132,17 @@ def test_quantized_matmul_lowers_for_cuda_and_tpu():
             assert want in dots[0], dots
 
 
-# A tiny llama whose projections dominate its bytes (8 layers, tied embeddings), as GGUF.
-_TINY = {
-    "hidden_size": 128,
-    "intermediate_size": 512,
-    "num_hidden_layers": 8,
-    "tie_word_embeddings": True,
-}
+# A tiny llama whose projections dominate its bytes (8 layers), as GGUF (numpy-made: no torch).
+_TINY = {"hidden": 128, "intermediate": 512, "layers": 8}
 
 
 @pytest.fixture(scope="module")
 def q8_gguf(tmp_path_factory):
-    from tests.checkpoints import make_tiny_checkpoint, write_gguf
+    from tests.checkpoints import write_gguf
+    from tests.numpy_checkpoints import make_llama_checkpoint
 
     root = tmp_path_factory.mktemp("q8")
-    hf = make_tiny_checkpoint(root / "hf", "llama", **_TINY)
+    hf = make_llama_checkpoint(root / "hf", **_TINY)
     write_gguf(hf, root / "model-q8_0.gguf", "Q8_0")
     return root / "model-q8_0.gguf"
 
@@ -178,14 +176,15 @@ def test_gguf_q8_0_loads_as_int8_with_its_blocks(q8_gguf, stacked):
     for name in quant.QUANTIZED_PARAMS:
         if name in layer:
             np.testing.assert_array_equal(quant.dequantize(layer[name]), dense_layer[name])
-    np.testing.assert_array_equal(q8.params["embed"], dense.params["embed"])  # stays float32
+    for name in ("embed", "lm_head"):  # stay float32
+        np.testing.assert_array_equal(q8.params[name], dense.params[name])
     # Resident bytes: the projections at 1 + 2/32 bytes per weight (+ float32 norms).
     projections = 8 * (128 * 128 * 2 + 128 * 64 * 2 + 3 * 128 * 512)
     norms = 8 * 2 * 128 * 4
     assert _layer_bytes(q8.params) == projections * (1 + 2 / 32) + norms
     assert _layer_bytes(dense.params) == projections * 4 + norms
     assert _layer_bytes(q8.params) <= 0.3 * _layer_bytes(dense.params)
-    embed = 2048 * 128 * 4 + 128 * 4  # the tied embedding and the final norm, float32
+    embed = 2 * 2048 * 128 * 4 + 128 * 4  # embedding, LM head and final norm, float32
     assert quant.weight_bytes(q8.params) == _layer_bytes(q8.params) + embed
 
 
@@ -207,8 +206,8 @@ def test_gguf_q8_0_logits_equal_the_dequantized_load(q8_gguf):
             assert la.keys() == lb.keys()
             np.testing.assert_allclose(list(lb.values()), list(la.values()), atol=1e-5)
     assert (dense_stats["quantization"], q8_stats["quantization"]) == (None, "int8")
-    assert q8_stats["weight_bytes"] == 2_097_152 + 1_049_088  # as the test above counts
-    assert dense_stats["weight_bytes"] == 8_921_600
+    assert q8_stats["weight_bytes"] == 2_097_152 + 2_097_664  # as the test above counts
+    assert dense_stats["weight_bytes"] == 7_872_512 + 2_097_664
 
 
 def _write_fp8_checkpoint(root, *, drop_scale: str | None = None, config_groups=None):
@@ -216,9 +215,9 @@ def _write_fp8_checkpoint(root, *, drop_scale: str | None = None, config_groups=
     from safetensors.flax import save_file
     from safetensors.numpy import load_file
 
-    from tests.checkpoints import make_tiny_checkpoint
+    from tests.numpy_checkpoints import make_llama_checkpoint
 
-    hf = make_tiny_checkpoint(root, "llama")
+    hf = make_llama_checkpoint(root)
     tensors = load_file(str(hf / "model.safetensors"))
     out, expected = {}, {}
     for name, w in tensors.items():
@@ -236,7 +235,8 @@ def _write_fp8_checkpoint(root, *, drop_scale: str | None = None, config_groups=
     config["quantization_config"] = {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
-        "config_groups": config_groups or {
+        "config_groups": config_groups
+        or {
             "group_0": {
                 "targets": ["Linear"],
                 "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
