@@ -21,6 +21,9 @@ import math
 from collections.abc import Mapping
 
 KV_ALLOCATIONS = ("paged", "reserve")
+# --kv-cache-dtype (vLLM's): "auto" stores the activations' dtype; fp8 is fp8_e4m3; int8 and
+# fp8 pages carry a scale per token and KV head (pallas_kernels/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = (None, "reference", "pallas", "pallas_interpret")
 GENERATION_CONFIGS = ("auto", "vllm")
@@ -69,6 +72,12 @@ class CacheConfig:
         0.8, "share of free accelerator memory for KV pages, when neither of the above is given"
     )
     enable_prefix_caching: bool = setting(True, "prefix caching: identical prompt pages shared")
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV page dtype: auto (the model's), bfloat16, float32, or int8/fp8 (fp8_e4m3, fp8_e5m2) "
+        "with a scale per token and KV head",
+        choices=KV_CACHE_DTYPES,
+    )
     kv_allocation: str = setting(
         "paged",
         "paged, or reserve (prompt + max_tokens at admission, for comparison)",
@@ -98,6 +107,10 @@ class CacheConfig:
             )
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.kv_allocation not in KV_ALLOCATIONS:
             raise ValueError(
                 f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}"

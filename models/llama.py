@@ -30,6 +30,7 @@ import numpy as np
 import pallas_kernels
 from models import moe, quantization
 from models.config import LinearRopeScaling, LongRopeScaling, ModelConfig, RopeScaling
+from pallas_kernels import kv_quant
 
 # attention_backend -> dispatcher arguments: None/"pallas" pick the platform's best (the
 # reference on CPU); "pallas_interpret" runs the GPU kernel in the Pallas interpreter.
@@ -40,7 +41,8 @@ _ATTENTION_BACKENDS = {
     "pallas_interpret": {"interpret": True},
 }
 
-# (k_pages, v_pages), each [num_kv_heads, num_layers * pages_per_layer, page_size, head_dim].
+# (k_pages, v_pages), each [num_kv_heads, num_layers * pages_per_layer, page_size, head_dim],
+# or each a pallas_kernels.kv_quant.QuantizedPages (int8/fp8 rows and their scales).
 KVPool = tuple[jax.Array, jax.Array]
 
 
@@ -166,12 +168,10 @@ def _layer_kinds(cfg: ModelConfig) -> list[tuple]:
     return [(w, local and w is not None) for w in cfg.windows]
 
 
-def _write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Writes new [T, Hkv, Dh] into flat slots (page * page_size + offset) of pages."""
-    hkv, num_pages, page_size, dh = pages.shape
-    flat = pages.reshape(hkv, num_pages * page_size, dh)
-    flat = flat.at[:, slot_mapping].set(jnp.swapaxes(new, 0, 1).astype(pages.dtype))
-    return flat.reshape(hkv, num_pages, page_size, dh)
+def _write_kv(pages, new: jax.Array, slot_mapping: jax.Array):
+    """Writes new [T, Hkv, Dh] into flat slots (page * page_size + offset) of pages
+    (quantized, with each row's scale, when pages is a kv_quant.QuantizedPages)."""
+    return kv_quant.write(pages, new, slot_mapping)
 
 
 def layer_offsets(cfg: ModelConfig, k_pages: jax.Array) -> jax.Array:

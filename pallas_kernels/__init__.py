@@ -6,7 +6,8 @@
   "gpu"    gpu_decode / gpu_prefill (Pallas Triton)  head_dim and page_size powers of two,
                                                      head_dim >= 16
   "tpu"    tpu_decode / tpu_prefill (Mosaic TPU)     page_size a multiple of 8
-  "cpu"    reference                                 always; also any shape a kernel refuses
+  "cpu"    reference                                 always; also any shape a kernel refuses,
+                                                     and quantized pages (kv_quant.py)
 
 The backend is `jax.default_backend()` unless forced with `backend=`. With `interpret=True`
 and no forced backend on a CPU host, the GPU kernel runs in the Pallas interpreter (so the
@@ -28,7 +29,7 @@ import os
 
 import jax
 
-from pallas_kernels import reference
+from pallas_kernels import kv_quant, reference
 from pallas_kernels.reference import MASK_VALUE
 
 __all__ = [
@@ -46,8 +47,11 @@ GPU_KERNELS = ("triton", "mosaic")
 GPU_KERNEL_ENV = "JPAGED_GPU_KERNEL"
 
 
-def select_backend(q_shape, k_shape, *, interpret: bool, backend: str | None) -> str:
-    """Which implementation runs: "gpu", "tpu" or "cpu" (the reference)."""
+def select_backend(
+    q_shape, k_shape, *, interpret: bool, backend: str | None, quantized: bool = False
+) -> str:
+    """Which implementation runs: "gpu", "tpu" or "cpu" (the reference). quantized: the
+    pages are kv_quant.QuantizedPages."""
     if backend is None:
         backend = jax.default_backend()
         if backend == "cpu" and interpret:
@@ -56,6 +60,8 @@ def select_backend(q_shape, k_shape, *, interpret: bool, backend: str | None) ->
         backend = "gpu"
     if backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
+    if quantized:  # the kernels read plain pages only, for now: the reference dequantizes
+        return "cpu"
     if backend == "gpu":
         from pallas_kernels import gpu_decode
 
@@ -104,7 +110,8 @@ def paged_decode_attention(
     GPU kernel ("triton" or "mosaic"; None: $JPAGED_GPU_KERNEL, else "triton").
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
-    which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend)
+    which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend,
+                           quantized=isinstance(k_pages, kv_quant.QuantizedPages))
     if which == "gpu" and gpu_decode_kernel(q.shape, k_pages.shape, k_pages.dtype,
                                             gpu_kernel) == "mosaic":
         from pallas_kernels import mosaic_gpu_decode
@@ -151,7 +158,8 @@ def paged_prefill_attention(
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     args = (q, k_pages, v_pages, context_lens, page_table, query_start)
-    which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend)
+    which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend,
+                           quantized=isinstance(k_pages, kv_quant.QuantizedPages))
     if which == "gpu":
         from pallas_kernels import gpu_prefill
 

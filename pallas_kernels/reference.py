@@ -24,6 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_quant
+
 # A large finite negative, so that max-subtraction never computes -inf - (-inf).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -76,8 +78,8 @@ def _read_key_block(k_pages, v_pages, rows, row_lens, i, key_block_pages):
     needed = (cols[None, :] < width) & (cols[None, :] * page_size < row_lens[:, None])
     pages = jnp.where(needed, rows[:, jnp.minimum(cols, width - 1)], 0)
 
-    def gather(pool):
-        return pool[:, pages].reshape(hkv, r, block, d).astype(jnp.float32)
+    def gather(pool):  # a quantized pool (kv_quant.QuantizedPages) is dequantized here
+        return kv_quant.take(pool, pages).reshape(hkv, r, block, d)
 
     return kv_pos, gather(k_pages), jnp.where(written[None, :, :, None], gather(v_pages), 0.0)
 

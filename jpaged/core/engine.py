@@ -57,6 +57,7 @@ from jpaged.worker.step_inputs import bucket, needs_key
 from jpaged.worker.step_plan import StepPlan
 from models import quantization
 from models.config import LongRopeScaling, ModelConfig
+from pallas_kernels import kv_quant
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ def resolve_num_pages(
     itemsize: int,
     *,
     extra_bytes_per_page: int = 0,
+    kv_dtype=None,
 ) -> int:
     """Pool size, logged once with why: num_pages if given, else from the memory budget
     (kv_cache_memory_bytes: the whole pool's bytes); on CPU with neither, what the
@@ -112,8 +114,10 @@ def resolve_num_pages(
     kv_memory_fraction of one device's free memory, where with tensor parallelism a device
     holds 1 / min(T, num_kv_heads) of every page. extra_bytes_per_page: a draft model's K/V
     per page, in the same budget. A pool too small for one max_model_len sequence is then
-    refused or fitted by fit_max_model_len."""
-    per_page = model_config.kv_bytes_per_page(cache.page_size, itemsize) + extra_bytes_per_page
+    refused or fitted by fit_max_model_len. kv_dtype: the pages' dtype (None: itemsize
+    bytes per element); an int8/fp8 page counts its rows and scales."""
+    per_page = kv_page_bytes(model_config, cache.page_size, itemsize, kv_dtype)
+    per_page += extra_bytes_per_page
     if cache.num_pages is not None:
         num_pages, why = cache.num_pages, "--num-pages"
     elif cache.kv_cache_memory_bytes is not None:
@@ -136,6 +140,17 @@ def resolve_num_pages(
         num_pages * per_page >> 20, why,
     )  # fmt: skip
     return num_pages
+
+
+def kv_page_bytes(model_config: ModelConfig, page_size: int, itemsize: int, kv_dtype=None) -> int:
+    """Bytes of one page of the pool in kv_dtype (None: itemsize bytes per element)."""
+    if kv_dtype is None:
+        return model_config.kv_bytes_per_page(page_size, itemsize)
+    m = model_config
+    return kv_quant.bytes_per_page(
+        kv_dtype, num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, page_size=page_size,
+        head_dim=m.head_dim,
+    )  # fmt: skip
 
 
 def _host_pool(config: EngineConfig, per_page: int) -> tuple[int, str]:
@@ -191,7 +206,9 @@ def fit_max_model_len(config: EngineConfig, num_pages: int, *, given: bool) -> E
     return dataclasses.replace(config, scheduler=scheduler)
 
 
-def resolve_num_swap_pages(config: EngineConfig, model_config: ModelConfig, itemsize: int) -> int:
+def resolve_num_swap_pages(
+    config: EngineConfig, model_config: ModelConfig, itemsize: int, kv_dtype=None
+) -> int:
     """Host swap pages: 0 unless preemption_mode is "swap"; then num_swap_pages, or as many
     pages as swap_space_bytes (default 4 GiB) holds."""
     cache = config.cache
@@ -200,7 +217,7 @@ def resolve_num_swap_pages(config: EngineConfig, model_config: ModelConfig, item
     if cache.num_swap_pages is not None:
         return cache.num_swap_pages
     budget = cache.swap_space_bytes or DEFAULT_SWAP_SPACE_BYTES
-    num = budget // model_config.kv_bytes_per_page(cache.page_size, itemsize)
+    num = budget // kv_page_bytes(model_config, cache.page_size, itemsize, kv_dtype)
     if num < 1:
         raise ValueError(f"swap_space_bytes ({budget}) is smaller than one page of K/V")
     return num
@@ -286,8 +303,10 @@ class LLMEngine:
             if draft is None
             else DraftModel.bytes_per_page(draft, config.cache.page_size, itemsize)
         )
+        self.kv_dtype = kv_quant.storage_dtype(config.cache.kv_cache_dtype, dtype)
         self.num_pages = resolve_num_pages(
-            config.cache, config, self.model_config, itemsize, extra_bytes_per_page=extra
+            config.cache, config, self.model_config, itemsize, extra_bytes_per_page=extra,
+            kv_dtype=self.kv_dtype,
         )
         self.config = config = fit_max_model_len(config, self.num_pages, given=max_len_given)
         if isinstance(self.model_config.rope_scaling, LongRopeScaling) and (
@@ -299,7 +318,9 @@ class LLMEngine:
             cache = dataclasses.replace(config.cache, enable_prefix_caching=False)
             self.config = config = dataclasses.replace(config, cache=cache)
         self.max_model_len = config.scheduler.max_model_len
-        self.num_swap_pages = resolve_num_swap_pages(config, self.model_config, itemsize)
+        self.num_swap_pages = resolve_num_swap_pages(
+            config, self.model_config, itemsize, self.kv_dtype
+        )
         self._new_host_state()
         broadcast = None
         if loaded.mesh is not None and jax.process_count() > 1:
@@ -1082,6 +1103,10 @@ class LLMEngine:
             num_recoveries=self.num_recoveries,
             weight_bytes=self.weight_bytes,
             quantization=self.config.quantization,
+            # The pages' dtype ("int8", "float8_e4m3fn", ...; --kv-cache-dtype resolved) and
+            # one token's K and V of every layer, scales included.
+            kv_cache_dtype=self.kv_dtype.name,
+            kv_bytes_per_token=kv_page_bytes(self.model_config, 1, 0, self.kv_dtype),
             **self._speculation_stats(),
         )
 

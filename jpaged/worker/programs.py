@@ -42,6 +42,8 @@ from jpaged.worker.step_inputs import StepInputs, StepKey
 from models import sharding
 from models.config import ModelConfig
 from models.llama import compute_logits, forward, stack_layers, unstack_layers
+from pallas_kernels import kv_quant
+from pallas_kernels.kv_quant import QuantizedPages
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +68,11 @@ SWAP_PAGES = 32  # pages per swap call: one compiled gather and one scatter
 @dataclasses.dataclass
 class DeviceState:
     # K and V of every layer: [num_kv_heads, num_layers * num_pages, page_size, head_dim];
-    # layer l's page p is physical page l * num_pages + p (models/llama.py forward).
-    k_pages: jax.Array
-    v_pages: jax.Array
+    # layer l's page p is physical page l * num_pages + p (models/llama.py forward). With a
+    # quantized --kv-cache-dtype each is a kv_quant.QuantizedPages (rows and their scales,
+    # both indexed by page on axis 1): every copy below moves both with jax.tree.map.
+    k_pages: jax.Array | QuantizedPages
+    v_pages: jax.Array | QuantizedPages
     page_table: jax.Array  # int32[max_num_seqs + 1, max_pages_per_seq]; last row is scratch
 
     @property
@@ -88,7 +92,8 @@ def _copy_pages(k_pages, v_pages, copies, num_layers: int):
     num_pages = k_pages.shape[1] // num_layers
     src = every_layer(copies[:, 0], num_layers, num_pages)
     dst = every_layer(copies[:, 1], num_layers, num_pages)
-    return k_pages.at[:, dst].set(k_pages[:, src]), v_pages.at[:, dst].set(v_pages[:, src])
+    copy = lambda a: a.at[:, dst].set(a[:, src])
+    return jax.tree.map(copy, k_pages), jax.tree.map(copy, v_pages)
 
 
 def _apply_updates(page_table, updates):
@@ -103,16 +108,18 @@ def prelude(state: DeviceState, updates, copies, *, num_layers: int) -> DeviceSt
 
 def gather_pages(state: DeviceState, ids, *, num_layers: int):
     """ids int32[n] -> [2, num_kv_heads, num_layers * n, page_size, head_dim]: K and V of
-    each page in every layer, layer-major (the host swap space's layout)."""
+    each page in every layer, layer-major (the host swap space's layout); a quantized pool's
+    as QuantizedPages of [2, ...] rows and scales (the scales travel with their pages)."""
     every = every_layer(ids, num_layers, state.k_pages.shape[1] // num_layers)
-    return jnp.stack([state.k_pages[:, every], state.v_pages[:, every]])
+    return jax.tree.map(lambda k, v: jnp.stack([k[:, every], v[:, every]]),
+                        state.k_pages, state.v_pages)
 
 
 def scatter_pages(state: DeviceState, ids, pages, *, num_layers: int) -> DeviceState:
     """Writes pages (gather_pages' layout) into the pool at ids, in every layer."""
     every = every_layer(ids, num_layers, state.k_pages.shape[1] // num_layers)
-    k = state.k_pages.at[:, every].set(pages[0])
-    v = state.v_pages.at[:, every].set(pages[1])
+    k = jax.tree.map(lambda a, p: a.at[:, every].set(p[0]), state.k_pages, pages)
+    v = jax.tree.map(lambda a, p: a.at[:, every].set(p[1]), state.v_pages, pages)
     return DeviceState(k, v, state.page_table)
 
 
@@ -316,14 +323,15 @@ class Programs:
         cfg = self.model_config
         shape = (cfg.num_kv_heads, cfg.num_layers * num_pages, page_size, cfg.head_dim)
 
-        def zeros():
+        def zeros():  # kv_quant.zeros: QuantizedPages for an int8/fp8 dtype
             return DeviceState(
-                jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros(table_shape, jnp.int32)
+                kv_quant.zeros(shape, dtype), kv_quant.zeros(shape, dtype),
+                jnp.zeros(table_shape, jnp.int32),
             )
 
         if self.mesh is None:
             return zeros()
-        return jax.jit(zeros, out_shardings=self._named(self.state_specs))()
+        return jax.jit(zeros, out_shardings=self._named(self._state_specs(dtype)))()
 
     def zeros(self, n: int):
         """int32[n] zeros (replicated under a mesh): the first step's prev_tokens."""
@@ -425,7 +433,7 @@ class Programs:
             num_layers = self.model_config.num_layers
             ids = np.zeros(SWAP_PAGES, np.int32)
             h, *rest = page_shape
-            pages = np.zeros((2, h, num_layers * SWAP_PAGES, *rest), dtype)
+            pages = kv_quant.zeros((2, h, num_layers * SWAP_PAGES, *rest), dtype)
             gather_body = functools.partial(gather_pages, num_layers=num_layers)
             scatter_body = functools.partial(scatter_pages, num_layers=num_layers)
             if self.mesh is None:
@@ -433,6 +441,8 @@ class Programs:
                 scatter = jax.jit(scatter_body, donate_argnums=(0,))
             else:
                 specs, pages_spec = self.state_specs, P(None, sharding.POOL_SPEC[0])
+                if kv_quant.is_quantized(dtype):
+                    pages_spec = QuantizedPages(pages_spec, pages_spec)
                 gather = self._sharded_jit(
                     gather_body, in_specs=(specs, P()), out_specs=pages_spec, donate=None
                 )
@@ -444,6 +454,14 @@ class Programs:
                 self._compiled(scatter, state, ids, pages, name="swap scatter"),
             )
         return self._swappers
+
+    def _state_specs(self, dtype) -> DeviceState:
+        """The state's shardings for a pool of dtype: a quantized pool's scales split over KV
+        heads as its rows are (set as the pool is made; the programs compiled after read it)."""
+        if kv_quant.is_quantized(dtype):
+            pool = QuantizedPages(sharding.POOL_SPEC, P(*sharding.POOL_SPEC[:3]))
+            self.state_specs = DeviceState(pool, pool, P())
+        return self.state_specs
 
     def _named(self, specs):
         return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs)

@@ -49,6 +49,7 @@ from jpaged.worker.step_inputs import (
 )
 from jpaged.worker.step_plan import StepPlan, empty_plan
 from models.config import ModelConfig
+from pallas_kernels import kv_quant
 
 logger = logging.getLogger(__name__)
 
@@ -102,14 +103,15 @@ class ModelRunner:
         self.mask_words = -(-model_config.vocab_size // 32)
         self._device_all_allowed: dict[int, object] = {}  # rows -> all-ones bitmask on device
         self.dtype = dtype
+        # The pages' dtype (--kv-cache-dtype; "auto": the activations'): int8/fp8 pools hold
+        # kv_quant.QuantizedPages, and so does the swap space (rows and scales, numpy).
+        self.kv_dtype = kv_quant.storage_dtype(config.cache.kv_cache_dtype, dtype)
         self.reset_state()
         self.swap_space = None
         if num_swap_pages:  # zeros: the OS maps host pages on first write
             h, d = model_config.num_kv_heads, model_config.head_dim
-            self.swap_space = np.zeros(
-                (2, h, model_config.num_layers, num_swap_pages + 1, self.page_size, d),
-                np.dtype(dtype),
-            )
+            shape = (2, h, model_config.num_layers, num_swap_pages + 1, self.page_size, d)
+            self.swap_space = kv_quant.zeros(shape, self.kv_dtype, xp=np)
 
     def reset_state(self) -> None:
         """A zero pool and page table, and zero previous tokens (at start, and after a failed
@@ -117,7 +119,7 @@ class ModelRunner:
         sched = self.config.scheduler
         table_shape = (sched.max_num_seqs + 1, self.config.max_pages_per_seq)
         self.state = self.programs.init_state(
-            self.num_pages, self.page_size, table_shape, self.dtype
+            self.num_pages, self.page_size, table_shape, self.kv_dtype
         )
         # The latest step's sampled tokens, padded to max_num_seqs: the next step's prev_tokens.
         self.last_tokens = self.programs.zeros(sched.max_num_seqs)
@@ -204,7 +206,7 @@ class ModelRunner:
 
     def _swappers(self):
         h, _, _, page_size, d = self.swap_space.shape[1:]
-        return self.programs.swappers(self.state, (h, page_size, d), self.swap_space.dtype)
+        return self.programs.swappers(self.state, (h, page_size, d), self.kv_dtype)
 
     # -- execution -------------------------------------------------------------------------
     def swap(self, plan: StepPlan) -> None:
@@ -212,20 +214,26 @@ class ModelRunner:
         if not (len(plan.swap_out) or len(plan.swap_in)):
             return
         gather, scatter = self._swappers()
-        space = self.swap_space  # [2, H, L, host pages, page_size, D]
-        by_layer = (*space.shape[:2], space.shape[2], SWAP_PAGES, *space.shape[4:])
+        # [2, H, L, host pages, page_size, D] (a QuantizedPages of that and its scales
+        # [2, H, L, host pages, page_size]: every leaf is moved alike).
+        space = self.swap_space
         for i in range(0, len(plan.swap_out), SWAP_PAGES):
             chunk = plan.swap_out[i : i + SWAP_PAGES]
             ids = np.zeros(SWAP_PAGES, np.int32)  # padding gathers the null page
             ids[: len(chunk)] = chunk[:, 0]
-            pages = jax.device_get(gather(self.state, ids)).reshape(by_layer)
-            space[:, :, :, chunk[:, 1]] = pages[:, :, :, : len(chunk)]
+
+            got = jax.device_get(gather(self.state, ids))
+            for host, pages in zip(jax.tree.leaves(space), jax.tree.leaves(got), strict=True):
+                by_layer = (*host.shape[:3], SWAP_PAGES, *host.shape[4:])
+                host[:, :, :, chunk[:, 1]] = pages.reshape(by_layer)[:, :, :, : len(chunk)]
         for i in range(0, len(plan.swap_in), SWAP_PAGES):
             chunk = plan.swap_in[i : i + SWAP_PAGES]
             host = np.zeros(SWAP_PAGES, np.int32)  # padding writes host page 0 to the null page
             dev = np.zeros(SWAP_PAGES, np.int32)
             host[: len(chunk)], dev[: len(chunk)] = chunk[:, 0], chunk[:, 1]
-            pages = space[:, :, :, host].reshape(*space.shape[:2], -1, *space.shape[4:])
+            pages = jax.tree.map(
+                lambda a, h=host: a[:, :, :, h].reshape(*a.shape[:2], -1, *a.shape[4:]), space
+            )
             self.state = scatter(self.state, dev, pages)
 
     def execute(self, plan: StepPlan) -> SamplerOutput:
