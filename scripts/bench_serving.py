@@ -27,6 +27,19 @@ arrival times), so the short ones' p50/p99 show what the long ones cost them.
         --long-output-len 20:30 --compare-without-long --warmup 1 --repeats 3
     # against a running server (gRPC port for its stats, HTTP port for --protocol http):
     python scripts/bench_serving.py --port 50051 --http-port 8000 --server-pid 1234
+
+Tool calls (--workload tools, --protocol http): streamed chat requests with two tools
+(bounded JSON schemas), in three phases of --num-requests each at --concurrency: "tools"
+(tool_choice "required" and a named function in turn, parallel_tool_calls false, max_tokens
+drawn from --output-len as a bound: the grammar closes the call first), "plain" (the same
+prompts, tools included, with tool_choice "none", ignore_eos and max_tokens = the output
+length of the same request in "tools": free decoding at the same prompt and output lengths),
+and "mixed" (the tool requests and the plain ones side by side, alternating). Reports the
+share of tool calls whose arguments validate against their tool's schema (jsonschema),
+output tokens/s of "tools" and "plain", and per-request decode time (TPOT) of each kind.
+
+    python scripts/bench_serving.py --protocol http --workload tools --launch \
+        "--model smollm2 --max-num-seqs 64" --num-requests 64 --concurrency 64 --output-len 48
 """
 
 from __future__ import annotations
@@ -135,15 +148,29 @@ class SSEClient:
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def post_events(self, path: str, body: dict):
-        """(status, async iterator of event data strings); raises OSError on a broken link."""
-        reader, writer = self._idle.pop() if self._idle else await self._connect()
+        """(status, async iterator of event data strings); raises OSError on a broken link.
+        An idle connection the server has closed meanwhile (uvicorn's keep-alive timeout, 5 s:
+        between runs) is replaced by a new one."""
         data = json.dumps(body).encode()
-        writer.write(
+        request = (
             f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n{self._head}"
             f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n".encode()
             + data
         )
-        status = int((await reader.readline()).split()[1])
+        while True:
+            reused = bool(self._idle)
+            reader, writer = self._idle.pop() if reused else await self._connect()
+            writer.write(request)
+            try:
+                line = await reader.readline()
+            except ConnectionError:
+                line = b""
+            if line or not reused:
+                break
+            writer.close()
+        if not line:
+            raise ConnectionError("the server closed the connection")
+        status = int(line.split()[1])
         headers = {}
         while (line := await reader.readline()) not in (b"\r\n", b""):
             key, _, value = line.decode().partition(":")
@@ -177,10 +204,17 @@ class SSEClient:
 
 async def http_request(client: SSEClient, req: dict, timeout: float) -> dict:
     body = {**req, "ignore_eos": True, "stream": True, "return_token_ids": True}
+    return await http_stream(client, "/v1/completions", body, timeout)
+
+
+async def http_stream(client: SSEClient, path: str, body: dict, timeout: float,
+                      on_choice=None) -> dict:  # fmt: skip
+    """One streamed call's timeline (each chunk's token ids counted); on_choice(choice) sees
+    every choice of every chunk."""
     timeline = Timeline()
 
     async def stream() -> str:
-        status, events = await client.post_events("/v1/completions", body)
+        status, events = await client.post_events(path, body)
         code = "OK" if status == 200 else f"HTTP {status}"
         async for data in events:
             if data == "[DONE]":
@@ -188,8 +222,10 @@ async def http_request(client: SSEClient, req: dict, timeout: float) -> dict:
             chunk = json.loads(data)
             if "error" in chunk:
                 code = "stream error"
-            else:
-                timeline.got(sum(len(c.get("token_ids") or ()) for c in chunk["choices"]))
+                continue
+            timeline.got(sum(len(c.get("token_ids") or ()) for c in chunk["choices"]))
+            for c in chunk["choices"] if on_choice is not None else ():
+                on_choice(c)
         return code
 
     try:
@@ -197,6 +233,156 @@ async def http_request(client: SSEClient, req: dict, timeout: float) -> dict:
     except (OSError, ValueError, asyncio.IncompleteReadError, TimeoutError) as e:
         code = type(e).__name__
     return timeline.result(code)
+
+
+# ---- the tools workload -------------------------------------------------------------------
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "maxLength": 10}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOL_SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+TOOLS = [
+    {"type": "function", "function": {"name": name, "description": f"{name} of a place",
+                                      "parameters": schema}}
+    for name, schema in TOOL_SCHEMAS.items()
+]  # fmt: skip
+PLACES = ("Paris", "Lyon", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Perth")
+
+
+async def http_chat(client: SSEClient, body: dict, timeout: float) -> dict:
+    """A streamed chat call: its timeline and the tool calls its deltas add up to."""
+    body = {**body, "stream": True, "return_token_ids": True}
+    calls: dict[int, dict] = {}
+
+    def read(choice: dict) -> None:
+        for d in choice["delta"].get("tool_calls") or ():
+            call = calls.setdefault(d["index"], {"name": None, "arguments": ""})
+            call["name"] = d["function"].get("name") or call["name"]
+            call["arguments"] += d["function"].get("arguments") or ""
+
+    result = await http_stream(client, "/v1/chat/completions", body, timeout, read)
+    return {**result, "calls": list(calls.values())}
+
+
+def valid_call(call: dict, want_name: str | None) -> bool:
+    import jsonschema
+
+    if call["name"] not in TOOL_SCHEMAS or want_name not in (None, call["name"]):
+        return False
+    try:
+        jsonschema.validate(json.loads(call["arguments"]), TOOL_SCHEMAS[call["name"]])
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def tool_requests(args, seed: int) -> list[dict]:
+    """The "tools" phase's bodies: required and each named function in turn."""
+    rng = random.Random(seed)
+    bodies = []
+    for i in range(args.num_requests):
+        place = rng.choice(PLACES)
+        choice = ["required", "get_weather", "get_time"][i % 3]
+        ask = f"What is the weather in {place}?" if i % 3 != 2 else f"What time is it in {place}?"
+        bodies.append({
+            "messages": [{"role": "user", "content": ask}],
+            "tools": TOOLS,
+            "tool_choice": choice if choice == "required" else
+            {"type": "function", "function": {"name": choice}},
+            "parallel_tool_calls": False,
+            "max_tokens": rng.randint(*args.output_len),
+            "temperature": args.temperature,
+            "seed": rng.randrange(2**31),
+        })  # fmt: skip
+    return bodies
+
+
+def is_plain(body: dict) -> bool:
+    return body["tool_choice"] == "none"
+
+
+def named_function(body: dict) -> str | None:
+    choice = body["tool_choice"]
+    return choice["function"]["name"] if isinstance(choice, dict) else None
+
+
+def plain_twin(body: dict, num_tokens: int) -> dict:
+    """The same prompt decoded freely to num_tokens tokens."""
+    return {**body, "tool_choice": "none", "ignore_eos": True, "max_tokens": max(num_tokens, 1)}
+
+
+async def run_phase(args, client: SSEClient, bodies: list[dict]) -> tuple[list[dict], float]:
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def one(body):
+        async with sem:
+            return await http_chat(client, body, args.timeout)
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(b) for b in bodies))
+    return list(results), time.perf_counter() - t0
+
+
+def phase_summary(results: list[dict], duration: float, bodies: list[dict]) -> dict:
+    ok = [r for r in results if r["code"] == "OK"]
+    tokens = sum(r["tokens"] for r in ok)
+    tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in ok
+            if r["first"] is not None and r["tokens"] > 1]  # fmt: skip
+    out = {
+        "requests": len(results),
+        "duration_s": duration,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / duration,
+        "tpot_s": percentiles(tpot),
+        "errors": dict(collections.Counter(r["code"] for r in results if r["code"] != "OK")),
+    }
+    tool = [(r, b) for r, b in zip(results, bodies) if not is_plain(b)]
+    if tool:
+        calls = [(c, b) for r, b in tool if r["code"] == "OK" for c in r["calls"]]
+        num_valid = sum(valid_call(c, named_function(b)) for c, b in calls)
+        out.update(
+            tool_requests=len(tool),
+            tool_calls=len(calls),
+            tool_calls_valid=num_valid,
+            tool_calls_valid_pct=100.0 * num_valid / max(len(calls), 1),
+            tool_requests_without_call=sum(1 for r, _ in tool if not r["calls"]),
+        )
+    return out
+
+
+async def run_tools(args, client: SSEClient, seed: int) -> dict:
+    """The three phases of one run of the tools workload."""
+    bodies = tool_requests(args, seed)
+    tools, tools_s = await run_phase(args, client, bodies)
+    twins = [plain_twin(b, r["tokens"]) for b, r in zip(bodies, tools)]
+    plain, plain_s = await run_phase(args, client, twins)
+    mixed_bodies = [b if i % 2 == 0 else t for i, (b, t) in enumerate(zip(bodies, twins))]
+    mixed, mixed_s = await run_phase(args, client, mixed_bodies)
+    by_kind = {}
+    for kind in ("tool", "plain"):
+        pairs = [(r, b) for r, b in zip(mixed, mixed_bodies) if is_plain(b) == (kind == "plain")]
+        by_kind[kind] = phase_summary([r for r, _ in pairs], mixed_s, [b for _, b in pairs])
+    summary = {
+        "tools": phase_summary(tools, tools_s, bodies),
+        "plain": phase_summary(plain, plain_s, twins),
+        "mixed": {"duration_s": mixed_s, **by_kind},
+    }
+    errors = collections.Counter()
+    for phase in (summary["tools"], summary["plain"], by_kind["tool"], by_kind["plain"]):
+        errors.update(phase["errors"])
+    return {**summary, "errors": dict(errors)}
 
 
 async def run_once(args, send, vocab: int, seed: int, *, with_long: bool = True) -> dict:
@@ -311,7 +497,10 @@ async def bench(args, server_pid: int | None) -> list[dict]:
         modes = (True, False) if args.compare_without_long else (True,)
         for i in range(args.warmup + args.repeats):
             for with_long in modes:
-                result = await run_once(args, send, vocab, args.seed + i, with_long=with_long)
+                if args.workload == "tools":
+                    result = await run_tools(args, http, args.seed + i)
+                else:
+                    result = await run_once(args, send, vocab, args.seed + i, with_long=with_long)
                 stats = await wait_idle(stub, metadata)
                 result.update(
                     warmup=i < args.warmup,
@@ -325,6 +514,8 @@ async def bench(args, server_pid: int | None) -> list[dict]:
                 print(json.dumps(result), flush=True)
         if args.long_fraction:
             summarize(runs)
+        if args.workload == "tools":
+            summarize_tools(runs)
     if http is not None:
         await http.aclose()
     return runs
@@ -342,6 +533,24 @@ def summarize(runs: list[dict]) -> None:
             f"({short['requests']} short, {r['long']['requests']} long): latency p50 "
             f"{fmt(lat['p50'])} p99 {fmt(lat['p99'])}, TTFT p50 {fmt(ttft['p50'])} p99 "
             f"{fmt(ttft['p99'])}; errors {r['errors']}",
+            file=sys.stderr,
+        )
+
+
+def summarize_tools(runs: list[dict]) -> None:
+    for r in runs:
+        if r["warmup"]:
+            continue
+        tools, plain, mixed = r["tools"], r["plain"], r["mixed"]
+        print(
+            f"tool calls valid {tools['tool_calls_valid']}/{tools['tool_calls']} "
+            f"({tools['tool_calls_valid_pct']:.1f}%, mixed "
+            f"{mixed['tool']['tool_calls_valid']}/{mixed['tool']['tool_calls']}); "
+            f"output tokens/s tools {tools['output_tokens_per_s']:.1f} vs plain "
+            f"{plain['output_tokens_per_s']:.1f} ({tools['output_tokens']} and "
+            f"{plain['output_tokens']} tokens); TPOT p50 tools {fmt(tools['tpot_s']['p50'])} "
+            f"plain {fmt(plain['tpot_s']['p50'])}, mixed tool {fmt(mixed['tool']['tpot_s']['p50'])}"
+            f" plain {fmt(mixed['plain']['tpot_s']['p50'])}; errors {r['errors']}",
             file=sys.stderr,
         )
 
@@ -430,6 +639,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    p.add_argument(
+        "--workload",
+        choices=("completions", "tools"),
+        default="completions",
+        help="tools: chat with tool calls beside plain chat (module docstring; --protocol http)",
+    )
     p.add_argument("--port", type=int, default=50051, help="the server's gRPC port")
     p.add_argument(
         "--http-port", type=int, default=8000, help="the server's HTTP port (--protocol http)"
@@ -469,6 +684,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write all runs here")
     args = p.parse_args()
+    if args.workload == "tools" and args.protocol != "http":
+        p.error("--workload tools needs --protocol http")
     proc = launch(args) if args.launch is not None else None
     pid = proc.pid if proc is not None else args.server_pid
     try:
