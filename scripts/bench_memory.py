@@ -73,6 +73,7 @@ def make_engine(
         args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         page_size=page_size,
         num_pages=(kv_tokens or args.kv_tokens) // page_size + 1,  # the same for every run
         kv_allocation=kv_allocation,
@@ -221,6 +222,10 @@ def main() -> None:
     p.add_argument("--kv-tokens", type=int, default=4096, help="KV budget in token slots")
     p.add_argument(
         "--quantization", default=None, choices=("int8", "fp8"), help="weights (default: float)"
+    )
+    p.add_argument(
+        "--kv-cache-dtype", default="auto",
+        help="KV pages: auto, bfloat16, float32, int8, fp8 (--kv-tokens counts its pages' tokens)",
     )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)

@@ -285,6 +285,7 @@ def engine_kwargs(args, workload: Workload, prefix_caching: bool = True) -> dict
         "async_scheduling": args.async_scheduling,
         "scan_layers": args.scan_layers,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
 
 
@@ -530,6 +531,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--quantization", default=None, choices=("int8", "fp8"), help="jpaged's weights"
     )
+    p.add_argument("--kv-cache-dtype", default="auto", help="jpaged's KV pages (int8, fp8, ...)")
     p.add_argument(
         "--num-requests", type=int, default=None, help="custom workload (default 64; smollm2 32)"
     )
@@ -732,6 +734,7 @@ def _engine_flags(args) -> list[str]:
     ]
     flags += ["--precompile"] if args.precompile else []
     flags += ["--quantization", args.quantization] if args.quantization else []
+    flags += ["--kv-cache-dtype", args.kv_cache_dtype]
     flags += [] if args.async_scheduling else ["--no-async-scheduling"]
     if args.scan_layers is not None:
         flags += ["--scan-layers" if args.scan_layers else "--no-scan-layers"]
