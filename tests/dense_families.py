@@ -114,13 +114,51 @@ def prompts_with_shared_prefix(vocab: int, lengths: list[int], *, prefix: int, s
 def engine_greedy(path, prompts, max_tokens: int, **engine_kwargs) -> list[list[int]]:
     """Our greedy tokens, every prompt submitted together to one LLM; its pool must be
     whole again after."""
+    return engine_greedy_and_stats(path, prompts, max_tokens, **engine_kwargs)[0]
+
+
+def engine_greedy_and_stats(
+    path, prompts, max_tokens: int, **engine_kwargs
+) -> tuple[list[list[int]], dict]:
+    """engine_greedy's tokens and the engine's stats() after (num_preemptions, ...)."""
     from jpaged import LLM, SamplingParams
 
     llm = LLM(str(path), **engine_kwargs)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     stats = llm.stats()
     assert stats["pages_used"] == 0
-    return [o.outputs[0].token_ids for o in outs]
+    return [o.outputs[0].token_ids for o in outs], stats
+
+
+# A pool too small for two of the preemption prompts at once: 2 sequences of 30 and 33
+# tokens plus 8 new need 10 + 11 pages of 4 tokens, the pool holds 14 (one sequence of
+# max_model_len 44 fits, so every request is admitted and one is preempted).
+PREEMPTION_LENGTHS = [30, 33, 26]
+PREEMPTION_ENGINE = {
+    "max_num_seqs": 2,
+    "page_size": 4,
+    "num_pages": 14,
+    "max_model_len": 44,
+    "max_num_batched_tokens": 48,
+}
+
+
+def preempted_greedy(path, vocab: int, mode: str, max_tokens: int = 8, **engine_kwargs):
+    """(our tokens, transformers') for the PREEMPTION_LENGTHS prompts on PREEMPTION_ENGINE's
+    pool with prefix caching on, after asserting that a sequence was preempted (mode:
+    recompute or swap)."""
+    prompts = prompts_with_shared_prefix(vocab, PREEMPTION_LENGTHS, prefix=8, seed=3)
+    ours, stats = engine_greedy_and_stats(
+        path,
+        prompts,
+        max_tokens,
+        preemption_mode=mode,
+        enable_prefix_caching=True,
+        **PREEMPTION_ENGINE,
+        **engine_kwargs,
+    )
+    assert stats["num_preemptions"] >= 1
+    return ours, hf_greedy(path, prompts, max_tokens)
 
 
 def hf_greedy_incremental(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

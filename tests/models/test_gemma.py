@@ -18,6 +18,7 @@ from dense_families import (
     hf_greedy,
     hf_logits,
     paged_logits,
+    preempted_greedy,
     prompts_with_shared_prefix,
     save_tiny,
 )
@@ -152,6 +153,14 @@ def test_engine_greedy_equals_transformers(checkpoints, name):
         enable_prefix_caching=True,
     )
     assert ours == hf_greedy(path, prompts, 8)
+
+
+@pytest.mark.parametrize(("name", "mode"), [("gemma2", "recompute"), ("gemma3", "swap")])
+def test_a_forced_preemption_changes_no_token(checkpoints, name, mode):
+    """A pool too small for both running sequences: one is preempted (its pages recomputed
+    or swapped to host and back) and the tokens are still transformers'."""
+    ours, theirs = preempted_greedy(checkpoints[name], VOCAB, mode)
+    assert ours == theirs
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

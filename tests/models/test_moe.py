@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from dense_families import hf_logits, paged_logits
+from dense_families import hf_logits, paged_logits, preempted_greedy
 from moe_families import FAMILIES, MAX_TOKENS, engine_greedy, hf_greedy, prompts, save_tiny
 
 from models import moe
@@ -131,6 +131,17 @@ def test_engine_greedy_tokens_equal_transformers(checkpoints, family):
         compilation_cache_dir=None,
     )
     assert got == want
+
+
+@pytest.mark.needs_torch
+@pytest.mark.parametrize(
+    ("family", "mode"), [("qwen3moe", "swap"), ("mixtral", "recompute"), ("olmoe", "swap")]
+)
+def test_a_forced_preemption_changes_no_token(checkpoints, family, mode):
+    """A pool too small for both running sequences: one is preempted (recomputed or swapped
+    to host and back) and the tokens are still transformers'."""
+    ours, theirs = preempted_greedy(checkpoints[family], 160, mode, compilation_cache_dir=None)
+    assert ours == theirs
 
 
 def _write_gguf(hf_dir, out, family: str) -> None:

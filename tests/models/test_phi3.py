@@ -19,6 +19,7 @@ from dense_families import (
     hf_greedy_incremental,
     hf_logits,
     paged_logits,
+    preempted_greedy,
     prompts_with_shared_prefix,
     save_tiny,
 )
@@ -134,6 +135,16 @@ def test_engine_greedy_equals_transformers(checkpoints, name):
     for i, (a, b) in enumerate(zip(ours, generated, strict=True)):
         if i not in crossing:
             assert a == b, i
+
+
+@pytest.mark.parametrize(
+    ("name", "mode"), [("phi3_window", "recompute"), ("mistral_window", "swap")]
+)
+def test_a_forced_preemption_changes_no_token(checkpoints, name, mode):
+    """A pool too small for both running sequences: one is preempted (recomputed or swapped
+    to host and back) and the tokens are still transformers'."""
+    ours, theirs = preempted_greedy(checkpoints[name], VOCAB, mode)
+    assert ours == theirs
 
 
 def test_a_longrope_engine_turns_prefix_caching_off(checkpoints):
