@@ -113,6 +113,11 @@ class Metrics:
             "jpaged_weight_bytes", "Resident bytes of the model weights (quantized: with scales)",
             registry=r,
         )
+        self.kv_bytes_per_token = Gauge(
+            "jpaged_kv_bytes_per_token",
+            "Bytes of one token's K and V in every layer (scales included), by KV page dtype",
+            ["kv_cache_dtype"], registry=r,
+        )
         self.prefix_hit_rate = Gauge(
             "jpaged_prefix_cache_hit_rate",
             "Prompt tokens served from the prefix cache / prompt tokens looked up",
@@ -164,6 +169,9 @@ class Metrics:
         self.pages_cached.set(stats["pages_cached"])
         if "weight_bytes" in stats:  # an engine's (fake engines in tests may leave it out)
             self.weight_bytes.set(stats["weight_bytes"])
+        if "kv_bytes_per_token" in stats:  # an engine's (fake engines may leave it out)
+            dtype = stats["kv_cache_dtype"]
+            self.kv_bytes_per_token.labels(kv_cache_dtype=dtype).set(stats["kv_bytes_per_token"])
         query, hit = stats["prefix_cache_query_tokens"], stats["prefix_cache_hit_tokens"]
         self.prefix_hit_rate.set(hit / query if query else 0.0)
         for key, counter in self._counters.items():
