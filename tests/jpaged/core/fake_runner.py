@@ -70,6 +70,7 @@ class FakeModel:
     """The host "model" (see the module docstring); stands in for params (a pytree leaf)."""
 
     dtype = np.dtype(np.float32)  # what LLMEngine reads off the params
+    nbytes = 0  # resident weight bytes (quantization.weight_bytes): the fake holds no arrays
 
     def __init__(self, vocab_size: int = VOCAB, *, salt: int = 0, follows_context=True):
         rng = np.random.default_rng(salt)
