@@ -52,6 +52,7 @@ class Result:
     num_swaps: int
     hit_tokens: int
     peak_pages: int
+    pages_total: int  # the pool's pages (--kv-bytes: what the budget holds in the KV dtype)
     pages_per_seq: int
     page_table_bytes: int
 
@@ -75,7 +76,13 @@ def make_engine(
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         page_size=page_size,
-        num_pages=(kv_tokens or args.kv_tokens) // page_size + 1,  # the same for every run
+        # The same for every run: kv_tokens token slots, or (--kv-bytes, tables 1-3) the
+        # pages that many bytes hold in this run's KV dtype, so dtypes compare at equal memory.
+        **(
+            {"kv_cache_memory_bytes": args.kv_bytes}
+            if args.kv_bytes and kv_tokens is None
+            else {"num_pages": (kv_tokens or args.kv_tokens) // page_size + 1}
+        ),
         kv_allocation=kv_allocation,
         preemption_mode=preemption_mode,
         enable_prefix_caching=prefix_caching,
@@ -145,6 +152,7 @@ def run(engine, requests, max_tokens: int) -> Result:
         num_swaps=stats["num_swaps_out"],
         hit_tokens=stats["prefix_cache_hit_tokens"],
         peak_pages=stats["peak_pages_used"],
+        pages_total=stats["pages_total"],
         pages_per_seq=cfg.max_pages_per_seq,
         page_table_bytes=4 * (cfg.scheduler.max_num_seqs + 1) * cfg.max_pages_per_seq,
     )
@@ -221,6 +229,11 @@ def main() -> None:
     )
     p.add_argument("--kv-tokens", type=int, default=4096, help="KV budget in token slots")
     p.add_argument(
+        "--kv-bytes", type=int, default=None,
+        help="tables 1-3: a KV budget in bytes instead of --kv-tokens (the pages it holds "
+        "depend on --kv-cache-dtype: compare dtypes at equal memory)",
+    )
+    p.add_argument(
         "--quantization", default=None, choices=("int8", "fp8"), help="weights (default: float)"
     )
     p.add_argument(
@@ -257,7 +270,10 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}"
     )
     print(
-        f"model: {args.model} ({args.dtype}); KV budget {args.kv_tokens} token slots; "
+        f"model: {args.model} ({args.dtype}); KV budget "
+        + (f"{args.kv_bytes} bytes" if args.kv_bytes
+           else f"{args.kv_tokens} token slots")
+        + f"; KV dtype {args.kv_cache_dtype}; "
         f"max_num_seqs {args.max_num_seqs}; max_num_batched_tokens {args.max_num_batched_tokens}"
     )
 
@@ -292,7 +308,7 @@ def main() -> None:
                 prefix_caching=False,
                 max_tokens=submitted,
             )
-            row(alloc, res[alloc])
+            row(alloc, res[alloc], f"  ({res[alloc].pages_total} pages)")
         paged = res["paged"]
         print(
             f"paged / reserve throughput: {paged.tokens_per_s / res['reserve'].tokens_per_s:.2f}x"

@@ -427,25 +427,26 @@ def run_jpaged(
         "num_pages": stats["pages_total"],
     }
     if log is not None:
-        res.update(step_profile(probe, log, steps, bandwidth, args.max_num_seqs))
+        res.update(step_profile(probe, log, steps, bandwidth, args.max_num_seqs,
+                                kv_per_token=stats["kv_bytes_per_token"]))
     return res
 
 
-def step_profile(probe: EngineProbe, log, steps, bandwidth, max_num_seqs) -> dict:
+def step_profile(probe: EngineProbe, log, steps, bandwidth, max_num_seqs, *,
+                 kv_per_token: int) -> dict:
     """Decode steps at the largest batch: device time (dispatch to sampled ids on the host)
     against the roofline (weights + KV read / copy bandwidth), and host time per step: the
     step's wall time not covered by device time (ModelRunner.step_log), i.e. host work not
-    hidden behind the device (all of it when stepping synchronously)."""
+    hidden behind the device (all of it when stepping synchronously). kv_per_token: the
+    engine's stats()["kv_bytes_per_token"] (a quantized pool's scales included)."""
     import jax
 
     cfg = probe.model_config
     params = probe.params()
     leaves = jax.tree_util.tree_leaves(params)
-    itemsize = leaves[0].dtype.itemsize
     weight_bytes = sum(x.nbytes for x in leaves)
     if not cfg.tie_word_embeddings:  # the embedding is gathered, not read; a tied one is read
         weight_bytes -= params["embed"].nbytes  # as the LM head
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
     decode = [(wall, log[i]) for wall, i in steps if i is not None and log[i][0].decode_only]
     prefill = [log[i][3] for _, i in steps if i is not None and not log[i][0].decode_only]
     out = {
