@@ -200,23 +200,155 @@ class GGUFFile:
 
 
 # Block size of GGML's quantized types (Q4_0 .. Q8_0; the K-quants' 256-element super-blocks
-# hold 32-element sub-blocks too): int8 re-quantization keeps one scale per such block.
+# hold 32-element sub-blocks too): re-quantization to int8 keeps one scale per such block.
 GGML_BLOCK = 32
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+# Types whose blocks load as int8 without loss (decode_blocks): the group each scale (and
+# offset) covers. Q2_K and Q3_K are re-quantized per 32-element block instead.
+LOSSLESS_GROUPS = {
+    "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16,
+}  # fmt: skip
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
+_WITH_OFFSET = {"Q4_1", "Q5_1", "Q4_K", "Q5_K"}
+_SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
-def _quantize(file: GGUFFile, method: str, name: str, spec, value: np.ndarray):
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes per row [n, 2] -> float16 [n, 1]."""
+    return np.ascontiguousarray(b).view(np.float16)
+
+
+def _nibbles(b: np.ndarray, width: int) -> np.ndarray:
+    """[n, bytes] -> [n, 2 * bytes]: per run of `width` bytes, its low nibbles then its high
+    ones (GGML's 4-bit packing: byte j of a run holds elements j and j + width)."""
+    runs = b.reshape(b.shape[0], -1, 1, width)
+    return np.concatenate([runs & 0x0F, runs >> 4], axis=2).reshape(b.shape[0], -1)
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes -> 8 6-bit scales and 8 6-bit minima per super-block: bytes
+    0-3 and 4-7 hold scales / minima 0-3 in their low 6 bits and the top 2 bits of 4-7 in
+    their high 2; bytes 8-11 hold the low 4 bits of scales 4-7 (low nibble) and minima 4-7."""
+    lo_s, lo_m, mixed = b[:, 0:4], b[:, 4:8], b[:, 8:12]
+    scales = np.concatenate([lo_s & 63, (mixed & 15) | ((lo_s >> 6) << 4)], axis=1)
+    minima = np.concatenate([lo_m & 63, (mixed >> 4) | ((lo_m >> 6) << 4)], axis=1)
+    return scales.astype(np.float32), minima.astype(np.float32)
+
+
+def decode_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A block-quantized tensor's integers, scales and offsets, exactly as the file stores
+    them: the weight is q * scale + offset per group of LOSSLESS_GROUPS[kind] elements.
+
+    Q8_0 / Q4_0 / Q5_0 keep their float16 d as the scale (q: -128..127 / -8..7 / -16..15, no
+    offset); Q4_1 / Q5_1 their float16 d and minimum m (q 0..15 / 0..31); the K-quants fold
+    the super-block's d (and dmin) with each sub-block's scale (and minimum) into float32:
+    Q4_K / Q5_K scale d * sc and offset -dmin * m (q 0..15 / 0..31), Q6_K scale d * sc per 16
+    (q -32..31). Each product is the float32 one gguf.quants.dequantize forms.
+
+    Args:
+      data: uint8[..., row bytes] (GGUFReader's tensor.data of a quantized tensor).
+      kind: a LOSSLESS_GROUPS type name.
+
+    Returns:
+      q int8[..., n], scale[..., n / group], offset[..., n / group] or None.
+    """
+    rows = data.shape[:-1]
+    if kind in _BLOCK_BYTES:
+        b = data.reshape(-1, _BLOCK_BYTES[kind])
+        d = _f16(b[:, 0:2])
+        m = _f16(b[:, 2:4]) if kind in ("Q4_1", "Q5_1") else None
+        if kind == "Q8_0":
+            q = b[:, 2:].view(np.int8)
+        else:
+            q = _nibbles(b[:, -16:], 16)
+            if kind in ("Q5_0", "Q5_1"):  # 32 high bits, element j's in bit j (little end)
+                high = np.unpackbits(b[:, -20:-16], axis=1, bitorder="little")
+                q = q | (high << 4)
+            if m is None:  # Q4_0 / Q5_0: centred on 8 / 16
+                q = q.astype(np.int16) - (8 if kind == "Q4_0" else 16)
+            q = q.astype(np.int8)
+        scale, offset = d, m
+    else:
+        b = data.reshape(-1, _SUPER_BLOCK_BYTES[kind])
+        if kind == "Q6_K":
+            # ql[128] qh[64] scales int8[16] d; per half of 128: ql's 64 bytes low nibbles
+            # then high ones, qh's 32 bytes bit pairs 0-1 .. 6-7 for four runs of 32.
+            low = _nibbles(b[:, 0:128], 64)
+            pairs = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+            q = (low | ((pairs & 3).reshape(-1, 256) << 4)).astype(np.int16) - 32
+            sub = b[:, 192:208].view(np.int8).astype(np.float32)
+            scale, offset = _f16(b[:, 208:210]).astype(np.float32) * sub, None
+        else:
+            # d dmin scales[12] (Q5_K: qh[32]) qs[128]: four runs of 32 bytes, two
+            # sub-blocks each; Q5_K's bit i of qh byte e is sub-block i's element e.
+            d = _f16(b[:, 0:2]).astype(np.float32)
+            dmin = _f16(b[:, 2:4]).astype(np.float32)
+            sc, mn = _k_scales(b[:, 4:16])
+            q = _nibbles(b[:, -128:], 32)
+            if kind == "Q5_K":
+                high = np.unpackbits(b[:, 16:48, None], axis=2, bitorder="little")
+                q = q | (high.transpose(0, 2, 1).reshape(-1, 256) << 4)
+            scale, offset = d * sc, -(dmin * mn)
+        q = q.astype(np.int8)
+    n = q.size // max(1, int(np.prod(rows)))
+    shape = (*rows, n // LOSSLESS_GROUPS[kind])
+    q = q.reshape(*rows, n)
+    return q, scale.reshape(shape), None if offset is None else offset.reshape(shape)
+
+
+def block_forms(file: GGUFFile, specs: dict) -> dict[str, tuple[int, Any, bool]]:
+    """Param name -> (group, scale dtype, has offset): the one int8 form every layer's tensor
+    of that name takes, so that the layers stack (a Q4_K_M file mixes Q4_K and Q6_K layers of
+    attn_v and ffn_down). The smallest group of the kinds found, float16 scales when every
+    kind stores float16 ones, an offset when any kind has one (zero where its kind has none);
+    names with a kind outside LOSSLESS_GROUPS are absent (re-quantized)."""
+    kinds: dict[str, set[str]] = {}
+    for key, spec in specs.items():
+        tensor = file.tensors.get(gguf_tensor_name(spec.hf_name))
+        if key[0] == "layers" and key[-1] in quant.QUANTIZED_PARAMS and tensor is not None:
+            kinds.setdefault(key[-1], set()).add(tensor.tensor_type.name)
+    return {
+        name: (
+            min(LOSSLESS_GROUPS[k] for k in found),
+            np.dtype(np.float16 if found <= set(_BLOCK_BYTES) else np.float32),
+            bool(found & _WITH_OFFSET),
+        )
+        for name, found in kinds.items()
+        if found <= set(LOSSLESS_GROUPS)
+    }
+
+
+def _quantize(
+    file: GGUFFile,
+    method: str,
+    layout_rows: Callable[[str, np.ndarray], np.ndarray],
+    forms: dict[str, tuple[int, Any, bool]],
+    name: str,
+    spec,
+    value: np.ndarray,
+):
     """A projection's stored form under --quantization (load_gguf_model's docstring)."""
     if name not in quant.QUANTIZED_PARAMS:
         return value
-    kind = file.tensors[gguf_tensor_name(spec.hf_name)].tensor_type.name
+    tensor_name = gguf_tensor_name(spec.hf_name)
+    kind = file.tensors[tensor_name].tensor_type.name
     axes = quant.QUANTIZED_PARAMS[name]
+    form = forms.get(name)
+    if method == "int8" and form and value.shape[axes[-1]] % form[0] == 0:
+        group, dtype, has_offset = form
+        q, scale, offset = decode_blocks(np.asarray(file.tensors[tensor_name].data), kind)
+        repeat = LOSSLESS_GROUPS[kind] // group  # exact: a block's scale on each of its groups
+        scale = np.repeat(scale, repeat, axis=-1).astype(dtype)
+        if has_offset:
+            offset = np.zeros_like(scale) if offset is None else offset
+            offset = layout_rows(tensor_name, np.repeat(offset, repeat, axis=-1).astype(dtype))
+        stored = quant.QuantizedWeight(
+            layout_rows(tensor_name, q), layout_rows(tensor_name, scale), group, -1, offset
+        )
+        return quant.hf_to_layout(stored, spec, name)
     if method == "fp8" or kind in _FLOAT_TYPES or value.shape[axes[-1]] % GGML_BLOCK:
         return quant.quantize(value, axes, method, name=spec.hf_name)
-    scale_dtype = np.float16 if kind == "Q8_0" else np.float32
-    return quant.quantize(
-        value, axes, "int8", group=GGML_BLOCK, scale_dtype=scale_dtype, name=spec.hf_name
-    )
+    return quant.quantize(value, axes, "int8", group=GGML_BLOCK, name=spec.hf_name)
 
 
 def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -436,11 +568,13 @@ def load_gguf_model(
       on_host: keep params as numpy arrays, ignoring mesh.
       stacked: the layers stacked for lax.scan (hf_checkpoint.build_params), unless on_host.
       expert_parallel: experts split over the mesh (ModelConfig.with_expert_parallel).
-      quantization: None: every tensor dequantized into dtype. "int8": the projections as
-        int8 per 32-element block of the input dim (GGUF's blocks): a Q8_0 tensor keeps its
-        own int8 values and float16 block scales exactly; the 2- to 6-bit types are
-        re-quantized per block from their dequantized values (float32 scales); F32/F16/BF16
-        per output channel. "fp8": float8_e4m3fn per output channel. The embedding table
+      quantization: None: every tensor dequantized into dtype. "int8": the projections
+        keep GGUF's blocks along the input dim without loss (decode_blocks): Q8_0, Q4_0,
+        Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K as their own integers in int8 with the block
+        scales (and minima as offsets), float16 as stored for the 32-element types, float32
+        for the K-quants, one form per param name across layers (block_forms); Q2_K / Q3_K
+        (and a block type whose blocks do not fit the layout) re-quantized to int8 per
+        32-element block (float32 scales); F32/F16/BF16 per output channel. "fp8": float8_e4m3fn per output channel. The embedding table
         (token_embd, also the tied LM head), output.weight and norms stay in dtype.
 
     Returns:
@@ -486,15 +620,18 @@ def load_gguf_model(
                 f"{file.path}: tensor {name!r} has shape {list(shape)}, expected "
                 f"{list(expected)} from the file's metadata"
             )
-        w = file.read(name)
+        return layout_rows(name, file.read(name))
+
+    def layout_rows(name: str, w: np.ndarray) -> np.ndarray:
+        """Rows of a tensor (or of its block scales) un-permuted where the file permuted
+        them (llama's attn_q / attn_k)."""
         kind = name.split(".")[-2]  # "blk.3.attn_q.weight" -> "attn_q"
-        if permuted and kind in heads:
-            w = unpermute_rows(w, heads[kind])
-        return w
+        return unpermute_rows(w, heads[kind]) if permuted and kind in heads else w
 
     quantize = None
     if quantization is not None:
-        quantize = functools.partial(_quantize, file, quantization)
+        forms = block_forms(file, specs)
+        quantize = functools.partial(_quantize, file, quantization, layout_rows, forms)
     params = hf_checkpoint.build_params(
         config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host, stacked=stacked,
         quantize=quantize,

@@ -9,6 +9,11 @@ layout (models/config.py) and `scale` of the same rank, whose product is the wei
     per group of g       the last contraction axis split in groups of g   wo [Hq, Dh, D],
                          consecutive input elements (GGUF's blocks)       g 32: [Hq, Dh/32, D]
 
+A grouped weight may carry an `offset` shaped like its scale: the weight is then
+q * scale + offset per group. GGUF's block formats load so without loss (models/gguf.py):
+their integers as int8 (Q4_1 0..15, Q6_K -32..31, ...), the format's own block scale and,
+for Q4_1 / Q5_1 / Q4_K / Q5_K, its block minimum as the offset.
+
 Which params are quantized: the projections of QUANTIZED_PARAMS (attention and MLP, dense
 and experts). The embedding table, the LM head, norms, biases and the MoE router stay in the
 activation dtype: on the CPU a step multiplies by the whole (tied) LM head, and an int8 one
@@ -60,13 +65,14 @@ QUANTIZED_PARAMS = {
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight q * scale (see the module docstring). group: 0 per output channel, else the
-    group size along axis group_axis (static, part of the pytree's structure)."""
+    """A weight q * scale (+ offset) (see the module docstring). group: 0 per output channel,
+    else the group size along axis group_axis (static, part of the pytree's structure)."""
 
     q: Any  # int8 | float8_e4m3fn[param shape]
     scale: Any  # float32 | float16[param shape, contraction axes 1 or / group]
     group: int = 0
     group_axis: int = 0  # negative: from the end
+    offset: Any = None  # None | float32 | float16[scale's shape]; grouped weights only
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -78,18 +84,22 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return int(self.q.nbytes) + int(self.scale.nbytes)
+        extra = 0 if self.offset is None else int(self.offset.nbytes)
+        return int(self.q.nbytes) + int(self.scale.nbytes) + extra
 
     def __len__(self) -> int:
         return self.q.shape[0]
 
     def __getitem__(self, index) -> QuantizedWeight:
-        """Row(s) of the leading axis of both arrays: layer i of a stacked weight."""
-        return QuantizedWeight(self.q[index], self.scale[index], self.group, self.group_axis)
+        """Row(s) of the leading axis of every array: layer i of a stacked weight."""
+        offset = None if self.offset is None else self.offset[index]
+        return QuantizedWeight(
+            self.q[index], self.scale[index], self.group, self.group_axis, offset
+        )
 
 
 jax.tree_util.register_dataclass(
-    QuantizedWeight, data_fields=["q", "scale"], meta_fields=["group", "group_axis"]
+    QuantizedWeight, data_fields=["q", "scale", "offset"], meta_fields=["group", "group_axis"]
 )
 
 
@@ -175,7 +185,10 @@ def dequantize(w: Any, dtype: Any = jnp.float32) -> Any:
         a = q.ndim + w.group_axis
         shape = q.shape
         q = q.reshape(*shape[:a], shape[a] // w.group, w.group, *shape[a + 1 :])
-        out = (q * xp.expand_dims(scale, a + 1)).reshape(shape)
+        out = q * xp.expand_dims(scale, a + 1)
+        if w.offset is not None:
+            out = out + xp.expand_dims(w.offset.astype(np.float32), a + 1)
+        out = out.reshape(shape)
     else:
         out = q * scale
     return out.astype(dtype)
@@ -216,7 +229,9 @@ def einsum(subscripts: str, x: jax.Array, w: Any, *, native: bool | None = None)
 
     native: the accelerator formulation (_native_dot) for a per-channel w; None: on every
     platform but the CPU (the CPU dequantizes w to x's dtype and multiplies in it). Grouped
-    scales are dequantized everywhere."""
+    scales (and offsets) are dequantized everywhere: q * scale + offset in one elementwise
+    pass feeding the dot (scripts/bench_quant_matmul.py measured the offset's cost on the
+    CPU against a separate per-group correction term, docs/benchmarks.md)."""
     if not isinstance(w, QuantizedWeight):
         return jnp.einsum(subscripts, x, w)
     if native is None:
@@ -248,10 +263,19 @@ def weight_bytes(params: Any) -> int:
 def hf_to_layout(w: QuantizedWeight, spec: Any, name: str) -> QuantizedWeight:
     """A per-channel (or per-tensor) quantized Hugging Face weight [out, in] (experts:
     [E, out, in]) in the param layout: q through spec.to_layout as it is, the scale
-    broadcast over the weight, laid out the same way and kept once per output channel."""
+    broadcast over the weight, laid out the same way and kept once per output channel.
+    A grouped one (groups along in, group_axis -1: GGUF's blocks) keeps one scale (and
+    offset) per group along the param's last contraction axis.
+
+    Raises:
+      ValueError: name is not a quantized param, or its groups do not fit the layout (the
+        last contraction axis is not a multiple of the group).
+    """
     if name not in QUANTIZED_PARAMS:
         raise ValueError(f"{spec.hf_name}: a quantized tensor where jpaged expects a float one")
     q = spec.to_layout(w.q)
+    if w.group:
+        return _groups_to_layout(w, np.ascontiguousarray(q), spec, name)
     scale = np.asarray(w.scale, dtype=np.float32)
     if scale.ndim == w.q.ndim - 1 or scale.size == 1:  # [out] or one per tensor
         scale = scale.reshape(scale.shape + (1,) * (w.q.ndim - scale.ndim))
@@ -260,3 +284,24 @@ def hf_to_layout(w: QuantizedWeight, spec: Any, name: str) -> QuantizedWeight:
         slice(0, 1) if a in QUANTIZED_PARAMS[name] else slice(None) for a in range(q.ndim)
     )
     return QuantizedWeight(np.ascontiguousarray(q), np.ascontiguousarray(full[index]))
+
+
+def _groups_to_layout(w: QuantizedWeight, q: np.ndarray, spec: Any, name: str) -> QuantizedWeight:
+    """hf_to_layout of a grouped weight: each group's scale repeated over its elements, laid
+    out as q is, and taken once per group along the last contraction axis. The groups run
+    along in, whose innermost part that axis is (wo [Hq, Dh, D]: Dh), so a group stays one
+    group when the axis is a multiple of it."""
+    axis, g = QUANTIZED_PARAMS[name][-1], w.group
+    if w.group_axis != -1 or q.shape[axis] % g:
+        raise ValueError(
+            f"{spec.hf_name}: groups of {g} along axis {w.group_axis} do not fit axis {axis} "
+            f"of the layout {list(q.shape)}"
+        )
+    index = tuple(slice(None, None, g) if a == axis else slice(None) for a in range(q.ndim))
+
+    def per_group(x: Any) -> Any:
+        if x is None:
+            return None
+        return np.ascontiguousarray(spec.to_layout(np.repeat(x, g, axis=-1))[index])
+
+    return QuantizedWeight(q, per_group(w.scale), g, axis - q.ndim, per_group(w.offset))

@@ -14,6 +14,12 @@ For x [B, K] float32 and a weight [K, N] it times, each as one jitted call:
   blocked        the same per block of --block columns (the block's buffer stays in cache)
   scan_k         lax.scan over blocks of --block-rows input rows, each converted in the loop body
   group32        per-group (32 along K) scales: q.astype(f32) * group scales, then the dot
+                 (GGUF Q4_1 loaded as int8 before the lossless layout: symmetric, float32 scales)
+  offset32       q * group scale + group offset, float16 scale and offset (GGUF Q4_1 / Q5_1
+                 loaded without loss: q 0..15, d and m as stored), dequantized, then the dot
+  offset32_f32   the same with float32 scale and offset (the K-quants' folded ones)
+  offset32_sums  x @ (q * scale) + (x's sums per group of 32) @ offset: the offset as a
+                 second, 32x smaller dot instead of an add over the whole weight
 Prints one line per (shape, batch, formulation) and the max abs error against f32.
 """
 
@@ -93,6 +99,17 @@ def formulations(block: int, block_rows: int):
         w = (q.reshape(k // 32, 32, n).astype(jnp.float32) * gs[:, None, :]).reshape(k, n)
         return x @ w
 
+    def offset32(x, q, gs, gm):
+        k, n = q.shape
+        w = q.reshape(k // 32, 32, n).astype(jnp.float32) * gs.astype(jnp.float32)[:, None, :]
+        return x @ (w + gm.astype(jnp.float32)[:, None, :]).reshape(k, n)
+
+    def offset32_sums(x, q, gs, gm):
+        k, n = q.shape
+        w = q.reshape(k // 32, 32, n).astype(jnp.float32) * gs.astype(jnp.float32)[:, None, :]
+        sums = x.reshape(x.shape[0], k // 32, 32).sum(axis=2)
+        return x @ w.reshape(k, n) + sums @ gm.astype(jnp.float32)
+
     return {
         "f32": f32,
         "convert": convert,
@@ -102,6 +119,9 @@ def formulations(block: int, block_rows: int):
         "blocked": blocked,
         "scan_k": scan_k,
         "group32": group32,
+        "offset32": offset32,
+        "offset32_f32": offset32,
+        "offset32_sums": offset32_sums,
     }
 
 
@@ -136,10 +156,20 @@ def main() -> None:
         g = np.abs(w.reshape(k // 32, 32, n)).max(axis=1) / 127.0
         gq = np.clip(np.rint(w.reshape(k // 32, 32, n) / g[:, None]), -127, 127)
         gq = gq.reshape(k, n).astype(np.int8)
+        # Q4_1's asymmetric blocks: 16 levels from each block's min to its max.
+        lo = w.reshape(k // 32, 32, n).min(axis=1)
+        d = (w.reshape(k // 32, 32, n).max(axis=1) - lo) / 15
+        d16, lo16 = d.astype(np.float16), lo.astype(np.float16)
+        oq = np.rint((w.reshape(k // 32, 32, n) - lo16[:, None]) / d16[:, None])
+        oq = np.clip(oq, 0, 15).reshape(k, n).astype(np.int8)
         operands = {
             "f32": (jnp.asarray(w),),
             "group32": (jnp.asarray(gq), jnp.asarray(g.astype(np.float32))),
+            "offset32": tuple(map(jnp.asarray, (oq, d16, lo16))),
+            "offset32_f32": tuple(jnp.asarray(a.astype(np.float32)) for a in (d16, lo16)),
+            "offset32_sums": tuple(map(jnp.asarray, (oq, d16, lo16))),
         }
+        operands["offset32_f32"] = (jnp.asarray(oq), *operands["offset32_f32"])
         for batch in (int(b) for b in args.batches.split(",")):
             x = jnp.asarray(rng.normal(0, 1, (batch, k)).astype(np.float32))
             ref = np.asarray(x) @ w

@@ -7,8 +7,8 @@ CPU user would pick: decode tokens/s at batch 1 and 32, resident weight bytes, p
 The model is the shipped Q4_1 GGUF (models.demo.ensure_smollm2) and a Q8_0 GGUF made from it
 here, in its own directory of the jpaged cache (every quantized tensor dequantized and re-quantized to Q8_0 with gguf.quants; norms stay
 F32). Each configuration runs in its own process (one at a time): jpaged loads a file with
---quantization unset (dequantized to float32) or int8 (Q8_0 blocks kept; Q4_1 re-quantized to
-int8 per 32-element block); llama.cpp (llama-cpp-python, n_threads --threads) runs the same
+--quantization unset (dequantized to float32) or int8 (Q8_0 and Q4_1 blocks kept without
+loss: their integers as int8, the file's float16 scales and Q4_1's minima); llama.cpp (llama-cpp-python, n_threads --threads) runs the same
 file, batch 1 only (its high-level API decodes one sequence). Prompts are random token ids
 (--prompt-len), greedy, EOS ignored; a warm-up run of the same shapes first, then the timed run.
 tokens/s = batch x new tokens / wall seconds of the timed generate (prefill included).

@@ -1,7 +1,13 @@
 """Weight quantization (models/quantization.py, issue 29): exact round trips on hand-made
 weights, the quantized linear against the dequantized weight, a GGUF Q8_0 loaded as int8 with
-its own blocks, a compressed-tensors fp8 checkpoint loaded as stored, the accelerator
-formulation lowered for cuda (abstract H200) and tpu, and clear errors for bad inputs."""
+its own blocks, GGUF's 4- to 6-bit block types loaded as int8 without loss (against
+gguf.quants.dequantize), a compressed-tensors fp8 checkpoint loaded as stored, the
+accelerator formulation lowered for cuda (abstract H200) and tpu, and clear errors for bad
+inputs.
+
+gguf 0.19's quants.quantize writes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 but not the K-quants
+(NotImplementedError): Q4_K, Q5_K and Q6_K tensors are random bytes of the type
+(tests/checkpoints.py write_gguf), every bit pattern being a valid block."""
 
 from __future__ import annotations
 
@@ -102,12 +108,25 @@ def test_quantized_linear_equals_the_dequantized_weight(method, native):
     np.testing.assert_allclose(quant.matmul(x, qw, native=native), want, rtol=1e-5, atol=1e-5)
 
 
+def _lowered(f, args, platform: str) -> tuple[str, list[str]]:
+    """jit(f)(*args) lowered for platform ("cuda": an abstract H200, or "tpu"): the line of
+    main's signature and the dot_general lines."""
+    from tests.pallas_kernels.gpu_target import h200
+
+    traced = jax.jit(f).trace(*args)
+    if platform == "cuda":
+        with h200():
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    else:
+        text = traced.lower(lowering_platforms=("tpu",)).as_text()
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    return main, [line for line in text.splitlines() if "dot_general" in line]
+
+
 def test_quantized_matmul_lowers_for_cuda_and_tpu():
     """The accelerator formulation lowers for an abstract H200 and for tpu: the program takes
     the stored int8 / fp8 weight, widens it to the activations' bfloat16 and runs one
     dot_general accumulating in float32."""
-    from tests.pallas_kernels.gpu_target import h200
-
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(4, 64)).astype(np.float32), jnp.bfloat16)
     for method, type_name in (("int8", "i8"), ("fp8", "f8E4M3FN")):
@@ -117,19 +136,64 @@ def test_quantized_matmul_lowers_for_cuda_and_tpu():
             return quant.einsum("td,dhk->thk", x, w, native=True)
 
         for platform in ("cuda", "tpu"):
-            traced = jax.jit(f).trace(x, qw)
-            if platform == "cuda":
-                with h200():
-                    text = traced.lower(lowering_platforms=("cuda",)).as_text()
-            else:
-                text = traced.lower(lowering_platforms=("tpu",)).as_text()
-            main = next(line for line in text.splitlines() if "func.func public @main" in line)
+            main, dots = _lowered(f, (x, qw), platform)
             assert f"tensor<64x2x32x{type_name}>" in main, main
             assert "tensor<1x2x32xf32>" in main, main  # the per-channel scale
-            dots = [line for line in text.splitlines() if "dot_general" in line]
-            assert len(dots) == 1, text
+            assert len(dots) == 1, dots
             want = "(tensor<4x64xbf16>, tensor<64x2x32xbf16>) -> tensor<4x2x32xf32>"
             assert want in dots[0], dots
+
+
+def _q4_1_like(rng, shape, axis: int) -> quant.QuantizedWeight:
+    """A grouped weight with an offset, as a Q4_1 tensor loads: q 0..15 per group of 32
+    along axis, float16 scale and offset."""
+    groups = list(shape)
+    groups[axis] //= 32
+    q = rng.integers(0, 16, size=shape).astype(np.int8)
+    scale = rng.uniform(0.001, 0.01, size=groups).astype(np.float16)
+    offset = rng.uniform(-0.08, 0.0, size=groups).astype(np.float16)
+    return quant.QuantizedWeight(q, scale, 32, axis - len(shape), offset)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_grouped_weight_with_offset_equals_the_dequantized_weight(native):
+    """q * scale + offset per group (GGUF's Q4_1 / K-quants): the linear equals x times the
+    dequantized weight, whose every element is q * scale + offset of its group."""
+    rng = np.random.default_rng(1)
+    w = _q4_1_like(rng, (2, 64, 32), axis=1)  # wo-like [H, Dh, D], groups along Dh
+    deq = quant.dequantize(w)
+    want = w.q[1, 37, 5] * np.float32(w.scale[1, 1, 5]) + np.float32(w.offset[1, 1, 5])
+    assert deq[1, 37, 5] == want
+    assert w.nbytes == 2 * 64 * 32 + 2 * (2 * 2 * 32 * 2)
+    assert w[1].offset.shape == (2, 32)  # indexing a layer keeps the offset
+    qw = jax.tree.map(jnp.asarray, w)
+    x = jnp.asarray(rng.normal(size=(5, 2, 64)).astype(np.float32))
+    got = jax.jit(lambda x, w: quant.einsum("thk,hkd->td", x, w, native=native))(x, qw)
+    want = jnp.einsum("thk,hkd->td", x, deq, precision="highest")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    w = jax.tree.map(jnp.asarray, _q4_1_like(rng, (64, 48), axis=0))
+    x = jnp.asarray(rng.normal(size=(3, 64)).astype(np.float32))
+    want = jnp.matmul(x, quant.dequantize(w), precision="highest")
+    np.testing.assert_allclose(quant.matmul(x, w, native=native), want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_matmul_with_offset_lowers_for_cuda_and_tpu():
+    """A Q4_1-like weight (int8 q, float16 scale and offset per 32) lowers for an abstract
+    H200 and for tpu: the program takes the stored arrays, dequantizes them to the
+    activations' bfloat16 and runs one dot_general."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(4, 64)).astype(np.float32), jnp.bfloat16)
+    qw = jax.tree.map(jnp.asarray, _q4_1_like(rng, (64, 2, 32), axis=0))
+
+    def f(x, w):
+        return quant.einsum("td,dhk->thk", x, w)
+
+    for platform in ("cuda", "tpu"):
+        main, dots = _lowered(f, (x, qw), platform)
+        assert "tensor<64x2x32xi8>" in main, main
+        assert main.count("tensor<2x2x32xf16>") == 2, main  # the scale and the offset
+        assert len(dots) == 1, dots
+        assert "(tensor<4x64xbf16>, tensor<64x2x32xbf16>) -> tensor<4x2x32xbf16>" in dots[0], dots
 
 
 # A tiny llama whose projections dominate its bytes (8 layers), as GGUF (numpy-made: no torch).
@@ -188,16 +252,16 @@ def test_gguf_q8_0_loads_as_int8_with_its_blocks(q8_gguf, stacked):
     assert quant.weight_bytes(q8.params) == _layer_bytes(q8.params) + embed
 
 
-def test_gguf_q8_0_logits_equal_the_dequantized_load(q8_gguf):
-    """Greedy tokens and their logprobs through the engine: int8 weights (dequantized in the
-    step on the CPU) against the float32 load, to 1e-5; llm.stats() reports the bytes."""
+def _int8_engine_matches_float32(path) -> tuple[dict, dict]:
+    """Greedy tokens of three prompts and their top-3 logprobs from an int8-weight engine
+    equal the float32 load's (tokens exactly, logprobs to 1e-5); both engines' stats()."""
     from jpaged import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], list(range(40, 70))]
     runs = {}
     for method in (None, "int8"):
-        llm = LLM(model=str(q8_gguf), quantization=method, max_num_seqs=4, max_model_len=64)
+        llm = LLM(model=str(path), quantization=method, max_num_seqs=4, max_model_len=64)
         runs[method] = (llm.generate(prompts, params), llm.stats())
     (dense, dense_stats), (q8, q8_stats) = runs[None], runs["int8"]
     for a, b in zip(dense, q8, strict=True):
@@ -205,9 +269,129 @@ def test_gguf_q8_0_logits_equal_the_dequantized_load(q8_gguf):
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert la.keys() == lb.keys()
             np.testing.assert_allclose(list(lb.values()), list(la.values()), atol=1e-5)
+    return dense_stats, q8_stats
+
+
+def test_gguf_q8_0_logits_equal_the_dequantized_load(q8_gguf):
+    """Greedy tokens and their logprobs through the engine: int8 weights (dequantized in the
+    step on the CPU) against the float32 load, to 1e-5; llm.stats() reports the bytes."""
+    dense_stats, q8_stats = _int8_engine_matches_float32(q8_gguf)
     assert (dense_stats["quantization"], q8_stats["quantization"]) == (None, "int8")
     assert q8_stats["weight_bytes"] == 2_097_152 + 2_097_664  # as the test above counts
     assert dense_stats["weight_bytes"] == 7_872_512 + 2_097_664
+
+
+# The block types loaded without loss: q's range, the scale dtype, offset or not, the group.
+_LOSSLESS = {
+    "Q4_0": (-8, 7, np.float16, False, 32),
+    "Q4_1": (0, 15, np.float16, True, 32),
+    "Q5_0": (-16, 15, np.float16, False, 32),
+    "Q5_1": (0, 31, np.float16, True, 32),
+    "Q4_K": (0, 15, np.float32, True, 32),
+    "Q5_K": (0, 31, np.float32, True, 32),
+    "Q6_K": (-32, 31, np.float32, False, 16),
+}
+# Rows of 256 inputs at least (the K-quants' super-block): hidden 256, head_dim 64.
+_BLOCKS = {"hidden": 256, "intermediate": 512, "layers": 2}
+_GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@pytest.fixture(scope="module")
+def block_checkpoint(tmp_path_factory):
+    from tests.numpy_checkpoints import make_llama_checkpoint
+
+    return make_llama_checkpoint(tmp_path_factory.mktemp("blocks") / "hf", **_BLOCKS)
+
+
+def _projection_weights() -> int:
+    d, f, kv = 256, 512, 2 * 64
+    return 2 * (d * d * 2 + d * kv * 2 + 3 * d * f)
+
+
+@pytest.mark.parametrize("kind", list(_LOSSLESS))
+def test_gguf_block_types_load_as_int8_without_loss(block_checkpoint, tmp_path, kind):
+    """Every projection stored as `kind`: the int8 load keeps the format's integers, and
+    q * scale + offset equals gguf.quants.dequantize's values (through the float32 load, and
+    for blk.1.attn_q directly from the file's bytes, un-permuted) to 1e-6 relative."""
+    import gguf
+
+    from models.gguf import unpermute_rows
+    from tests.checkpoints import write_gguf
+
+    lo, hi, scale_dtype, has_offset, group = _LOSSLESS[kind]
+    path = tmp_path / f"model-{kind.lower()}.gguf"
+    write_gguf(
+        block_checkpoint, path, lambda name, shape: kind if name.startswith("blk.") else "F32"
+    )
+    dense = load_model(path)
+    q8 = load_model(path, quantization="int8")
+    for i, layer in enumerate(q8.params["layers"]):
+        for name in quant.QUANTIZED_PARAMS:
+            if name not in layer:
+                continue
+            w = layer[name]
+            assert isinstance(w, quant.QuantizedWeight) and w.group == group, name
+            assert w.q.dtype == np.int8 and w.scale.dtype == scale_dtype, name
+            assert (w.offset is not None) == has_offset, name
+            if has_offset:
+                assert w.offset.dtype == scale_dtype, name
+            assert lo <= w.q.min() and w.q.max() <= hi, (name, w.q.min(), w.q.max())
+            want = dense.params["layers"][i][name]
+            np.testing.assert_allclose(quant.dequantize(w), want, rtol=1e-6, atol=0, err_msg=name)
+    raw = {t.name: t for t in gguf.GGUFReader(path).tensors}["blk.1.attn_q.weight"]
+    ref = gguf.quants.dequantize(raw.data, raw.tensor_type).reshape(256, 256)  # [out, in]
+    ref = unpermute_rows(ref, 4).T.reshape(256, 4, 64)  # wq's layout [D, Hq, Dh]
+    np.testing.assert_allclose(quant.dequantize(q8.params["layers"][1]["wq"]), ref, rtol=1e-6)
+    # Resident bytes: 1 per weight, the scale (and offset) once per group; norms float32.
+    extra = np.dtype(scale_dtype).itemsize * (2 if has_offset else 1) / group
+    norms = 2 * 2 * 256 * 4
+    assert quant.weight_bytes(q8.params["layers"]) == _projection_weights() * (1 + extra) + norms
+
+
+# A file of every lossless type, a different one per layer for each projection: the layers of
+# a name take one form (models/gguf.py block_forms), so that they stack for lax.scan.
+_MIXED = list(_LOSSLESS)
+
+
+def _mixed_type(name: str, shape) -> str:
+    parts = name.split(".")  # "blk.1.attn_q.weight"; "token_embd.weight" stays float32
+    if len(parts) != 4 or parts[2] not in _GGUF_PROJECTIONS:
+        return "F32"
+    layer, kind = parts[1], parts[2]
+    return _MIXED[(_GGUF_PROJECTIONS.index(kind) + 3 * int(layer)) % len(_MIXED)]
+
+
+def test_gguf_mixed_block_types_stack_in_one_form_and_match_the_float_logits(
+    block_checkpoint, tmp_path
+):
+    """Greedy tokens and logprobs through the engine (layers stacked and scanned on the CPU):
+    int8 weights of every lossless type against the float32 load of the same file, to 1e-5;
+    stats() reports the exact resident bytes of the forms block_forms picks."""
+    from tests.checkpoints import write_gguf
+
+    path = tmp_path / "mixed.gguf"
+    write_gguf(block_checkpoint, path, _mixed_type)
+    loaded = load_model(path, stacked=True, quantization="int8")
+    layers = loaded.params["layers"]
+    # attn_q: Q4_0 then Q5_1 -> float16, an offset (zero for Q4_0); ffn_gate: Q4_K then Q4_0
+    # -> float32; attn_output: Q5_1 then Q6_K -> groups of 16, float32, an offset.
+    forms = {"wq": (32, np.float16, True), "w_gate": (32, np.float32, True),
+             "wo": (16, np.float32, True), "w_down": (16, np.float32, False)}  # fmt: skip
+    for name, (group, dtype, has_offset) in forms.items():
+        w = layers[name]
+        assert (w.group, w.scale.dtype, w.offset is not None) == (group, dtype, has_offset), name
+        assert w.q.shape[0] == 2 and w.scale.shape[0] == 2
+    np.testing.assert_array_equal(np.asarray(layers["wq"].offset[0]), 0)  # Q4_0: no minimum
+    dense = load_model(path, stacked=True)
+    for name in quant.QUANTIZED_PARAMS:
+        if name in layers:
+            want = dense.params["layers"][name]
+            np.testing.assert_allclose(quant.dequantize(layers[name]), want, rtol=1e-6, atol=0)
+    _, stats = _int8_engine_matches_float32(path)
+    # Bytes per weight: wq 1 + 4/32, wk wv w_gate w_up 1 + 8/32, wo 1 + 8/16, w_down 1 + 4/16.
+    layer_bytes = 131072 * 1.125 + 65536 * 2 * 1.25 + 131072 * 1.5 + 262144 * 3 * 1.25
+    assert quant.weight_bytes(layers) == layer_bytes + 2 * 2 * 256 * 4 == 1_495_040
+    assert stats["weight_bytes"] == 1_495_040 + 2 * 2048 * 256 * 4 + 256 * 4
 
 
 def _write_fp8_checkpoint(root, *, drop_scale: str | None = None, config_groups=None):
