@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -261,7 +260,9 @@ def main() -> None:
         args.model = str(ensure_demo_model())
     if args.dtype is None:
         args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    vocab = args.vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    from models.loader import read_config  # a Hugging Face directory or a GGUF file
+
+    vocab = args.vocab = read_config(args.model).vocab_size
     skip = set(args.skip.split(","))
     t_start = time.perf_counter()
     device = jax.devices()[0]
