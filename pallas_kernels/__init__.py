@@ -6,8 +6,7 @@
   "gpu"    gpu_decode / gpu_prefill (Pallas Triton)  head_dim and page_size powers of two,
                                                      head_dim >= 16
   "tpu"    tpu_decode / tpu_prefill (Mosaic TPU)     page_size a multiple of 8
-  "cpu"    reference                                 always; also any shape a kernel refuses,
-                                                     and quantized pages (kv_quant.py)
+  "cpu"    reference                                 always; also any shape a kernel refuses
 
 The backend is `jax.default_backend()` unless forced with `backend=`. With `interpret=True`
 and no forced backend on a CPU host, the GPU kernel runs in the Pallas interpreter (so the
@@ -15,12 +14,20 @@ engine can exercise the kernel path without an accelerator). Soft capping and sl
 windows are implemented in every kernel. All functions are traceable inside jit; backend
 selection happens at trace time.
 
+Quantized pages (kv_quant.QuantizedPages: int8, fp8 e4m3 or e5m2 codes and a bfloat16 scale
+per token and KV head) go to the same kernels under the same shape rules: the Triton and
+Mosaic TPU kernels read the codes and scales and dequantize after the load, so attention
+reads 1 byte per element (plus 2 per row) instead of the activations' 2 or 4. The reference
+dequantizes after its gather. All three dtypes lower for 'cuda' (an H200, where Triton
+converts fp8 natively from sm_89) and for 'tpu' (tests/pallas_kernels/test_kv_quant_kernels.py),
+so no dtype falls back on its own.
+
 GPU decode has two kernels: "triton" (gpu_decode, the default) and "mosaic"
 (mosaic_gpu_decode: Mosaic GPU, Hopper wgmma, bfloat16/float16 only; the path off jax's
 deprecated Triton lowering). `gpu_kernel=` chooses; when it is None the environment variable
 JPAGED_GPU_KERNEL does (read when the call is traced, so set it before the engine starts),
-and "triton" when that is unset. A shape or dtype the Mosaic kernel refuses runs on Triton.
-Prefill always uses Triton on GPU.
+and "triton" when that is unset. A shape or dtype the Mosaic kernel refuses runs on Triton,
+quantized pages among them (it reads 16-bit pages only). Prefill always uses Triton on GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import os
 
 import jax
 
-from pallas_kernels import kv_quant, reference
+from pallas_kernels import reference
+from pallas_kernels.kv_quant import QuantizedPages
 from pallas_kernels.reference import MASK_VALUE
 
 __all__ = [
@@ -47,11 +55,10 @@ GPU_KERNELS = ("triton", "mosaic")
 GPU_KERNEL_ENV = "JPAGED_GPU_KERNEL"
 
 
-def select_backend(
-    q_shape, k_shape, *, interpret: bool, backend: str | None, quantized: bool = False
-) -> str:
-    """Which implementation runs: "gpu", "tpu" or "cpu" (the reference). quantized: the
-    pages are kv_quant.QuantizedPages."""
+def select_backend(q_shape, k_shape, *, interpret: bool, backend: str | None) -> str:
+    """Which implementation runs: "gpu", "tpu" or "cpu" (the reference). Plain and quantized
+    pages (kv_quant.QuantizedPages, whose shape is its codes') follow the same rules: every
+    kernel reads both, so only a shape a kernel refuses falls back."""
     if backend is None:
         backend = jax.default_backend()
         if backend == "cpu" and interpret:
@@ -60,8 +67,6 @@ def select_backend(
         backend = "gpu"
     if backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
-    if quantized:  # the kernels read plain pages only, for now: the reference dequantizes
-        return "cpu"
     if backend == "gpu":
         from pallas_kernels import gpu_decode
 
@@ -75,7 +80,10 @@ def select_backend(
 
 def gpu_decode_kernel(q_shape, k_shape, dtype, gpu_kernel: str | None) -> str:
     """Which GPU decode kernel runs: "mosaic" when asked for (argument, else
-    $JPAGED_GPU_KERNEL) and the shape and dtype suit it, else "triton"."""
+    $JPAGED_GPU_KERNEL) and the shape and dtype suit it, else "triton". dtype: the pages'
+    (a QuantizedPages' codes). Quantized pages always run on Triton: the Mosaic kernel feeds
+    16-bit pages straight to wgmma and has no dequantizing load (mosaic_gpu_decode.supports
+    refuses int8 and fp8)."""
     if gpu_kernel is None:
         gpu_kernel = os.environ.get(GPU_KERNEL_ENV) or "triton"
     if gpu_kernel not in GPU_KERNELS:
@@ -91,8 +99,8 @@ def gpu_decode_kernel(q_shape, k_shape, dtype, gpu_kernel: str | None) -> str:
 
 def paged_decode_attention(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    k_pages: jax.Array | QuantizedPages,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array | QuantizedPages,  # [num_kv_heads, num_pages, page_size, head_dim]
     lengths: jax.Array,  # int32[batch]; 0 gives zeros
     page_table: jax.Array,  # int32[batch, pages_per_seq]
     *,
@@ -110,8 +118,7 @@ def paged_decode_attention(
     GPU kernel ("triton" or "mosaic"; None: $JPAGED_GPU_KERNEL, else "triton").
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
-    which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend,
-                           quantized=isinstance(k_pages, kv_quant.QuantizedPages))
+    which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend)
     if which == "gpu" and gpu_decode_kernel(q.shape, k_pages.shape, k_pages.dtype,
                                             gpu_kernel) == "mosaic":
         from pallas_kernels import mosaic_gpu_decode
@@ -136,8 +143,8 @@ def paged_decode_attention(
 
 def paged_prefill_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
+    k_pages: jax.Array | QuantizedPages,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array | QuantizedPages,  # [num_kv_heads, num_pages, page_size, head_dim]
     context_lens: jax.Array,  # int32[num_seqs]
     page_table: jax.Array,  # int32[num_seqs, pages_per_seq]
     query_start: jax.Array,  # int32[num_seqs + 1]
@@ -158,8 +165,7 @@ def paged_prefill_attention(
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     args = (q, k_pages, v_pages, context_lens, page_table, query_start)
-    which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend,
-                           quantized=isinstance(k_pages, kv_quant.QuantizedPages))
+    which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend)
     if which == "gpu":
         from pallas_kernels import gpu_prefill
 

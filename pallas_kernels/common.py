@@ -1,5 +1,6 @@
-"""Pieces shared by the Pallas kernels: the online-softmax step, the split merge, and the few
-API names that differ between the jax versions we support (0.10.x here, 0.11.x on GPUs).
+"""Pieces shared by the Pallas kernels: the online-softmax step, the split merge, reading
+quantized pages, and the few API names that differ between the jax versions we support
+(0.10.x here, 0.11.x on GPUs).
 
 Everything here is traceable inside a kernel body (Triton or Mosaic) or in plain jnp.
 """
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import kv_quant
 from pallas_kernels.reference import MASK_VALUE
 
 
@@ -37,13 +39,16 @@ def dot_f32(a, b, *, trans_b: bool = False):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def online_softmax_step(s, valid, v, v_valid, carry, *, soft_cap, keepdims=False):
+def online_softmax_step(s, valid, v, v_valid, carry, *, soft_cap, keepdims=False,
+                        v_scale=None):
     """One flash-attention step over a KV block.
 
     Args:
       s: f32[R, L] scaled logits; valid: bool[R, L] (or broadcastable) visible keys.
       v: [L, D] values; v_valid: bool[L, 1] (or [L, D]) rows that hold written tokens.
       carry: (acc f32[R, D], m, l) with m, l f32[R] (or [R, 1] when keepdims).
+      v_scale: f32[1, L], quantized V only (token_scales): each row's scale, applied to the
+        probabilities, since p @ (scale * v) = (p * scale) @ v.
     Masked logits become MASK_VALUE and their probabilities exactly 0; unwritten V rows are
     zeroed so 0 * NaN cannot happen.
     """
@@ -58,8 +63,52 @@ def online_softmax_step(s, valid, v, v_valid, carry, *, soft_cap, keepdims=False
     l_new = alpha * l + jnp.sum(p, axis=1, keepdims=keepdims)
     v = jnp.where(v_valid, v, jnp.zeros_like(v))
     alpha_b = alpha if keepdims else alpha[:, None]
-    acc = acc * alpha_b + dot_f32(p.astype(v.dtype), v)
+    pv = p if v_scale is None else p * v_scale
+    acc = acc * alpha_b + dot_f32(pv.astype(v.dtype), v)
     return acc, m_new, l_new
+
+
+# --- quantized pages (kv_quant.QuantizedPages) inside the kernels ---------------------------
+#
+# A kernel loads a block of stored codes (int8 / fp8) and their bfloat16 scales with the same
+# page indexing, then converts the codes to the compute dtype (q's: float32 or bfloat16; both
+# hold every int8, e4m3 and e5m2 value exactly) and applies each token's scale to its column
+# of the logits (q @ (s * k)^T = (q @ k^T) * s) and of the probabilities (see
+# online_softmax_step): the same products as dequantizing the tile, with R x L multiplies
+# instead of L x D, and a scale row [1, L] that needs no relayout on TPU.
+
+
+def split_pools(k_pages, v_pages):
+    """(k data, v data, [k scales, v scales]) for a kernel call: QuantizedPages are passed as
+    their two leaves, plain pages as they are. K and V must both be quantized or both not."""
+    quantized = isinstance(k_pages, kv_quant.QuantizedPages)
+    if quantized != isinstance(v_pages, kv_quant.QuantizedPages):
+        raise ValueError("k_pages and v_pages must both be QuantizedPages or both plain arrays, "
+                         f"got {type(k_pages).__name__} and {type(v_pages).__name__}")
+    if quantized:
+        return k_pages.data, v_pages.data, [k_pages.scales, v_pages.scales]
+    return k_pages, v_pages, []
+
+
+def token_scales(scales, written):
+    """Per-token scales [1, L] (bfloat16 as stored) -> float32, 0 where no token is written:
+    an unwritten slot's stored scale may be NaN, and p * NaN is NaN even where p is 0."""
+    return jnp.where(written, scales.astype(jnp.float32), 0.0)
+
+
+def load_gpu_block(data_ref, scale_ref, pages, *, dtype, written):
+    """One block of pages gathered from a GPU pool ref [num_pages, page_size, D].
+
+    pages int32[P]; written bool[1, P * page_size]: slots holding a token. Returns x [L, D]
+    (in dtype when quantized, else as stored) and its per-token scales f32[1, L], None for
+    plain pages (scale_ref None)."""
+    _, page_size, head_dim = data_ref.shape
+    block_tokens = pages.shape[0] * page_size
+    x = data_ref[pages].reshape(block_tokens, head_dim)
+    if scale_ref is None:
+        return x, None
+    scales = scale_ref[pages].reshape(1, block_tokens)
+    return x.astype(dtype), token_scales(scales, written)
 
 
 def finish(acc, l):

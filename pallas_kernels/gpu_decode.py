@@ -15,6 +15,10 @@ Each split writes an unnormalised float32 partial (acc, running max m, running s
 wrapper merges splits by their log-sum-exp. Masking never multiplies by garbage: logits past
 the length become MASK_VALUE, their probabilities are zeroed and their V rows are zeroed,
 so NaN in unused page slots cannot reach the output. Length 0 gives zeros.
+
+Quantized pages (kv_quant.QuantizedPages: int8 / fp8 codes and a bfloat16 scale per token)
+are read as stored, 1 byte per element plus 2 per row: the program gathers the codes and
+their scales with the same page ids and dequantizes after the load (common.load_gpu_block).
 """
 
 from __future__ import annotations
@@ -27,12 +31,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import tuning
+from pallas_kernels.kv_quant import QuantizedPages
 from pallas_kernels.common import (
     dot_f32,
     group_queries,
+    load_gpu_block,
     merge_decode_splits,
     online_softmax_step,
     pad_page_table,
+    split_pools,
     triton_call_kwargs,
 )
 from pallas_kernels.reference import MASK_VALUE
@@ -59,18 +66,17 @@ def _decode_kernel(
     lengths_ref,  # int32[1]: this sequence's length
     table_ref,  # int32[pages_per_seq_padded]: this sequence's page-table row
     q_ref,  # [rows, D]
-    k_ref,  # [num_pages, page_size, D]: this KV head's pool
+    k_ref,  # [num_pages, page_size, D]: this KV head's pool (codes when quantized)
     v_ref,
-    acc_ref,  # f32[rows, D]
-    m_ref,  # f32[rows]
-    l_ref,  # f32[rows]
-    *,
+    *refs,  # quantized: k, v scales [num_pages, page_size]; then acc f32[rows, D], m, l f32[rows]
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     pages_per_block: int,
     num_splits: int,
 ):
+    ks_ref, vs_ref = refs[:-3] or (None, None)
+    acc_ref, m_ref, l_ref = refs[-3:]
     split = pl.program_id(2)
     rows, head_dim = q_ref.shape
     page_size = k_ref.shape[1]
@@ -94,14 +100,16 @@ def _decode_kernel(
     def body(blk, carry):
         page0 = first_page + blk * pages_per_block
         pages = table_ref[pl.ds(page0, pages_per_block)]
-        k = k_ref[pages].reshape(block_tokens, head_dim)
-        v = v_ref[pages].reshape(block_tokens, head_dim)
-        s = dot_f32(q, k, trans_b=True) * sm_scale
         pos = page0 * page_size + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
+        k, k_scale = load_gpu_block(k_ref, ks_ref, pages, dtype=q.dtype, written=pos < length)
+        v, v_scale = load_gpu_block(v_ref, vs_ref, pages, dtype=q.dtype, written=pos < length)
+        s = dot_f32(q, k, trans_b=True) * sm_scale
+        if k_scale is not None:
+            s = s * k_scale
         valid = (pos < length) & (pos >= window_start)
         pos_r = page0 * page_size + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
         return online_softmax_step(
-            s, valid, v, pos_r < length, carry, soft_cap=soft_cap
+            s, valid, v, pos_r < length, carry, soft_cap=soft_cap, v_scale=v_scale
         )
 
     init = (
@@ -120,8 +128,8 @@ def _decode_kernel(
 )
 def paged_decode_attention(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,
+    k_pages: jax.Array | QuantizedPages,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array | QuantizedPages,
     lengths: jax.Array,  # int32[batch]
     page_table: jax.Array,  # int32[batch, pages_per_seq]
     *,
@@ -133,8 +141,10 @@ def paged_decode_attention(
 ) -> jax.Array:  # [batch, num_q_heads, head_dim], q's dtype
     """Decode attention with the Triton kernel; same contract as reference.paged_decode_attention.
 
-    `blocks` overrides the tuning table (benchmarks and tests only).
+    `blocks` overrides the tuning table (benchmarks and tests only). k_pages and v_pages
+    may be kv_quant.QuantizedPages (both or neither); the result is then q's dtype too.
     """
+    k_data, v_data, scales = split_pools(k_pages, v_pages)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     pages_per_seq = page_table.shape[1]
@@ -155,6 +165,8 @@ def paged_decode_attention(
         _decode_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
         pages_per_block=ppb, num_splits=splits,
     )
+    pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, s: (h, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda b, h, s: (h, 0, 0))
     part = (batch, num_kv_heads, splits, rows)
     acc, m, l = pl.pallas_call(
         kernel,
@@ -163,9 +175,9 @@ def paged_decode_attention(
             pl.BlockSpec((None, 1), lambda b, h, s: (b, 0)),
             pl.BlockSpec((None, padded), lambda b, h, s: (b, 0)),
             pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, s: (h, 0, 0, 0)),
-            pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, s: (h, 0, 0, 0)),
-        ],
+            pool_spec,
+            pool_spec,
+        ] + [scale_spec] * len(scales),
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
@@ -179,6 +191,6 @@ def paged_decode_attention(
         interpret=interpret,
         name="jpaged_gpu_decode",
         **triton_call_kwargs(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
-    )(lengths2, table, qg, k_pages, v_pages)
+    )(lengths2, table, qg, k_data, v_data, *scales)
 
     return merge_decode_splits(acc, m, l, num_q_heads, q.dtype)

@@ -11,6 +11,9 @@ for each over the KV blocks that its rows can see (up to the last row's position
 window start with a sliding window). One set of running (acc, m, l) rows serves all those
 sequences: a row's logits are masked unless the key belongs to the row's own sequence, so
 another sequence's blocks leave the row unchanged (alpha = 1, p = 0).
+
+Quantized pages (kv_quant.QuantizedPages) are gathered as stored, codes and their scales
+with the same page ids, and dequantized after the load (common.load_gpu_block).
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ from pallas_kernels import tuning
 from pallas_kernels.common import (
     dot_f32,
     finish,
+    load_gpu_block,
     online_softmax_step,
     ragged_layout,
+    split_pools,
     triton_call_kwargs,
     unlayout,
 )
 from pallas_kernels.gpu_decode import supports  # same tile constraints
+from pallas_kernels.kv_quant import QuantizedPages
 from pallas_kernels.reference import MASK_VALUE
 
 __all__ = ["paged_prefill_attention", "supports"]
@@ -63,10 +69,9 @@ def _prefill_kernel(
     row_seq_ref,  # int32[R]
     row_pos_ref,  # int32[R]
     q_ref,  # [R, D]
-    k_ref,  # [num_pages, page_size, D]
+    k_ref,  # [num_pages, page_size, D] (codes when quantized)
     v_ref,
-    o_ref,  # [R, D]
-    *,
+    *refs,  # quantized: k, v scales [num_pages, page_size]; then o [R, D]
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
@@ -74,6 +79,8 @@ def _prefill_kernel(
     pages_per_block: int,
     width: int,
 ):
+    ks_ref, vs_ref = refs[:-1] or (None, None)
+    o_ref = refs[-1]
     i = pl.program_id(0)
     rows, head_dim = q_ref.shape
     page_size = k_ref.shape[1]
@@ -97,13 +104,16 @@ def _prefill_kernel(
         def kv_body(blk, carry):
             page0 = first_page + blk * pages_per_block
             pages = table_ref[pl.ds(s * width + page0, pages_per_block)]
-            k = k_ref[pages].reshape(block_tokens, head_dim)
-            v = v_ref[pages].reshape(block_tokens, head_dim)
-            sc = dot_f32(q, k, trans_b=True) * sm_scale
             kv_pos = page0 * page_size + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
+            k, k_scale = load_gpu_block(k_ref, ks_ref, pages, dtype=q.dtype, written=kv_pos < end)
+            v, v_scale = load_gpu_block(v_ref, vs_ref, pages, dtype=q.dtype, written=kv_pos < end)
+            sc = dot_f32(q, k, trans_b=True) * sm_scale
+            if k_scale is not None:
+                sc = sc * k_scale
             vis = visible(row_seq, row_pos, s, kv_pos, sliding_window=sliding_window)
             kv_row = page0 * page_size + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
-            return online_softmax_step(sc, vis, v, kv_row < end, carry, soft_cap=soft_cap)
+            return online_softmax_step(sc, vis, v, kv_row < end, carry, soft_cap=soft_cap,
+                                       v_scale=v_scale)
 
         return lax.fori_loop(0, num_blocks, kv_body, carry)
 
@@ -121,8 +131,8 @@ def _prefill_kernel(
 )
 def paged_prefill_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,
+    k_pages: jax.Array | QuantizedPages,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array | QuantizedPages,
     context_lens: jax.Array,  # int32[num_seqs]
     page_table: jax.Array,  # int32[num_seqs, pages_per_seq]
     query_start: jax.Array,  # int32[num_seqs + 1]
@@ -133,7 +143,11 @@ def paged_prefill_attention(
     interpret: bool = False,
     blocks: tuning.PrefillBlocks | None = None,
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim], q's dtype
-    """Ragged prefill with the Triton kernel; contract of reference.paged_prefill_attention."""
+    """Ragged prefill with the Triton kernel; contract of reference.paged_prefill_attention.
+
+    k_pages and v_pages may be kv_quant.QuantizedPages (both or neither).
+    """
+    k_data, v_data, scales = split_pools(k_pages, v_pages)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     num_seqs, pages_per_seq = page_table.shape
@@ -160,6 +174,7 @@ def paged_prefill_attention(
         block_q=bq, pages_per_block=ppb, width=width,
     )
     pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h: (h, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda i, h: (h, 0, 0))
     rows_spec = pl.BlockSpec((None, rows, head_dim), lambda i, h: (h, i, 0))
     out = pl.pallas_call(
         kernel,
@@ -175,7 +190,7 @@ def paged_prefill_attention(
             rows_spec,
             pool_spec,
             pool_spec,
-        ],
+        ] + [scale_spec] * len(scales),
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         interpret=interpret,
@@ -183,6 +198,6 @@ def paged_prefill_attention(
         **triton_call_kwargs(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
     )(
         context_lens.astype(jnp.int32), query_start.astype(jnp.int32), table.reshape(-1),
-        blk_lo, blk_hi, row_seq, row_pos, q_rows, k_pages, v_pages,
+        blk_lo, blk_hi, row_seq, row_pos, q_rows, k_data, v_data, *scales,
     )
     return unlayout(out, num_tokens=num_tokens, group=group, group_rows=gp)

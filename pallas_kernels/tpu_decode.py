@@ -12,6 +12,12 @@ Every (buffer, K/V) pair has its own DMA semaphore, so a wait can never be satis
 another buffer's copy. Pages past the length are not copied; the rows they would fill are
 masked (logits, probabilities and V rows), so stale or NaN VMEM never reaches the output.
 The page table is flattened to 1-D because SMEM pads 2-D arrays heavily.
+
+Quantized pages (kv_quant.QuantizedPages) are copied as stored: each page's codes into the
+data buffer and its bfloat16 scales [1, page_size] into a scale buffer [2, 1, block_tokens]
+beside it, each copy with its own semaphore. After the wait the codes are converted to q's
+dtype and the scales, a lane row, multiply the logits' and probabilities' columns
+(common.token_scales), so no lane-to-sublane relayout is needed.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import tuning
+from pallas_kernels import kv_quant, tuning
 from pallas_kernels.common import (
     any_memory_space,
     dot_f32,
@@ -33,6 +39,8 @@ from pallas_kernels.common import (
     idiv,
     online_softmax_step,
     pad_page_table,
+    split_pools,
+    token_scales,
     tpu_compiler_params,
     ungroup,
 )
@@ -48,14 +56,16 @@ def supports(q_shape, k_shape) -> bool:
 class PageBlockCopier:
     """Starts and waits for the DMAs of one block of pages into one VMEM buffer slot.
 
+    pools: (HBM source, VMEM buffer) pairs, copied page by page with semaphore i of the slot
+    for pair i: data [Hkv, num_pages, page_size, D] into [2, block_tokens, D], and (quantized
+    pages) scales [Hkv, num_pages, page_size] into [2, 1, block_tokens].
     Only pages with index < num_valid_pages are copied (a loop with a dynamic trip count,
     the same on start and wait, so the semaphore counts always balance).
     """
 
-    def __init__(self, k_hbm, v_hbm, k_buf, v_buf, sems, table_ref, *, head, table_base,
-                 first_page, num_valid_pages, pages_per_block, page_size):
-        self.k_hbm, self.v_hbm, self.k_buf, self.v_buf = k_hbm, v_hbm, k_buf, v_buf
-        self.sems, self.table_ref, self.head = sems, table_ref, head
+    def __init__(self, pools, sems, table_ref, *, head, table_base, first_page,
+                 num_valid_pages, pages_per_block, page_size):
+        self.pools, self.sems, self.table_ref, self.head = pools, sems, table_ref, head
         self.table_base, self.first_page = table_base, first_page
         self.num_valid_pages = num_valid_pages
         self.pages_per_block, self.page_size = pages_per_block, page_size
@@ -67,10 +77,13 @@ class PageBlockCopier:
         def one_page(j, _):
             page = self.table_ref[self.table_base + block_first + j]
             dst = pl.ds(pl.multiple_of(j * self.page_size, self.page_size), self.page_size)
-            for kv, (src, buf) in enumerate(((self.k_hbm, self.k_buf),
-                                             (self.v_hbm, self.v_buf))):
-                fn(pltpu.make_async_copy(
-                    src.at[self.head, page], buf.at[slot, dst], self.sems.at[slot, kv]))
+            for i, (src, buf) in enumerate(self.pools):
+                if len(src.shape) == 4:  # a page's rows [page_size, D]
+                    src_page, dst_page = src.at[self.head, page], buf.at[slot, dst]
+                else:  # its scales as a lane row [1, page_size]
+                    src_page = src.at[self.head, pl.ds(page, 1)]
+                    dst_page = buf.at[slot, :, dst]
+                fn(pltpu.make_async_copy(src_page, dst_page, self.sems.at[slot, i]))
             return 0
 
         lax.fori_loop(0, count, one_page, 0)
@@ -82,23 +95,57 @@ class PageBlockCopier:
         self._each(blk, slot, lambda c: c.wait())
 
 
+def block_scratch(k_data, v_data, scales, block_tokens: int) -> list:
+    """VMEM scratch for a PageBlockCopier: two slots of K and V (and their scale rows when
+    quantized), and a DMA semaphore per slot and per copied pool."""
+    head_dim = k_data.shape[-1]
+    bufs = [pltpu.VMEM((2, block_tokens, head_dim), x.dtype) for x in (k_data, v_data)]
+    bufs += [pltpu.VMEM((2, 1, block_tokens), kv_quant.SCALE_DTYPE) for _ in scales]
+    return [*bufs, pltpu.SemaphoreType.DMA((2, len(bufs)))]
+
+
+def read_block(bufs, slot, *, dtype, written):
+    """The (K or V) block in buffer slot after its wait: x [L, D] and its per-token scales
+    f32[1, L] (None for plain pages). bufs: (data buffer, scale buffer or None)."""
+    data_buf, scale_buf = bufs
+    x = data_buf[slot]
+    if scale_buf is None:
+        return x, None
+    return x.astype(dtype), token_scales(scale_buf[slot], written)
+
+
+def split_refs(k_hbm, v_hbm, refs):
+    """A kernel's refs after K and V: (HBM pools, output, VMEM buffers, semaphores).
+
+    Pools and buffers come as [k, v] or, quantized, [k, v, k scales, v scales]; bufs[0::2]
+    is then (K data, K scales) and bufs[1::2] (V data, V scales), with None for plain pages.
+    """
+    num_scales = (len(refs) - 4) // 2  # 0, or 2 (scales in, scale buffers in scratch)
+    hbm = [k_hbm, v_hbm, *refs[:num_scales]]
+    o_ref = refs[num_scales]
+    bufs = list(refs[num_scales + 1: -1])
+    sems = refs[-1]
+    if not num_scales:
+        bufs += [None, None]
+    return hbm, o_ref, bufs, sems
+
+
 def _decode_kernel(
     lengths_ref,  # SMEM int32[batch]
     table_ref,  # SMEM int32[batch * pages_per_seq_padded]
     q_ref,  # VMEM [rows, D]
-    k_hbm,  # ANY [Hkv, num_pages, page_size, D]
+    k_hbm,  # ANY [Hkv, num_pages, page_size, D] (codes when quantized)
     v_hbm,
-    o_ref,  # VMEM [rows, D]
-    k_buf,  # VMEM [2, block_tokens, D]
-    v_buf,
-    sems,  # DMA semaphores [2 buffers, 2 (K, V)]
-    *,
+    *refs,  # quantized: k, v scales ANY [Hkv, num_pages, page_size]; o VMEM [rows, D];
+    #  scratch (block_scratch): k_buf, v_buf VMEM [2, block_tokens, D], (quantized) their
+    #  scale buffers [2, 1, block_tokens], DMA semaphores [2 slots, one per pool]
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     pages_per_block: int,
     table_width: int,
 ):
+    hbm, o_ref, bufs, sems = split_refs(k_hbm, v_hbm, refs)
     b, h = pl.program_id(0), pl.program_id(1)
     rows, head_dim = q_ref.shape
     page_size = k_hbm.shape[2]
@@ -113,7 +160,7 @@ def _decode_kernel(
     first_page = idiv(window_start, page_size)
     num_blocks = idiv(num_pages - first_page + pages_per_block - 1, pages_per_block)
     copier = PageBlockCopier(
-        k_hbm, v_hbm, k_buf, v_buf, sems, table_ref, head=h, table_base=b * table_width,
+        list(zip(hbm, bufs)), sems, table_ref, head=h, table_base=b * table_width,
         first_page=first_page, num_valid_pages=num_pages, pages_per_block=pages_per_block,
         page_size=page_size,
     )
@@ -132,15 +179,18 @@ def _decode_kernel(
         def _():
             copier.start(blk + 1, 1 - slot)
 
-        k = k_buf[slot]
-        v = v_buf[slot]
-        s = dot_f32(q, k, trans_b=True) * sm_scale
         tok0 = (first_page + blk * pages_per_block) * page_size
+        written = tok0 + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1) < length
+        k, k_scale = read_block(bufs[0::2], slot, dtype=q.dtype, written=written)
+        v, v_scale = read_block(bufs[1::2], slot, dtype=q.dtype, written=written)
+        s = dot_f32(q, k, trans_b=True) * sm_scale
+        if k_scale is not None:
+            s = s * k_scale
         pos = tok0 + lax.broadcasted_iota(jnp.int32, (rows, block_tokens), 1)
         valid = (pos < length) & (pos >= window_start)
         pos_r = tok0 + lax.broadcasted_iota(jnp.int32, (block_tokens, head_dim), 0)
         return online_softmax_step(s, valid, v, pos_r < length, carry, soft_cap=soft_cap,
-                                   keepdims=True)
+                                   keepdims=True, v_scale=v_scale)
 
     init = (
         jnp.zeros((rows, head_dim), jnp.float32),
@@ -156,8 +206,8 @@ def _decode_kernel(
 )
 def paged_decode_attention(
     q: jax.Array,  # [batch, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,
+    k_pages: jax.Array | kv_quant.QuantizedPages,  # [num_kv_heads, num_pages, page_size, D]
+    v_pages: jax.Array | kv_quant.QuantizedPages,
     lengths: jax.Array,  # int32[batch]
     page_table: jax.Array,  # int32[batch, pages_per_seq]
     *,
@@ -170,8 +220,10 @@ def paged_decode_attention(
     """Decode attention with the Mosaic TPU kernel; contract of reference.paged_decode_attention.
 
     `interpret` may be True (Pallas HLO interpreter) or a pltpu InterpretParams (TPU
-    interpreter that models DMAs and semaphores and can detect races).
+    interpreter that models DMAs and semaphores and can detect races). k_pages and v_pages
+    may be kv_quant.QuantizedPages (both or neither).
     """
+    k_data, v_data, scales = split_pools(k_pages, v_pages)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     pages_per_seq = page_table.shape[1]
@@ -197,21 +249,14 @@ def paged_decode_attention(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(batch, num_kv_heads),
-            in_specs=[
-                qo_spec,
-                pl.BlockSpec(memory_space=any_memory_space()),
-                pl.BlockSpec(memory_space=any_memory_space()),
-            ],
+            in_specs=[qo_spec]
+            + [pl.BlockSpec(memory_space=any_memory_space())] * (2 + len(scales)),
             out_specs=qo_spec,
-            scratch_shapes=[
-                pltpu.VMEM((2, block_tokens, head_dim), k_pages.dtype),
-                pltpu.VMEM((2, block_tokens, head_dim), v_pages.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
-            ],
+            scratch_shapes=block_scratch(k_data, v_data, scales, block_tokens),
         ),
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=tpu_compiler_params(2),
         interpret=interpret,
         name="jpaged_tpu_decode",
-    )(lengths.astype(jnp.int32), table.reshape(-1), qg, k_pages, v_pages)
+    )(lengths.astype(jnp.int32), table.reshape(-1), qg, k_data, v_data, *scales)
     return ungroup(out, num_q_heads)

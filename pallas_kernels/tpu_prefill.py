@@ -7,7 +7,9 @@ into SMEM; K/V stay in HBM. For each sequence meeting the token block the progra
 the KV pages its rows can see through two VMEM buffers (tpu_decode.PageBlockCopier: the
 next block's DMAs start before the current block is computed; one semaphore per buffer and
 per K/V). Every DMA started for a sequence is waited for before the next sequence starts,
-so the buffers are free at each sequence boundary.
+so the buffers are free at each sequence boundary. Quantized pages (kv_quant.QuantizedPages)
+are copied and read as in tpu_decode: codes and scale rows side by side, dequantized after
+the wait.
 """
 
 from __future__ import annotations
@@ -28,12 +30,20 @@ from pallas_kernels.common import (
     idiv,
     online_softmax_step,
     ragged_layout,
+    split_pools,
     tpu_compiler_params,
     unlayout,
 )
 from pallas_kernels.gpu_prefill import seq_kv_range, visible
 from pallas_kernels.reference import MASK_VALUE
-from pallas_kernels.tpu_decode import PageBlockCopier, supports
+from pallas_kernels.kv_quant import QuantizedPages
+from pallas_kernels.tpu_decode import (
+    PageBlockCopier,
+    block_scratch,
+    read_block,
+    split_refs,
+    supports,
+)
 
 __all__ = ["paged_prefill_attention", "supports"]
 
@@ -47,13 +57,9 @@ def _prefill_kernel(
     row_seq_ref,  # VMEM int32[R, 1]
     row_pos_ref,  # VMEM int32[R, 1]
     q_ref,  # VMEM [R, D]
-    k_hbm,  # ANY [Hkv, num_pages, page_size, D]
+    k_hbm,  # ANY [Hkv, num_pages, page_size, D] (codes when quantized)
     v_hbm,
-    o_ref,  # VMEM [R, D]
-    k_buf,  # VMEM [2, block_tokens, D]
-    v_buf,
-    sems,  # DMA [2, 2]
-    *,
+    *refs,  # quantized: k, v scales; o VMEM [R, D]; scratch as in tpu_decode._decode_kernel
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
@@ -61,6 +67,7 @@ def _prefill_kernel(
     pages_per_block: int,
     width: int,
 ):
+    hbm, o_ref, bufs, sems = split_refs(k_hbm, v_hbm, refs)
     i, h = pl.program_id(0), pl.program_id(1)
     rows, head_dim = q_ref.shape
     page_size = k_hbm.shape[2]
@@ -80,7 +87,7 @@ def _prefill_kernel(
         num_blocks = idiv(jnp.maximum(num_pages - first_page, 0) + pages_per_block - 1,
                           pages_per_block)
         copier = PageBlockCopier(
-            k_hbm, v_hbm, k_buf, v_buf, sems, table_ref, head=h, table_base=s * width,
+            list(zip(hbm, bufs)), sems, table_ref, head=h, table_base=s * width,
             first_page=first_page, num_valid_pages=num_pages,
             pages_per_block=pages_per_block, page_size=page_size,
         )
@@ -97,15 +104,18 @@ def _prefill_kernel(
             def _():
                 copier.start(blk + 1, 1 - slot)
 
-            k = k_buf[slot]
-            v = v_buf[slot]
-            sc = dot_f32(q, k, trans_b=True) * sm_scale
             tok0 = (first_page + blk * pages_per_block) * page_size
+            written = tok0 + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1) < end
+            k, k_scale = read_block(bufs[0::2], slot, dtype=q.dtype, written=written)
+            v, v_scale = read_block(bufs[1::2], slot, dtype=q.dtype, written=written)
+            sc = dot_f32(q, k, trans_b=True) * sm_scale
+            if k_scale is not None:
+                sc = sc * k_scale
             kv_pos = tok0 + lax.broadcasted_iota(jnp.int32, (rows, block_tokens), 1)
             vis = visible(row_seq, row_pos, s, kv_pos, sliding_window=sliding_window)
             kv_row = tok0 + lax.broadcasted_iota(jnp.int32, (block_tokens, head_dim), 0)
             return online_softmax_step(sc, vis, v, kv_row < end, carry, soft_cap=soft_cap,
-                                       keepdims=True)
+                                       keepdims=True, v_scale=v_scale)
 
         return lax.fori_loop(0, num_blocks, kv_body, carry)
 
@@ -123,8 +133,8 @@ def _prefill_kernel(
 )
 def paged_prefill_attention(
     q: jax.Array,  # [num_tokens, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_pages, page_size, head_dim]
-    v_pages: jax.Array,
+    k_pages: jax.Array | QuantizedPages,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array | QuantizedPages,
     context_lens: jax.Array,  # int32[num_seqs]
     page_table: jax.Array,  # int32[num_seqs, pages_per_seq]
     query_start: jax.Array,  # int32[num_seqs + 1]
@@ -138,7 +148,9 @@ def paged_prefill_attention(
     """Ragged prefill with the Mosaic TPU kernel; contract of reference.paged_prefill_attention.
 
     `interpret` may be True or a pltpu InterpretParams (models DMAs and semaphores).
+    k_pages and v_pages may be kv_quant.QuantizedPages (both or neither).
     """
+    k_data, v_data, scales = split_pools(k_pages, v_pages)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     _num_seqs, pages_per_seq = page_table.shape
@@ -171,15 +183,9 @@ def paged_prefill_attention(
                 meta_spec,
                 meta_spec,
                 rows_spec,
-                pl.BlockSpec(memory_space=any_memory_space()),
-                pl.BlockSpec(memory_space=any_memory_space()),
-            ],
+            ] + [pl.BlockSpec(memory_space=any_memory_space())] * (2 + len(scales)),
             out_specs=rows_spec,
-            scratch_shapes=[
-                pltpu.VMEM((2, ppb * page_size, head_dim), k_pages.dtype),
-                pltpu.VMEM((2, ppb * page_size, head_dim), v_pages.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
-            ],
+            scratch_shapes=block_scratch(k_data, v_data, scales, ppb * page_size),
         ),
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         compiler_params=tpu_compiler_params(2),
@@ -187,6 +193,7 @@ def paged_prefill_attention(
         name="jpaged_tpu_prefill",
     )(
         context_lens.astype(jnp.int32), query_start.astype(jnp.int32), table.reshape(-1),
-        blk_lo, blk_hi, row_seq[:, None], row_pos[:, None], q_rows, k_pages, v_pages,
+        blk_lo, blk_hi, row_seq[:, None], row_pos[:, None], q_rows, k_data, v_data,
+        *scales,
     )
     return unlayout(out, num_tokens=num_tokens, group=group, group_rows=gp)

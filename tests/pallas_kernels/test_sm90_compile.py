@@ -10,7 +10,10 @@ thread and 65,536 per block. The configurations:
   Llama-3.2-1B and Llama-3.1-8B shapes: a decode kernel per (sequences, page columns)
   bucket and a prefill kernel per (tokens, sequences, page columns) bucket, over the pool
   the default memory fraction gives on an H200;
-- the grid of tests/pallas_kernels/test_on_gpu.py and bench_attention's shapes.
+- the grid of tests/pallas_kernels/test_on_gpu.py and bench_attention's shapes;
+- a few kernels on quantized pages (int8, fp8 e4m3, fp8 e5m2; kv_quant.QuantizedPages): the
+  8B model's largest decode and prefill buckets over the pool its quantized pages give at
+  the same memory, and two float32-query kernels (full-precision dots).
 
 Float32 kernels must multiply at full precision (no `inputPrecision = tf32` in their dots).
 The whole sweep (about 400 kernels, several CPU-minutes) is marked slow and CI runs it under
@@ -25,13 +28,16 @@ import functools
 import hashlib
 import re
 
+import jax
 import jax.numpy as jnp
 import pytest
 from gpu_target import compile_sm90, lower_for_cuda, triton_calls, ttir_text
 from paged_cases import decode_specs, prefill_specs
 
+import pallas_kernels
 from jpaged.config import CacheConfig, EngineConfig
-from pallas_kernels import gpu_decode, gpu_prefill
+from pallas_kernels import gpu_decode, gpu_prefill, kv_quant
+from pallas_kernels.kv_quant import QuantizedPages
 
 # name: (layers, q heads, kv heads, head_dim, parameter count) of the Hugging Face configs.
 MODELS = {
@@ -48,9 +54,11 @@ def default_engine() -> EngineConfig:
     return EngineConfig().resolve(LLAMA3_CONTEXT)
 
 
-def h200_num_pages(model: str, config: EngineConfig) -> int:
+def h200_num_pages(model: str, config: EngineConfig, kv_dtype=jnp.bfloat16) -> int:
     layers, _, hkv, head_dim, num_params = MODELS[model]
-    page_bytes = 2 * layers * hkv * config.cache.page_size * head_dim * 2  # K and V, bf16
+    page_bytes = kv_quant.bytes_per_page(  # K and V, scales included when quantized
+        kv_dtype, num_layers=layers, num_kv_heads=hkv, page_size=config.cache.page_size,
+        head_dim=head_dim)
     free = H200_BYTES_LIMIT - 2 * num_params
     return int(free * CacheConfig().kv_memory_fraction) // page_bytes + 1
 
@@ -98,6 +106,41 @@ def grid_configs() -> list[tuple[str, object, tuple]]:
     return out
 
 
+QUANTIZED_DTYPES = {"int8": "int8", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+
+
+def quantize_specs(args, dtype):
+    """The abstract arguments with each pool [Hkv, N, page_size, D] replaced by quantized
+    pages of dtype: codes of the same shape and bfloat16 scales [Hkv, N, page_size]."""
+    def pool(a):
+        return QuantizedPages(jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype)),
+                              jax.ShapeDtypeStruct(a.shape[:-1], kv_quant.SCALE_DTYPE))
+
+    return tuple(pool(a) if len(a.shape) == 4 else a for a in args)
+
+
+def quantized_configs() -> list[tuple[str, object, tuple]]:
+    """The 8B model's largest decode and prefill buckets per quantized dtype, over the pool
+    that dtype's pages give on an H200; and float32-query decode and prefill on int8 pages
+    (whose dots must stay at full precision)."""
+    config = default_engine()
+    _, hq, hkv, head_dim, _ = MODELS["llama-3.1-8b"]
+    out = []
+    for name, dtype in QUANTIZED_DTYPES.items():
+        pages = h200_num_pages("llama-3.1-8b", config, jnp.dtype(dtype))
+        pool = (hq, hkv, head_dim, config.cache.page_size, pages, "bfloat16")
+        out.append((f"llama-3.1-8b-decode-s32-p128-{name}", gpu_decode.paged_decode_attention,
+                    quantize_specs(decode_specs(32, 128, *pool), dtype)))
+        out.append((f"llama-3.1-8b-prefill-t512-s32-p128-{name}",
+                    gpu_prefill.paged_prefill_attention,
+                    quantize_specs(prefill_specs(512, 32, 128, *pool), dtype)))
+    grid = {name: (kernel, args) for name, kernel, args in grid_configs()}
+    for name in ("gpu-test-decode-ps64-d128-float32-kv1g8", "gpu-test-prefill-ps32-d128-float32"):
+        kernel, args = grid[name]
+        out.append((f"{name}-int8", kernel, quantize_specs(args, "int8")))
+    return out
+
+
 @functools.cache
 def _compiled(ir_hash: str, call):
     return compile_sm90(call)
@@ -115,10 +158,15 @@ def check_config(name, kernel, args) -> dict:
         assert dots and not any("tf32" in d for d in dots), (name, dots)
     kernel_info = _compiled(hashlib.sha256(call.ir).hexdigest() + str(call.num_warps), call)
     kernel_info.check_limits()
+    if isinstance(args[1], QuantizedPages):  # the codes reach the kernel as stored
+        assert f"!tt.ptr<{_TRITON_TYPES[args[1].dtype.name]}>" in ttir_text(call), name
     if args[0].dtype != jnp.float32:  # bf16, what the engine runs on a GPU: no spills either
         assert kernel_info.spill_stores == kernel_info.spill_loads == 0, (name, kernel_info)
     return {"shared": kernel_info.shared_bytes, "registers": kernel_info.registers,
             "spills": kernel_info.spill_stores}
+
+
+_TRITON_TYPES = {"int8": "i8", "float8_e4m3fn": "f8E4M3FN", "float8_e5m2": "f8E5M2"}
 
 
 def _chunks(configs, size):
@@ -143,6 +191,38 @@ def test_engine_buckets_compile_for_sm90(model, chunk):
 def test_gpu_test_grid_and_bench_shapes_compile_for_sm90():
     for name, kernel, args in grid_configs():
         check_config(name, kernel, args)
+
+
+@pytest.mark.slow
+def test_quantized_page_kernels_compile_for_sm90():
+    infos = {name: check_config(name, kernel, args) for name, kernel, args in quantized_configs()}
+    assert len(infos) == 8
+    # 1-byte codes: the decode kernel stages less shared memory than on bfloat16 pages.
+    bf16 = check_config("llama-3.1-8b-decode-s32-p128", *_engine_config("llama-3.1-8b",
+                                                                        "decode-s32-p128"))
+    for name in QUANTIZED_DTYPES:
+        assert infos[f"llama-3.1-8b-decode-s32-p128-{name}"]["shared"] < bf16["shared"]
+
+
+def test_quantized_pools_of_the_default_engine_on_an_h200_pick_the_kernel_or_not():
+    """The dispatcher's int32-offset rule (gpu_decode.MAX_POOL_ELEMENTS) on the pools an
+    H200 holds at the same memory: the 8B model's quantized pool (1.94x the bfloat16 pages)
+    still runs the Triton kernel, the 1B model's does not (over 2**31 elements per layer's K
+    or V) and falls back to the reference, as its bfloat16 pool does not."""
+    config = default_engine()
+    for model, want in (("llama-3.1-8b", "gpu"), ("llama-3.2-1b", "cpu")):
+        _, hq, hkv, head_dim, _ = MODELS[model]
+        for dtype in ("bfloat16", *QUANTIZED_DTYPES.values()):
+            pages = h200_num_pages(model, config, jnp.dtype(dtype))
+            k_shape = (hkv, pages, config.cache.page_size, head_dim)
+            got = pallas_kernels.select_backend((32, hq, head_dim), k_shape, interpret=False,
+                                                backend="gpu")
+            assert got == ("gpu" if dtype == "bfloat16" else want), (model, dtype, pages)
+
+
+def _engine_config(model, name):
+    (kernel, args), = [(k, a) for n, k, a in engine_configs(model) if n == name]
+    return kernel, args
 
 
 def test_representative_kernels_compile_for_sm90():
