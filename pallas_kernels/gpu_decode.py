@@ -31,7 +31,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import tuning
-from pallas_kernels.kv_quant import QuantizedPages
 from pallas_kernels.common import (
     dot_f32,
     group_queries,
@@ -42,6 +41,7 @@ from pallas_kernels.common import (
     split_pools,
     triton_call_kwargs,
 )
+from pallas_kernels.kv_quant import QuantizedPages
 from pallas_kernels.reference import MASK_VALUE
 
 # Pallas's Triton lowering computes element offsets in int32 (`tt.addptr` with i32 offsets),

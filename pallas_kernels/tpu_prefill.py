@@ -35,8 +35,8 @@ from pallas_kernels.common import (
     unlayout,
 )
 from pallas_kernels.gpu_prefill import seq_kv_range, visible
-from pallas_kernels.reference import MASK_VALUE
 from pallas_kernels.kv_quant import QuantizedPages
+from pallas_kernels.reference import MASK_VALUE
 from pallas_kernels.tpu_decode import (
     PageBlockCopier,
     block_scratch,
