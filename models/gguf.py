@@ -8,10 +8,12 @@ models/config.py:
                          qwen2 -> Qwen2ForCausalLM (q/k/v biases), qwen3 -> Qwen3ForCausalLM
                          (q/k RMSNorm), qwen3moe -> Qwen3MoeForCausalLM, olmoe ->
                          OlmoeForCausalLM, llama with {arch}.expert_count -> Mixtral
-                         (experts stored stacked: ffn_gate_inp, ffn_{gate,up,down}_exps)
+                         (experts stored stacked: ffn_gate_inp, ffn_{gate,up,down}_exps),
+                         gemma2, gemma3 and phi3 (their names and fields: models/gguf_families.py)
   {arch}.*               layers, sizes, heads, head dim, context length, rope base, norm eps
   rope_freqs.weight      Llama 3.1+ rope scaling, stored as per-frequency divisors; read back
                          as the llama3 RopeScaling that produces exactly those divisors
+  rope.scaling.type      "linear" with rope.scaling.factor (Gemma 3's global layers)
   output.weight absent   tied embeddings
   tokenizer.*            the tokenizer and chat template (models/gguf_tokenizer.py)
 
@@ -37,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from models import hf_checkpoint
+from models import gguf_families, hf_checkpoint
 from models import quantization as quant
-from models.config import ModelConfig, RopeScaling
+from models.config import LinearRopeScaling, ModelConfig, RopeScaling
 
 GGUF_MAGIC = b"GGUF"
 # Rows GGUFFile.read dequantizes at a time (its float32 temporaries scale with them).
@@ -48,6 +50,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **gguf_families.ARCHITECTURES,
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
 }
@@ -104,15 +107,16 @@ _LAYER_NAMES = {
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def gguf_tensor_name(hf_name: str) -> str:
-    """llama.cpp's name for a Hugging Face tensor ("model.layers.3.mlp.up_proj.weight" ->
-    "blk.3.ffn_up.weight")."""
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
+    """llama.cpp's name for a Hugging Face tensor of an architecture
+    ("model.layers.3.mlp.up_proj.weight" -> "blk.3.ffn_up.weight")."""
     if hf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[hf_name]
     m = _LAYER_NAME.fullmatch(hf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **gguf_families.LAYER_NAMES.get(arch, {})}
+    if m is None or m.group(2) not in names:
         raise KeyError(f"no GGUF name for tensor {hf_name!r}")
-    return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return f"blk.{m.group(1)}.{names[m.group(2)]}"
 
 
 def find_gguf(path: str | os.PathLike) -> Path | None:
@@ -162,6 +166,7 @@ class GGUFFile:
         except (ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"{self.path}: unreadable GGUF metadata ({e})") from None
         self.tensors = {t.name: t for t in reader.tensors}
+        self.arch = self.metadata.get("general.architecture")
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape in numpy order (GGML lists dimensions innermost first)."""
@@ -304,7 +309,7 @@ def block_forms(file: GGUFFile, specs: dict) -> dict[str, tuple[int, Any, bool]]
     names with a kind outside LOSSLESS_GROUPS are absent (re-quantized)."""
     kinds: dict[str, set[str]] = {}
     for key, spec in specs.items():
-        tensor = file.tensors.get(gguf_tensor_name(spec.hf_name))
+        tensor = file.tensors.get(gguf_tensor_name(spec.hf_name, file.arch))
         if key[0] == "layers" and key[-1] in quant.QUANTIZED_PARAMS and tensor is not None:
             kinds.setdefault(key[-1], set()).add(tensor.tensor_type.name)
     return {
@@ -330,7 +335,7 @@ def _quantize(
     """A projection's stored form under --quantization (load_gguf_model's docstring)."""
     if name not in quant.QUANTIZED_PARAMS:
         return value
-    tensor_name = gguf_tensor_name(spec.hf_name)
+    tensor_name = gguf_tensor_name(spec.hf_name, file.arch)
     kind = file.tensors[tensor_name].tensor_type.name
     axes = quant.QUANTIZED_PARAMS[name]
     form = forms.get(name)
@@ -402,14 +407,16 @@ def _config(file: GGUFFile) -> ModelConfig:
             f"{source}: value head dim {value_dim} differs from key head dim {head_dim}; "
             "not supported"
         )
+    rope_scaling = None
     scaling_type = field("rope.scaling.type")
-    if scaling_type not in (None, "none"):
+    if scaling_type == "linear":
+        rope_scaling = LinearRopeScaling(factor=float(field("rope.scaling.factor", required=True)))
+    elif scaling_type not in (None, "none"):
         raise ValueError(f"{source}: {arch}.rope.scaling.type {scaling_type!r} is not supported")
     rope_theta = float(field("rope.freq_base", 10000.0))
     embed = gguf_tensor_name("model.embed_tokens.weight")
     if embed not in file.tensors:
         raise ValueError(f"{source}: missing tensor {embed!r}")
-    rope_scaling = None
     if ROPE_FREQS in file.tensors:
         original = field("rope.scaling.original_context_length")
         rope_scaling = llama3_rope_scaling(
@@ -436,6 +443,25 @@ def _config(file: GGUFFile) -> ModelConfig:
         raise ValueError(f"{source}: missing metadata field '{arch}.expert_count'")
     else:
         architecture = ARCHITECTURES[arch]
+    num_layers = int(field("block_count", required=True))
+    context_length = int(field("context_length", required=True))
+    family = {"rope_scaling": rope_scaling}
+    if arch in gguf_families.ARCHITECTURES:
+        family.update(
+            gguf_families.config_fields(
+                arch,
+                field,
+                meta,
+                file.read,
+                file.tensors,
+                hidden=hidden,
+                num_heads=num_heads,
+                head_dim=head_dim,
+                num_layers=num_layers,
+                context_length=context_length,
+                source=str(source),
+            )
+        )
     eos_ids = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
         value = meta.get(f"tokenizer.ggml.{key}")
@@ -448,18 +474,18 @@ def _config(file: GGUFFile) -> ModelConfig:
             vocab_size=file.shape(embed)[0],
             hidden_size=hidden,
             intermediate_size=int(field("feed_forward_length", required=True)),
-            num_layers=int(field("block_count", required=True)),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(field("attention.head_count_kv", num_heads)),
             head_dim=head_dim,
             rms_norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(field("context_length", required=True)),
+            max_position_embeddings=context_length,
             tie_word_embeddings=gguf_tensor_name("lm_head.weight") not in file.tensors,
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in file.tensors,
-            qk_norm=arch in ("qwen3", "qwen3moe"),
+            qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
             **moe,
+            **family,
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=tuple(eos_ids),
         )
@@ -592,10 +618,11 @@ def load_gguf_model(
     file = GGUFFile(path)
     config = _config(file).with_expert_parallel(expert_parallel)
     target_dtype = hf_checkpoint.resolve_dtype(dtype)
-    permuted = file.metadata["general.architecture"] == "llama"
+    permuted = file.arch == "llama"
     heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
-    specs = hf_checkpoint.tensor_specs(config)
-    wanted = {gguf_tensor_name(spec.hf_name) for spec in specs.values()} | {ROPE_FREQS}
+    specs = gguf_families.stored_norm_specs(config, hf_checkpoint.tensor_specs(config))
+    wanted = {gguf_tensor_name(spec.hf_name, file.arch) for spec in specs.values()}
+    wanted |= {ROPE_FREQS} | gguf_families.extra_tensors(file.arch)
     unexpected = sorted(set(file.tensors) - wanted)
     if unexpected:
         shown = ", ".join(repr(n) for n in unexpected[:5])
@@ -610,7 +637,7 @@ def load_gguf_model(
     tokenizer, info = built if built is not None else (None, None)
 
     def read(spec: hf_checkpoint.TensorSpec) -> np.ndarray:
-        name = gguf_tensor_name(spec.hf_name)
+        name = gguf_tensor_name(spec.hf_name, file.arch)
         if name not in file.tensors:
             raise ValueError(f"{file.path}: missing tensor {name!r}")
         shape = file.shape(name)

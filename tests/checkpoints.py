@@ -217,6 +217,35 @@ def _llama3_rope_factors(config: dict[str, Any], head_dim: int):
     return np.asarray(factors, dtype=np.float32)
 
 
+def add_gguf_tokenizer(writer: Any, hf_dir: str | Path, bos_id: int, eos_id: int) -> None:
+    """The checkpoint's byte-level BPE tokenizer.json as a "gpt2" GGUF tokenizer with BOS
+    added (special added tokens typed CONTROL)."""
+    from tokenizers import Tokenizer
+
+    path = Path(hf_dir) / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(path))
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    merges = json.loads(path.read_text())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_bos_token_id(bos_id)
+    writer.add_eos_token_id(eos_id)
+    writer.add_add_bos_token(True)
+
+
+def finish_gguf(writer: Any) -> None:
+    """Writes a GGUFWriter's header, metadata and tensors to its file and closes it."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_gguf(
     hf_dir: str | Path,
     out: str | Path,
@@ -250,7 +279,6 @@ def write_gguf(
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
-    from tokenizers import Tokenizer
 
     hf_dir = Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
@@ -275,19 +303,7 @@ def write_gguf(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
 
-    tokenizer = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    tokens = sorted(vocab, key=vocab.get)
-    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
-    merges = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["merges"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_token_types([3 if t in special else 1 for t in tokens])
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
-    writer.add_add_bos_token(True)
+    add_gguf_tokenizer(writer, hf_dir, config["bos_token_id"], config["eos_token_id"])
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     for key, value in (metadata or {}).items():
@@ -323,10 +339,7 @@ def write_gguf(
         if arch == "llama" and n_head is not None:
             value = llama_cpp_unpermute(value, n_head)
         stored[hf_name] = np.ascontiguousarray(value, dtype=np.float32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return stored
 
 

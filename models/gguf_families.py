@@ -1,0 +1,171 @@
+"""llama.cpp's Gemma 2, Gemma 3 (text) and Phi-3 GGUF files: their tensor names and the
+ModelConfig fields their metadata gives, as llama.cpp's convert_hf_to_gguf.py writes them
+and its llama-model.cpp reads them back. models/gguf.py reads everything the architectures
+share (sizes, heads, rope base, norm eps, tokenizer) and asks this module for the rest.
+
+  gemma2   sliding window on even layers ({arch}.attention.sliding_window), attention and
+           final soft caps ({arch}.attn_logit_softcapping, final_logit_softcapping; llama.cpp's
+           defaults 50 and 30 when absent), no lm_head (tied), post-attention and post-MLP norms
+  gemma3   five sliding-window layers to one global ({arch}.attention.sliding_window_pattern:
+           a period or one bool per layer, default 6), q/k norms, the local layers' rope base
+           {arch}.rope.freq_base_swa (llama.cpp's 10000 when absent), linear rope scaling on
+           the global layers only
+  phi3     fused blk.N.attn_qkv (q, k, v rows) and blk.N.ffn_up (gate then up rows), partial
+           rotary ({arch}.rope.dimension_count), a window on every layer (0: none), LongRoPE as
+           the rope_factors_short / rope_factors_long tensors with
+           {arch}.rope.scaling.attn_factor and original_context_length
+
+Gemma's RMSNorm multiplies by (1 + w): the converter stores every "*norm.weight" with the 1
+already added (float32 sums), which is the layout's value (models/config.py), so those
+tensors load as they are (`stored_norm_specs`). The converter writes no
+query_pre_attn_scalar: llama.cpp scales by 1 / sqrt(head_dim), except for the 27B models
+(hidden / heads), which it knows by their layer count; so does this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from models.config import LongRopeScaling, ModelConfig
+
+ARCHITECTURES = {
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+ROPE_FACTORS_LONG = "rope_factors_long.weight"
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
+# Hugging Face layer tensor -> llama.cpp's, where these architectures differ from llama's.
+_GEMMA_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+LAYER_NAMES = {
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    "phi3": {
+        "self_attn.qkv_proj.weight": "attn_qkv.weight",
+        "mlp.gate_up_proj.weight": "ffn_up.weight",
+    },
+}
+# Layer counts by which llama.cpp recognises Gemma's 27B models (scaled by hidden / heads).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_THETA = 10000.0
+
+
+def extra_tensors(arch: str) -> set[str]:
+    """Tensors of a file that are not params but that config_fields reads."""
+    return {ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT} if arch == "phi3" else set()
+
+
+def config_fields(
+    arch: str,
+    field: Callable[..., Any],
+    metadata: dict[str, Any],
+    read: Callable[[str], np.ndarray],
+    tensors: Any,
+    *,
+    hidden: int,
+    num_heads: int,
+    head_dim: int,
+    num_layers: int,
+    context_length: int,
+    source: str,
+) -> dict[str, Any]:
+    """The ModelConfig fields of a gemma2, gemma3 or phi3 file beyond the shared ones.
+
+    Args:
+      field: field(key, default, required=False): the {arch}.key metadata value.
+      metadata: all of the file's metadata (for per-layer arrays, which field refuses).
+      read: a tensor by its GGUF name, as float32.
+      tensors: the file's tensor names.
+
+    Raises:
+      ValueError: LongRoPE factors without their partner or without an original context
+        length, a sliding-window pattern that does not fit the layers; naming the file.
+    """
+    if arch == "phi3":
+        return _phi3_fields(field, read, tensors, head_dim, context_length, source)
+    window = int(field("attention.sliding_window", 0)) or None
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = metadata.get(key, 2 if arch == "gemma2" else _GEMMA3_PATTERN)
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(f"{source}: {key} has {len(pattern)} entries for {num_layers} layers")
+        sliding = [bool(p) for p in pattern]
+    else:  # llama.cpp's set_swa_pattern(n): the last layer of every n is global
+        n = int(pattern)
+        sliding = [n == 0 or i % n < n - 1 for i in range(num_layers)]
+    big = num_layers == _GEMMA_27B_LAYERS[arch]
+    fields = {
+        "sliding_window": window,
+        "layer_windows": tuple(window if s else None for s in sliding),
+        "hidden_act": "gelu_pytorch_tanh",
+        "gemma_norms": True,
+        "post_norms": True,
+        "embed_scale": True,
+        "query_pre_attn_scalar": float(hidden // num_heads if big else head_dim),
+    }
+    if arch == "gemma2":
+        fields["attn_soft_cap"] = float(field("attn_logit_softcapping", 50.0))
+        fields["final_soft_cap"] = float(field("final_logit_softcapping", 30.0))
+    else:
+        cap = field("final_logit_softcapping")
+        fields["final_soft_cap"] = None if cap is None else float(cap)
+        fields["rope_local_theta"] = float(field("rope.freq_base_swa", _GEMMA3_LOCAL_THETA))
+    return fields
+
+
+def _phi3_fields(
+    field: Callable[..., Any],
+    read: Callable[[str], np.ndarray],
+    tensors: Any,
+    head_dim: int,
+    context_length: int,
+    source: str,
+) -> dict[str, Any]:
+    rotary = int(field("rope.dimension_count", head_dim))
+    fields: dict[str, Any] = {
+        "hidden_act": "silu",
+        "partial_rotary_factor": rotary / head_dim,
+        "sliding_window": int(field("attention.sliding_window", 0)) or None,
+    }
+    found = [n for n in (ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG) if n in tensors]
+    if len(found) == 1:
+        raise ValueError(f"{source}: LongRoPE needs both rope factor tensors; only {found[0]!r}")
+    if found:
+        original = int(field("rope.scaling.original_context_length", required=True))
+        attention = field("rope.scaling.attn_factor")
+        if attention is None:  # the converter's (and transformers') LongRoPE default
+            scale = context_length / original
+            attention = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        fields["rope_scaling"] = LongRopeScaling(
+            short_factor=tuple(float(x) for x in read(ROPE_FACTORS_SHORT).reshape(-1)),
+            long_factor=tuple(float(x) for x in read(ROPE_FACTORS_LONG).reshape(-1)),
+            original_max_position_embeddings=original,
+            attention_factor=float(attention),
+        )
+    return fields
+
+
+def stored_norm_specs(config: ModelConfig, specs: dict[tuple, Any]) -> dict[tuple, Any]:
+    """specs with Gemma's norm weights read as stored: the file holds w + 1 already."""
+    if not config.gemma_norms:
+        return specs
+
+    def as_stored(w: np.ndarray) -> np.ndarray:
+        return w.astype(np.float32)
+
+    return {
+        key: dataclasses.replace(spec, to_layout=as_stored, to_hf=as_stored)
+        if spec.hf_name.endswith("norm.weight")
+        else spec
+        for key, spec in specs.items()
+    }
