@@ -552,7 +552,7 @@ def load_hf_model(
             return read_stored(spec.hf_name, spec.hf_shape)
 
         def quantize(name: str, spec: TensorSpec, value: np.ndarray) -> Any:
-            return quant.quantize_param(name, value, quantization, name=name)
+            return quant.quantize_param(name, value, quantization, name=spec.hf_name)
 
         params = build_params(
             config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host,

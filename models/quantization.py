@@ -248,11 +248,12 @@ def matmul(x: jax.Array, w: Any, *, native: bool | None = None) -> jax.Array:
     return einsum("...k,kn->...n", x, w, native=native)
 
 
-def quantize_param(name: str, value: np.ndarray, method: str | None, **kwargs) -> Any:
-    """value quantized when method is set and name is one of QUANTIZED_PARAMS, else value."""
-    if method is None or name not in QUANTIZED_PARAMS:
+def quantize_param(param: str, value: np.ndarray, method: str | None, **kwargs) -> Any:
+    """value quantized when method is set and param is one of QUANTIZED_PARAMS, else value
+    (kwargs: quantize's, name among them)."""
+    if method is None or param not in QUANTIZED_PARAMS:
         return value
-    return quantize(value, QUANTIZED_PARAMS[name], method, **kwargs)
+    return quantize(value, QUANTIZED_PARAMS[param], method, **kwargs)
 
 
 def weight_bytes(params: Any) -> int:

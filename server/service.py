@@ -70,6 +70,14 @@ class GenerationService:
         self._max_model_len = int(engine.max_model_len)
         self._architecture = str(getattr(engine.model_config, "architecture", ""))
         self._eos_token_ids = [int(t) for t in engine.eos_token_ids]
+        # Fixed for the engine's life, so read once (a fake engine's stats may leave them out).
+        s = loop.stats
+        self._memory = {
+            "kv_cache_dtype": str(s.get("kv_cache_dtype", "")),
+            "kv_bytes_per_token": int(s.get("kv_bytes_per_token", 0)),
+            "weight_bytes": int(s.get("weight_bytes", 0)),
+            "quantization": s.get("quantization") or "",
+        }
 
     # ---- Generate -----------------------------------------------------------------------
 
@@ -244,6 +252,7 @@ class GenerationService:
             vocab_size=self._vocab_size,
             max_model_len=self._max_model_len,
             eos_token_ids=self._eos_token_ids,
+            **self._memory,
             stats=pb.EngineStats(
                 **{
                     # the spec_ counts exist only with speculation on

@@ -473,3 +473,22 @@ def test_unknown_quantization_is_a_clear_error(q8_gguf):
     assert args.quantization == "fp8"
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "hi", "--quantization", "int4"])
+
+
+def test_float_checkpoint_quantized_at_load_names_the_tensor_it_refuses(tmp_path):
+    """A float Hugging Face directory with quantization "int8": per-channel int8 projections
+    (scale size 1 on the contraction axes); a NaN weight is refused naming its tensor."""
+    from safetensors.numpy import load_file, save_file
+
+    from tests.numpy_checkpoints import make_llama_checkpoint
+
+    path = make_llama_checkpoint(tmp_path / "llama")
+    wq = load_model(path, quantization="int8").params["layers"][1]["wq"]
+    assert isinstance(wq, quant.QuantizedWeight) and wq.q.dtype == jnp.int8
+    assert (wq.shape, wq.scale.shape, wq.group) == ((64, 4, 16), (1, 4, 16), 0)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.1.self_attn.q_proj.weight"][3, 5] = np.nan
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"^model\.layers\.1\.self_attn\.q_proj\.weight: cannot"):
+        load_model(path, quantization="int8")
+

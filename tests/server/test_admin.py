@@ -54,6 +54,67 @@ def test_model_info_and_stats(server):
     assert (st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens) == (0, 0, 0)
 
 
+# tests/numpy_checkpoints.py's default Llama: D 64, 2 layers, 4 query and 2 KV heads of 16,
+# F 128, vocab 2048 (the demo tokenizer's), untied LM head.
+D, L, HQ, HKV, DH, F, V = 64, 2, 4, 2, 16, 128, 2048
+
+
+def _weight_bytes(quantized: bool) -> int:
+    """float32 params, or int8 projections with one float32 scale per output channel."""
+    projections = {  # (input elements, output channels)
+        "wq": (D, HQ * DH), "wk": (D, HKV * DH), "wv": (D, HKV * DH), "wo": (HQ * DH, D),
+        "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D),
+    }  # fmt: skip
+    if quantized:
+        per_layer = sum(i * o + 4 * o for i, o in projections.values())
+    else:
+        per_layer = sum(4 * i * o for i, o in projections.values())
+    norms = 2 * 4 * D
+    return L * (per_layer + norms) + 2 * 4 * V * D + 4 * D  # + embed, lm_head, final norm
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "want"),
+    [
+        # float32 pages: K and V of every layer, 4 bytes per element.
+        ({}, ("float32", L * 2 * HKV * DH * 4, _weight_bytes(False), "")),
+        # int8 pages: 1 byte per element and one bfloat16 scale per token and KV head.
+        (
+            {"kv_cache_dtype": "int8", "quantization": "int8"},
+            ("int8", L * 2 * HKV * (DH + 2), _weight_bytes(True), "int8"),
+        ),
+    ],
+    ids=["float32", "int8"],
+)
+def test_model_info_memory_of_a_real_engine(make_server, tmp_path, engine_args, want):
+    """GetModelInfo says the engine's KV dtype, bytes per token, resident weight bytes and
+    --quantization (no step runs, so nothing compiles)."""
+    from numpy_checkpoints import make_llama_checkpoint
+
+    from jpaged import LLM
+
+    llm = LLM(
+        str(make_llama_checkpoint(tmp_path / "llama")), max_num_seqs=2, max_model_len=64,
+        num_pages=8, page_size=16, compilation_cache_dir=None, **engine_args,
+    )  # fmt: skip
+    info = make_server(llm.llm_engine, model_name="tiny").stub.GetModelInfo(
+        pb.GetModelInfoRequest()
+    )
+    got = (info.kv_cache_dtype, info.kv_bytes_per_token, info.weight_bytes, info.quantization)
+    assert got == want == (
+        (s := llm.stats())["kv_cache_dtype"], s["kv_bytes_per_token"], s["weight_bytes"],
+        s["quantization"] or "",
+    )  # fmt: skip
+    assert (want[1], want[2]) in ((512, 1_344_768), (144, 1_127_680))
+
+
+def test_model_info_memory_of_a_fake_engine(server):
+    """An engine whose stats leave the memory out: the proto's defaults."""
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
+    got = (info.kv_cache_dtype, info.kv_bytes_per_token, info.weight_bytes, info.quantization)
+    assert got == ("", 0, 0, "")
+
+
 def test_tokenize_detokenize(server):
     ids = list(server.stub.Tokenize(pb.TokenizeRequest(text="t5 t17 t999")).token_ids)
     assert ids == [5, 17, 999]
