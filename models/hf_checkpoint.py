@@ -343,13 +343,17 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def _place(value: Any, sharding: Any):
+def _place(value: Any, sharding: Any, name: str = ""):
     """A host array onto its sharding: each device receives only its own slice (a
-    QuantizedWeight: its arrays, on one device)."""
+    QuantizedWeight: each of its arrays, split as models.sharding.quantized_spec says)."""
     import jax
 
     if not isinstance(value, np.ndarray):
-        return _tree_map(lambda a: _place(a, sharding), value)
+        if sharding is None:
+            return _tree_map(lambda a: _place(a, None), value)
+        from models.sharding import quantized_shardings
+
+        return _tree_map(_place, value, quantized_shardings(sharding, value, name))
     if sharding is None:
         return jax.device_put(value)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
@@ -394,21 +398,23 @@ def build_params(
     host: dict[str, np.ndarray] = {}  # stacked: name -> [num_layers, ...] being filled
     for key, spec in items:
         value = _stored(key, spec, read(spec), dtype, quantize)
-        if shardings and not isinstance(value, np.ndarray):
-            raise ValueError(
-                f"{spec.hf_name}: quantized weights are not supported with tensor parallelism"
-            )
         if stacked and key[0] == "layers":
             name = key[2]
             if name not in host:
                 host[name] = _tree_map(
                     lambda a: aligned_empty((config.num_layers, *a.shape), a.dtype), value
                 )
+                if not isinstance(value, np.ndarray) and shardings:  # refused before reading on
+                    from models.sharding import quantized_shardings
+
+                    quantized_shardings(shardings[("layers", name)], host[name], spec.hf_name)
             _set_layer(host[name], key[1], value)
             if key[1] == config.num_layers - 1:  # full: placed, the host copy dropped
-                params["layers"][name] = _place(host.pop(name), shardings.get(("layers", name)))
+                params["layers"][name] = _place(
+                    host.pop(name), shardings.get(("layers", name)), spec.hf_name
+                )
             continue
-        _set(params, key, value if on_host else _place(value, shardings.get(key)))
+        _set(params, key, value if on_host else _place(value, shardings.get(key), spec.hf_name))
     return params
 
 

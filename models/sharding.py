@@ -19,6 +19,12 @@ vocab-parallel (masked lookup + all-reduce). Norms are replicated. Experts (mode
 the router replicated; each expert's F split like w_gate/w_down, or with expert parallelism
 (ModelConfig.expert_parallel) whole experts split over TP, E / T per device. Per-device pool bytes are
 total / min(T, num_kv_heads).
+
+A quantized param (models/quantization.py QuantizedWeight) is split as the float weight it
+replaces (quantized_spec): its int8/fp8 values exactly so; per-output-channel scales along the
+output axes (column-parallel: split with the channels; row-parallel wo, w_down: replicated);
+per-block scales and offsets (GGUF) with their blocks, which needs each device's slice of the
+blocked axis to be whole blocks (else a ValueError naming the tensor).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
+from models.quantization import QuantizedWeight, is_quantized
 
 DATA = "data"
 KV = "kv"
@@ -148,6 +155,57 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, *, stacked: bool = False) -> d
     """NamedShardings in the params layout (replicated over "data"); stacked as param_specs."""
     specs = param_specs(cfg, tp_size(mesh), stacked=stacked)
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs)
+
+
+def quantized_spec(spec: P, w: QuantizedWeight, mesh: Mesh, name: str) -> QuantizedWeight:
+    """The specs of w's arrays (a QuantizedWeight of PartitionSpecs) when spec is the float
+    weight's: q takes spec; the scale (and offset) keep spec's entry on every axis where they
+    have one value per element or per block of q, and are unsplit where they have one value
+    for the whole axis (a per-channel scale's contraction axes, size 1).
+
+        w_down [F, D] row-parallel P(TP, None), per channel: scale [1, D]      P(None, None)
+                                                 per block g: scale [F / g, D]  P(TP, None)
+
+    Raises:
+      ValueError: a split axis of per-block scales whose slice per device is not whole
+        blocks (the one combination that cannot shard), naming name and the sizes.
+    """
+    entries = tuple(spec) + (None,) * (w.q.ndim - len(spec))
+    out = []
+    for axis, entry in enumerate(entries):
+        if entry is None or (w.scale.shape[axis] == 1 and w.q.shape[axis] != 1):
+            out.append(None)
+            continue
+        n = int(np.prod([mesh.shape[a] for a in (entry if isinstance(entry, tuple) else (entry,))]))
+        if w.scale.shape[axis] % n:
+            size, group = w.q.shape[axis], w.q.shape[axis] // w.scale.shape[axis]
+            raise ValueError(
+                f"{name}: tensor parallelism over {n} devices gives each {size // n} of its "
+                f"{size} blocked elements, not whole quantization blocks of {group}; use a "
+                f"tensor_parallel_size dividing {w.scale.shape[axis]}, or no --quantization"
+            )
+        out.append(entry)
+    scale = P(*out)
+    offset = None if w.offset is None else scale
+    return QuantizedWeight(spec, scale, w.group, w.group_axis, offset)
+
+
+def specs_for(specs: dict, params: dict, mesh: Mesh) -> dict:
+    """specs (param_specs, same layout as params) with each quantized param's spec expanded
+    by quantized_spec, so that the two trees match (shard_map's in_specs, device_put)."""
+
+    def one(path, spec, value):
+        if not is_quantized(value):
+            return spec
+        return quantized_spec(spec, value, mesh, jax.tree_util.keystr(path))
+
+    return jax.tree_util.tree_map_with_path(one, specs, params)
+
+
+def quantized_shardings(sharding: NamedSharding, w: QuantizedWeight, name: str) -> QuantizedWeight:
+    """quantized_spec as NamedShardings on sharding's mesh (sharding: the float weight's)."""
+    specs = quantized_spec(sharding.spec, w, sharding.mesh, name)
+    return jax.tree_util.tree_map(lambda s: NamedSharding(sharding.mesh, s), specs)
 
 
 def comm_bytes_per_step(

@@ -157,10 +157,12 @@ class DataParallelEngine:
         return sum(r.num_running() for r in self.replicas)
 
     def stats(self) -> dict:
-        """Counts summed over replicas; num_buckets is one replica's."""
+        """Counts summed over replicas (weight_bytes too: each replica holds the weights);
+        num_buckets and what every replica shares (the KV dtype and its bytes per token, the
+        quantization) are one replica's."""
         per = [r.stats() for r in self.replicas]
-        out = {k: sum(s[k] for s in per) for k in per[0]}
-        out["num_buckets"] = per[0]["num_buckets"]
+        shared = ("num_buckets", "kv_cache_dtype", "kv_bytes_per_token", "quantization")
+        out = {k: per[0][k] if k in shared else sum(s[k] for s in per) for k in per[0]}
         if out.get("spec_num_drafts"):  # a mean, not a sum
             accepted, drafts = out["spec_num_accepted_tokens"], out["spec_num_drafts"]
             out["spec_mean_acceptance_length"] = 1.0 + accepted / drafts

@@ -282,15 +282,22 @@ class Programs:
 
     def layout_params(self, params):
         """params (either layers layout, models/config.py) in the layout the programs run:
-        stacked under scan_layers (moved layer by layer, each on its sharding), else a list."""
-        if not self.scan_layers:
-            return unstack_layers(params)
+        stacked under scan_layers (moved layer by layer, each on its sharding), else a list.
+        Under a mesh, param_specs then matches them (quantized params: sharding.specs_for)."""
         if self.mesh is None:
-            return stack_layers(params)
-        specs = self.param_specs["layers"]
-        return stack_layers(
-            params, place=lambda name, a: jax.device_put(a, NamedSharding(self.mesh, specs[name]))
-        )
+            return stack_layers(params) if self.scan_layers else unstack_layers(params)
+        if self.scan_layers:
+            specs = self.param_specs["layers"]
+
+            def place(name, a):
+                spec = sharding.specs_for(specs[name], a, self.mesh)
+                return jax.device_put(a, self._named(spec))
+
+            params = stack_layers(params, place=place)
+        else:
+            params = unstack_layers(params)
+        self.param_specs = sharding.specs_for(self.param_specs, params, self.mesh)
+        return params
 
     @property
     def num_step_programs(self) -> int:

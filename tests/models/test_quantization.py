@@ -492,3 +492,30 @@ def test_float_checkpoint_quantized_at_load_names_the_tensor_it_refuses(tmp_path
     with pytest.raises(ValueError, match=r"^model\.layers\.1\.self_attn\.q_proj\.weight: cannot"):
         load_model(path, quantization="int8")
 
+
+def _specs(w: quant.QuantizedWeight, spec, kv: int = 2):
+    """sharding.quantized_spec of w on an abstract ("data", "kv", "rep") mesh of (1, kv, 1)."""
+    from jax.sharding import AbstractMesh
+
+    from models.sharding import quantized_spec
+
+    mesh = AbstractMesh((1, kv, 1), ("data", "kv", "rep"))
+    out = quantized_spec(spec, w, mesh, "w")
+    return out.q, out.scale, out.offset
+
+
+def test_quantized_specs_follow_the_float_weight():
+    from jax.sharding import PartitionSpec as P
+
+    tp = ("kv", "rep")
+    rng = np.random.default_rng(0)
+    col = quant.quantize(rng.normal(size=(8, 6)).astype(np.float32), (0,))  # w_gate [D, F]
+    assert _specs(col, P(None, tp)) == (P(None, tp), P(None, tp), None)
+    row = quant.quantize(rng.normal(size=(6, 8)).astype(np.float32), (0,))  # w_down [F, D]
+    assert _specs(row, P(tp, None)) == (P(tp, None), P(None, None), None)
+    # Blocks of 2 along F (6 = 3 blocks): split with w_down's F over 3 devices, 1 each.
+    blocks = quant.quantize(rng.normal(size=(6, 8)).astype(np.float32), (0,), group=2)
+    blocks = quant.QuantizedWeight(blocks.q, blocks.scale, 2, -2, blocks.scale)
+    assert _specs(blocks, P(tp, None), kv=3) == (P(tp, None), P(tp, None), P(tp, None))
+    with pytest.raises(ValueError, match=r"^w: tensor parallelism over 2 devices gives each 3 "):
+        _specs(blocks, P(tp, None), kv=2)

@@ -43,3 +43,9 @@ def tp_results(tp_checkpoint, tmp_path_factory) -> dict:
     """Every (T, D) of sharded_worker.CONFIGS plus an Orbax restore at T = 4, in one process."""
     orbax_dir = tmp_path_factory.mktemp("orbax") / "model"
     return run_worker("tp", str(tp_checkpoint), str(orbax_dir))
+
+
+@pytest.fixture(scope="session")
+def quant_results(tp_checkpoint, tmp_path_factory) -> dict:
+    """sharded_worker.run_quant: quantized weights at T = 1, 2 and D = 2 x T = 2."""
+    return run_worker("quant", str(tp_checkpoint), str(tmp_path_factory.mktemp("quant")))

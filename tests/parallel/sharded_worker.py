@@ -2,6 +2,7 @@
 
     python tests/parallel/sharded_worker.py tp CKPT ORBAX_DIR     # 8 devices, one process
     python tests/parallel/sharded_worker.py multihost CKPT ADDR N I OUT   # 4 devices each
+    python tests/parallel/sharded_worker.py quant CKPT TMP_DIR     # quantized weights, 8 devices
 
 The device count must be set before JAX starts, so the tests run this file as a subprocess
 (pytest's own process has already initialised JAX with one device).
@@ -56,6 +57,20 @@ def _generate(llm) -> dict:
         "tokens": [o.outputs[0].token_ids for o in outs],
         "logprobs": [[sorted(step.items()) for step in o.outputs[0].logprobs] for o in outs],
     }
+
+
+def assert_same_tokens_and_logprobs(res: dict, base: dict) -> None:
+    """A worker run's greedy tokens equal base's exactly, and the top logprobs of each step
+    name the same tokens with values within 1e-5."""
+    import numpy as np
+
+    assert res["tokens"] == base["tokens"]
+    for ours, ref in zip(res["logprobs"], base["logprobs"], strict=True):
+        for pos_ours, pos_ref in zip(ours, ref, strict=True):
+            assert [t for t, _ in pos_ours] == [t for t, _ in pos_ref]
+            np.testing.assert_allclose(
+                [lp for _, lp in pos_ours], [lp for _, lp in pos_ref], rtol=0, atol=1e-5
+            )
 
 
 def _layout(runner) -> dict:
@@ -148,6 +163,61 @@ def run_tp(ckpt: str, orbax_dir: str) -> dict:
     return results
 
 
+def _quantized_layout(runner) -> dict:
+    """Spec and per-device shape of each array of the stacked quantized params ("wq.q",
+    "wq.scale", "w_down.offset"), and of one float one (input_norm)."""
+    out = {}
+    for name, x in runner.params["layers"].items():
+        arrays = {"q": x.q, "scale": x.scale, "offset": x.offset} if hasattr(x, "q") else {"": x}
+        for part, a in arrays.items():
+            if a is not None:
+                key = f"{name}.{part}" if part else name
+                spec = getattr(a.sharding, "spec", None)
+                out[key] = [str(spec), list(a.addressable_shards[0].data.shape)]
+    return out
+
+
+def run_quant(ckpt: str, tmp: str) -> dict:
+    """int8 and fp8 weights of CKPT (quantized at load) and GGUF Q4_1 (blocks of 32 with
+    offsets) at T = 1 and T = 2; int8 under D = 2 x T = 2; a Q8_0 file whose blocks cannot
+    split over T = 2 (its refusal)."""
+    _env(8)
+    from checkpoints import write_gguf
+    from numpy_checkpoints import make_llama_checkpoint
+
+    from jpaged import LLM
+
+    root = Path(tmp)
+    # Head dim 32 (GGUF blocks of 32 along it for wo); F 512 = 16 blocks for w_down.
+    hf = make_llama_checkpoint(root / "hf128", hidden=128, heads=4, kv_heads=2, intermediate=512)
+    q4_1 = root / "q4_1.gguf"
+    write_gguf(hf, q4_1, "Q4_1")
+    # F 96 = 3 blocks of 32 along w_down's input: not whole blocks on each of 2 devices.
+    odd = make_llama_checkpoint(root / "hf96", hidden=128, heads=4, kv_heads=2, intermediate=96)
+    write_gguf(odd, root / "odd.gguf", "Q8_0")
+
+    results = {}
+    for label, model, method in (
+        ("int8", ckpt, "int8"), ("fp8", ckpt, "fp8"), ("q4_1", str(q4_1), "int8"),
+    ):  # fmt: skip
+        for t in (1, 2):
+            llm = LLM(model, tensor_parallel_size=t, quantization=method, **ENGINE)
+            res = _generate(llm)
+            res["layout"] = _quantized_layout(llm.llm_engine.runner)
+            res["weight_bytes"] = llm.stats()["weight_bytes"]
+            results[f"{label}_{t}"] = res
+    llm = LLM(ckpt, tensor_parallel_size=2, data_parallel_size=2, quantization="int8", **ENGINE)
+    res = _generate(llm)
+    stats = llm.stats()
+    res["stats"] = {k: stats[k] for k in ("kv_cache_dtype", "kv_bytes_per_token", "quantization")}
+    results["int8_2x2"] = res
+    try:
+        LLM(str(root / "odd.gguf"), tensor_parallel_size=2, quantization="int8", **ENGINE)
+    except ValueError as e:
+        results["odd_error"] = str(e)
+    return results
+
+
 def run_multihost(ckpt: str, addr: str, num_processes: str, process_id: str, out: str) -> dict:
     _env(4)
     from jpaged.worker.multihost import initialize
@@ -175,5 +245,5 @@ def run_multihost(ckpt: str, addr: str, num_processes: str, process_id: str, out
 
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    result = {"tp": run_tp, "multihost": run_multihost}[mode](*args)
+    result = {"tp": run_tp, "multihost": run_multihost, "quant": run_quant}[mode](*args)
     print(json.dumps(result))
