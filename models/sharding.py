@@ -192,7 +192,10 @@ def quantized_spec(spec: P, w: QuantizedWeight, mesh: Mesh, name: str) -> Quanti
 
 def specs_for(specs: dict, params: dict, mesh: Mesh) -> dict:
     """specs (param_specs, same layout as params) with each quantized param's spec expanded
-    by quantized_spec, so that the two trees match (shard_map's in_specs, device_put)."""
+    by quantized_spec, so that the two trees match (shard_map's in_specs, device_put).
+    Without quantized params, specs as they are (params may then be a partial tree)."""
+    if not any(map(is_quantized, jax.tree_util.tree_leaves(params, is_leaf=is_quantized))):
+        return specs
 
     def one(path, spec, value):
         if not is_quantized(value):
