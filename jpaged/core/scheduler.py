@@ -98,7 +98,8 @@ class Scheduler:
         sliding_window: the window W every layer attends within, whose older pages are freed
         (module docstring); None keeps every page."""
         if sliding_window is not None and (
-            isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+            isinstance(sliding_window, bool)
+            or not isinstance(sliding_window, int)
             or sliding_window < 1
         ):
             raise ValueError(f"sliding_window must be a positive integer, got {sliding_window!r}")

@@ -193,8 +193,8 @@ def test_swap_preemption_copies_only_the_window_and_restores_it_into_fresh_pages
     """a and b decode in a pool of 5 usable pages; b, the newest, is preempted when a needs
     a page: only b's held pages are swapped out, and it comes back into fresh pages for its
     window with NULL_PAGE before it, num_computed_tokens kept."""
-    sched, alloc, swap = make_scheduler(num_pages=6, swap_pages=8)
-    a = add(sched, "a", range(1, 9), max_tokens=30).seqs[0]
+    sched, _, swap = make_scheduler(num_pages=6, swap_pages=8)
+    add(sched, "a", range(1, 9), max_tokens=30)
     b = add(sched, "b", range(11, 19), max_tokens=30).seqs[0]
     swapped = None
     for _ in range(60):
