@@ -72,6 +72,11 @@ class CacheConfig:
         0.8, "share of free accelerator memory for KV pages, when neither of the above is given"
     )
     enable_prefix_caching: bool = setting(True, "prefix caching: identical prompt pages shared")
+    free_window_pages: bool = setting(
+        True,
+        "free the KV pages that fall out of the sliding window, when every layer of the model "
+        "has the same window (off: keep every page, for comparison)",
+    )
     kv_cache_dtype: str = setting(
         "auto",
         "KV page dtype: auto (the model's), bfloat16, float32, or int8/fp8 (fp8_e4m3, fp8_e5m2) "

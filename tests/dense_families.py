@@ -145,8 +145,8 @@ PREEMPTION_ENGINE = {
 
 def preempted_greedy(path, vocab: int, mode: str, max_tokens: int = 8, **engine_kwargs):
     """(our tokens, transformers') for the PREEMPTION_LENGTHS prompts on PREEMPTION_ENGINE's
-    pool with prefix caching on, after asserting that a sequence was preempted (mode:
-    recompute or swap)."""
+    pool (engine_kwargs override it) with prefix caching on, after asserting that a sequence
+    was preempted (mode: recompute or swap)."""
     prompts = prompts_with_shared_prefix(vocab, PREEMPTION_LENGTHS, prefix=8, seed=3)
     ours, stats = engine_greedy_and_stats(
         path,
@@ -154,8 +154,7 @@ def preempted_greedy(path, vocab: int, mode: str, max_tokens: int = 8, **engine_
         max_tokens,
         preemption_mode=mode,
         enable_prefix_caching=True,
-        **PREEMPTION_ENGINE,
-        **engine_kwargs,
+        **{**PREEMPTION_ENGINE, **engine_kwargs},
     )
     assert stats["num_preemptions"] >= 1
     return ours, hf_greedy(path, prompts, max_tokens)

@@ -298,6 +298,7 @@ class LLMEngine:
         dtype = jax.tree_util.tree_leaves(loaded.params)[0].dtype
         itemsize = np.dtype(dtype).itemsize
         draft = self._load_draft(config, dtype)
+        self._draft_loaded = draft is not None
         extra = (
             0
             if draft is None
@@ -370,6 +371,17 @@ class LLMEngine:
             self.runner.programs.summary(),
         )
 
+    @property
+    def paging_window(self) -> int | None:
+        """The sliding window whose older pages the scheduler frees: every layer's, when all
+        have the same one (mixed full and windowed layers share one page table, which must
+        keep every page for the full layers: docs/memory.md, "Hybrid paging"), and no draft
+        model reads the same pages with full attention; else None."""
+        windows = set(self.model_config.windows)
+        if not self.config.cache.free_window_pages or len(windows) != 1 or self._draft_loaded:
+            return None
+        return windows.pop()
+
     def _new_host_state(self) -> None:
         """Fresh page allocators, scheduler, output processor and request table."""
         config = self.config
@@ -380,7 +392,11 @@ class LLMEngine:
         if self.num_swap_pages:  # host pages; the allocator's page 0 stays unused
             swap_allocator = PageAllocator(self.num_swap_pages + 1, enable_prefix_caching=False)
         self.scheduler = Scheduler(
-            config, self.allocator, self.eos_token_ids, swap_allocator=swap_allocator
+            config,
+            self.allocator,
+            self.eos_token_ids,
+            swap_allocator=swap_allocator,
+            sliding_window=self.paging_window,
         )
         # At Linux's mapping cap, sequences join only batches a compiled program holds.
         self.scheduler.admission_check = lambda demands: (

@@ -6,6 +6,8 @@ Invariants:
 - a free page may still hold a cached hash: it stays reusable by a prefix hit until the
   allocator hands it out again, least recently freed first (the free list is the LRU order);
 - every operation costs O(1) per page;
+- a page freed with forget=True (it fell out of a sliding window: jpaged/core/scheduler.py)
+  leaves the prefix cache when unreferenced and is handed out before every other free page;
 - a prefix hit is exact whatever the hash function: a cached page records its tokens, the
   cache salt and its parent, the physical page before it in the sequence that cached it
   with that page's generation (bumped whenever the page is handed out anew). A lookup hits
@@ -96,16 +98,24 @@ class PageAllocator:
             raise RuntimeError(f"share of page {page}, which is not allocated")
         self.ref_counts[page] += 1
 
-    def free(self, pages: list[int]) -> None:
+    def free(self, pages: list[int], *, forget: bool = False) -> None:
         """Drops one reference to each page. Pass pages in eviction order: pages freed first
         are reused first (callers free a sequence's pages tail first, so a prefix outlives
-        its suffix in the cache)."""
+        its suffix in the cache).
+
+        forget: a page left unreferenced also leaves the prefix cache and goes to the front
+        of the free list (a page that fell out of a sliding window: a prefix hit needs every
+        page from the first, so one whose head is gone is not worth keeping, and reusing it
+        first keeps the useful cached pages longer)."""
         for page in pages:
             if page == NULL_PAGE or self.ref_counts[page] < 1:
                 raise RuntimeError(f"free of page {page}, which is not allocated")
             self.ref_counts[page] -= 1
             if self.ref_counts[page] == 0:
                 self._free[page] = None
+                if forget:
+                    self._uncache(page)
+                    self._free.move_to_end(page, last=False)
 
     # -- prefix cache ----------------------------------------------------------------------
     def _parent_ref(self, parent: int | None) -> tuple[int, int] | None:

@@ -28,6 +28,20 @@ recompute. The plan names the copies; the runner moves the data, swap-outs befor
 before the step, so a page freed and reused within one plan is read before it is written.
 A write into a page shared with another sequence copies it first (copy-on-write).
 
+Sliding windows (`sliding_window` W, given when every layer of the model sees only the last
+W keys): a step whose first query is at position `start` reads no key before
+start - W + 1, and later steps read even less, so each plan frees a running sequence's pages
+wholly before that key and points their page-table entries at the null page, which the
+kernels never read (they skip key blocks outside the window). A sequence then holds at most
+ceil(W / page_size) + 1 pages while decoding. Its `pages` keep their positions: a freed page's
+entry is NULL_PAGE (always a leading run). A freed page leaves the prefix cache (forget=True);
+a page is registered only while it and its parent are held. Swap preemption copies only the
+held pages, and a swapped sequence comes back into fresh pages for its window only:
+
+    position     0 ..  ps*k - 1 | ps*k .. start - W | start - W + 1 .. start + n - 1
+    pages        NULL_PAGE       | page k (held)     | held pages
+                 (k = max(start - W + 1, 0) // ps: the pages wholly before the first key read)
+
 Liveness: the oldest running sequence is never preempted (victims are the newest) and, since
 the pool holds one sequence of max_model_len tokens (the engine checks it at start; a request
 that could never fit is refused by `unservable` before it is queued), it computes at least one
@@ -50,7 +64,7 @@ import math
 from collections.abc import Callable
 
 from jpaged.config import EngineConfig
-from jpaged.core.page_allocator import PageAllocator, page_hash
+from jpaged.core.page_allocator import NULL_PAGE, PageAllocator, page_hash
 from jpaged.core.sequence import RequestGroup, SeqStatus, Sequence
 from jpaged.sample.sampler import seeds_to_key_data
 from jpaged.worker import step_plan
@@ -78,8 +92,18 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         *,
         swap_allocator: PageAllocator | None = None,
+        sliding_window: int | None = None,
     ) -> None:
-        """swap_allocator: host swap pages, required when preemption_mode is "swap"."""
+        """swap_allocator: host swap pages, required when preemption_mode is "swap".
+        sliding_window: the window W every layer attends within, whose older pages are freed
+        (module docstring); None keeps every page."""
+        if sliding_window is not None and (
+            isinstance(sliding_window, bool)
+            or not isinstance(sliding_window, int)
+            or sliding_window < 1
+        ):
+            raise ValueError(f"sliding_window must be a positive integer, got {sliding_window!r}")
+        self.sliding_window = sliding_window
         self.config = config
         self.sched = config.scheduler
         self.page_size = config.cache.page_size
@@ -187,6 +211,7 @@ class Scheduler:
             num_new = min(seq.num_planned_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
+            self._slide(seq)
             # A parent about to fork samples for its children too: it never speculates.
             extra = None
             if proposals and num_new == 1 and not seq.needs_fork:
@@ -284,17 +309,21 @@ class Scheduler:
         num_new = min(seq.num_tokens - computed, budget)
         if num_new < seq.num_tokens - computed and not self.sched.enable_chunked_prefill:
             return 0
-        revived = sum(1 for p in hits if self.allocator.ref_counts[p] == 0)
+        # Hit pages wholly before the window of the first query are not taken (NULL_PAGE).
+        dead = self._num_dead_pages(computed)
+        hits = [NULL_PAGE] * min(dead, len(hits)) + hits[dead:]
+        revived = sum(1 for p in hits[dead:] if self.allocator.ref_counts[p] == 0)
         if self.config.cache.kv_allocation == "reserve":
             total = seq.num_prompt_tokens + (seq.params.max_tokens or self.sched.max_model_len)
             upto = min(max(total, seq.num_tokens), self.sched.max_model_len)
         else:
             upto = computed + num_new
-        need = math.ceil(upto / self.page_size) - len(hits)
+        # A swapped sequence's pages before its window were not swapped out (_preempt).
+        need = math.ceil(upto / self.page_size) - max(len(hits), dead)
         if need > self.allocator.num_free() - revived:
             return 0
         self.waiting.remove(seq)
-        for p in hits:
+        for p in hits[dead:]:
             self.allocator.take_cached(p)
         seq.table_row = self._free_rows.pop()
         if seq.needs_fork:
@@ -304,7 +333,7 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         seq.num_computed_tokens = computed
         self.running.append(seq)
-        self._append_pages(seq, hits)
+        self._append_pages(seq, hits + [NULL_PAGE] * (dead - len(hits)))
         pages = self.allocator.allocate(need)
         self._append_pages(seq, pages)
         if swapped:
@@ -391,13 +420,42 @@ class Scheduler:
             child.status = SeqStatus.RUNNING
             child.num_computed_tokens = parent.num_tokens  # computed by the parent's step
             child.page_hashes = list(parent.page_hashes)
-            for p in parent.pages:
-                self.allocator.share(p)
-            self._append_pages(child, list(parent.pages))
+            self._share_pages(parent, child)
             group.seqs.append(child)
             self.running.append(child)
             rows.append((child, 0, child.num_computed_tokens, parent_row, True, None))
         return rows
+
+    def _share_pages(self, parent: Sequence, child: Sequence) -> None:
+        """The child's page-table row: every page of the parent, shared (freed ones stay
+        NULL_PAGE)."""
+        for p in parent.pages:
+            if p != NULL_PAGE:
+                self.allocator.share(p)
+        self._append_pages(child, list(parent.pages))
+
+    def _num_dead_pages(self, start: int) -> int:
+        """Leading pages that no query at position >= start reads: those wholly before the
+        key start - W + 1 (0 without a sliding window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(start - self.sliding_window + 1, 0) // self.page_size
+
+    def _slide(self, seq: Sequence) -> None:
+        """Frees seq's held pages wholly before the window of its next query (position
+        num_computed_tokens) and points their page-table entries at the null page. The step
+        in flight, if any, may still read them: it runs on the device before any step that
+        writes them for their next owner."""
+        dead = min(self._num_dead_pages(seq.num_computed_tokens), len(seq.pages))
+        i = dead
+        while i > 0 and seq.pages[i - 1] != NULL_PAGE:
+            i -= 1
+        if i == dead:
+            return
+        self.allocator.free(seq.pages[i:dead], forget=True)
+        for j in range(i, dead):
+            seq.pages[j] = NULL_PAGE
+            self._updates.append((seq.table_row, j, NULL_PAGE))
 
     def _new_seq(self, group: RequestGroup, index: int, token_ids: list[int], seed: int):
         seq = Sequence(
@@ -420,17 +478,19 @@ class Scheduler:
         configured, the host has room and it has a token left to compute (a resumed sequence
         must have one, to sample from); otherwise it is recomputed from scratch."""
         self.running.remove(seq)
+        self._slide(seq)
         num_pages = math.ceil(seq.num_computed_tokens / self.page_size)
+        dead = min(self._num_dead_pages(seq.num_computed_tokens), num_pages)
         swap = (
             allow_swap
             and self.swap_allocator is not None
             and 0 < seq.num_computed_tokens < seq.num_planned_tokens
-            and self.swap_allocator.can_allocate(num_pages)
+            and self.swap_allocator.can_allocate(num_pages - dead)
         )
         if swap:
-            # Every page is copied, shared ones too: it comes back into private pages.
-            seq.swap_pages = self.swap_allocator.allocate(num_pages)
-            self._swap_out.extend(zip(seq.pages[:num_pages], seq.swap_pages))
+            # Every held page is copied, shared ones too: it comes back into private pages.
+            seq.swap_pages = self.swap_allocator.allocate(num_pages - dead)
+            self._swap_out.extend(zip(seq.pages[dead:num_pages], seq.swap_pages))
             self.num_swaps_out += 1
         else:
             seq.num_computed_tokens = 0
@@ -451,7 +511,7 @@ class Scheduler:
         """Frees a sequence's pages (tail first) and its page-table row(s). The device row keeps
         stale entries until the row's next owner overwrites them; nothing reads past a
         sequence's context length."""
-        self.allocator.free(seq.pages[::-1])
+        self.allocator.free([p for p in seq.pages[::-1] if p != NULL_PAGE])
         seq.pages = []
         seq.page_hashes = []
         self._free_rows.append(seq.table_row)
@@ -602,9 +662,7 @@ class Scheduler:
         child.status = SeqStatus.RUNNING
         child.num_computed_tokens = parent.num_computed_tokens
         child.page_hashes = list(parent.page_hashes)
-        for p in parent.pages:
-            self.allocator.share(p)
-        self._append_pages(child, list(parent.pages))
+        self._share_pages(parent, child)
         self.running.append(child)
         return child
 
@@ -618,7 +676,8 @@ class Scheduler:
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
             h = page_hash(parent, tokens, salt)
             prev = seq.pages[i - 1] if i else None
-            self.allocator.cache_page(seq.pages[i], h, tokens, parent=prev, salt=salt)
+            if seq.pages[i] != NULL_PAGE and prev != NULL_PAGE:  # freed: see _slide
+                self.allocator.cache_page(seq.pages[i], h, tokens, parent=prev, salt=salt)
             seq.page_hashes.append(h)
             parent = h
 

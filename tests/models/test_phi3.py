@@ -142,8 +142,13 @@ def test_engine_greedy_equals_transformers(checkpoints, name):
 )
 def test_a_forced_preemption_changes_no_token(checkpoints, name, mode):
     """A pool too small for both running sequences: one is preempted (recomputed or swapped
-    to host and back) and the tokens are still transformers'."""
-    ours, theirs = preempted_greedy(checkpoints[name], VOCAB, mode)
+    to host and back) and the tokens are still transformers'. Every layer is windowed, so
+    pages before the window are freed (docs/memory.md, "Hybrid paging") and the shared pool
+    of 14 pages would not preempt: 11 pages with a 32-token budget do (a chunk of the second
+    prompt takes the last free pages while the first needs one)."""
+    ours, theirs = preempted_greedy(
+        checkpoints[name], VOCAB, mode, num_pages=12, max_num_batched_tokens=32
+    )
     assert ours == theirs
 
 
