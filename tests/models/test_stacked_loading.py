@@ -123,8 +123,8 @@ def test_stacked_host_arrays_are_placed_without_a_copy_on_cpu(checkpoint, monkey
     placed_from = {}
     place = hf_checkpoint._place
 
-    def recorded(value, sharding):
-        out = place(value, sharding)
+    def recorded(value, sharding, *name):
+        out = place(value, sharding, *name)
         placed_from[value.ctypes.data] = out
         return out
 
