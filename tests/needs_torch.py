@@ -8,9 +8,9 @@ For an environment without torch (CI's Python 3.12 stage, where torch on this in
 A test needs torch when
   1. its module imports torch or transformers at the top (the module cannot even be
      imported: it is not collected), or
-  2. its function, or any fixture it uses (directly or through other fixtures), calls
-     tests/checkpoints.py's transformers helpers (make_tiny_checkpoint, load_torch_model,
-     tiny_hf_config), or
+  2. its function, or any fixture it uses (directly or through other fixtures), imports
+     torch or transformers in its body or calls tests/checkpoints.py's transformers helpers
+     (make_tiny_checkpoint, load_torch_model, tiny_hf_config), or
   3. it is marked `needs_torch`.
 Such tests get the `needs_torch` marker and are deselected; the summary lists the modules not
 collected and the number of tests deselected, so nothing is left out silently. Without the
@@ -52,25 +52,30 @@ def pytest_configure(config):
 def imports_torch(path: Path) -> bool:
     """Whether the module's top level imports torch or transformers (or a submodule)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    for node in tree.body:
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        if any(n.split(".")[0] in TORCH_MODULES for n in names):
-            return True
-    return False
+    return any(isinstance(node, ast.Import | ast.ImportFrom) and _names_torch(node)
+               for node in tree.body)
+
+
+def _names_torch(node: ast.Import | ast.ImportFrom) -> bool:
+    """Whether an import statement imports torch or transformers (or a submodule)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        names = [node.module] if node.module and node.level == 0 else []
+    return any(n.split(".")[0] in TORCH_MODULES for n in names)
 
 
 @functools.cache
 def calls_torch_helper(fn) -> bool:
-    """Whether fn's own source names one of tests/checkpoints.py's transformers helpers."""
+    """Whether fn's own source imports torch or transformers, or names one of
+    tests/checkpoints.py's transformers helpers."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
         return False
     for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import | ast.ImportFrom) and _names_torch(node):
+            return True
         if isinstance(node, ast.Name) and node.id in TORCH_HELPERS:
             return True
         if isinstance(node, ast.Attribute) and node.attr in TORCH_HELPERS:
