@@ -74,8 +74,8 @@ class CacheConfig:
     enable_prefix_caching: bool = setting(True, "prefix caching: identical prompt pages shared")
     free_window_pages: bool = setting(
         True,
-        "free the KV pages that fall out of the sliding window, when every layer of the model "
-        "has the same window (off: keep every page, for comparison)",
+        "free the KV pages that fall out of a sliding window: with mixed full and windowed "
+        "layers, a page table per kind of layer (off: keep every page, for comparison)",
     )
     kv_cache_dtype: str = setting(
         "auto",

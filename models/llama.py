@@ -30,6 +30,7 @@ import numpy as np
 import pallas_kernels
 from models import moe, quantization
 from models.config import LinearRopeScaling, LongRopeScaling, ModelConfig, RopeScaling
+from models.kv_groups import KVGroups, single_group
 from pallas_kernels import kv_quant
 
 # attention_backend -> dispatcher arguments: None/"pallas" pick the platform's best (the
@@ -174,9 +175,11 @@ def _write_kv(pages, new: jax.Array, slot_mapping: jax.Array):
     return kv_quant.write(pages, new, slot_mapping)
 
 
-def layer_offsets(cfg: ModelConfig, k_pages: jax.Array) -> jax.Array:
-    """int32[num_layers]: the first physical page of each layer's part of the pool."""
-    return jnp.arange(cfg.num_layers, dtype=jnp.int32) * (k_pages.shape[1] // cfg.num_layers)
+def layer_offsets(groups: KVGroups, k_pages: jax.Array) -> jax.Array:
+    """int32[num_layers]: the first physical page of each layer's part of the pool (its slot
+    times the pages per slot, models/kv_groups.py)."""
+    per_slot = k_pages.shape[1] // groups.slots_per_page
+    return jnp.asarray(groups.layer_slots, jnp.int32) * per_slot
 
 
 def forward(
@@ -185,11 +188,12 @@ def forward(
     kv_pages: KVPool,
     token_ids: jax.Array,  # int32[T]
     positions: jax.Array,  # int32[T]
-    slot_mapping: jax.Array,  # int32[T]: flat slot (page * page_size + offset) in one layer
+    slot_mapping: jax.Array,  # int32[G, T] (or [T]): flat slot (page * page_size + offset)
     context_lens: jax.Array,  # int32[S]: cached tokens per sequence after this step
-    page_table: jax.Array,  # int32[S, P]: pages of one layer (0 = the null page)
+    page_table: jax.Array,  # int32[G, S, P] (or [S, P]): each group's pages (0 = null page)
     query_start: jax.Array,  # int32[S + 1]
     *,
+    kv_groups: KVGroups | None = None,
     decode_only: bool = False,
     max_query_len: int | None = None,
     attention_backend: str | None = None,
@@ -197,10 +201,12 @@ def forward(
 ) -> tuple[jax.Array, KVPool]:
     """Runs the decoder over a ragged batch; returns final hidden states [T, D] and the pool.
 
-    The pool holds every layer: layer l's page p is physical page l * N + p (N pages per
-    layer), so each layer's attention reads the whole pool through its page table offset by
-    l * N (layer_offsets), a plain kernel operand, never a slice copy; page 0 of each layer
-    is that layer's null page. Layers run under lax.scan when params["layers"] is stacked
+    The pool holds every layer: layer l's page p is physical page j * N + p, j its slot
+    (kv_groups, models/kv_groups.py; None: one group, slot l for layer l) and N the pages
+    per slot, so each layer's attention reads the whole pool through its group's page table
+    and slot mapping (row g of page_table and slot_mapping; 2-D ones are one group's) offset
+    by j * N (layer_offsets), a plain kernel operand, never a slice copy; page 0 of each
+    slot is its null page. Layers run under lax.scan when params["layers"] is stacked
     (a dict of [num_layers, ...] arrays, models/config.py), unrolled when it is a list of
     per-layer dicts; the same layer function runs either way.
 
@@ -224,11 +230,18 @@ def forward(
         x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
     k_pages, v_pages = kv_pages
     page_size = k_pages.shape[2]
-    offsets = layer_offsets(cfg, k_pages)
+    groups = kv_groups or single_group(cfg.num_layers)
+    if page_table.ndim == 2:
+        page_table = page_table[None]
+    if slot_mapping.ndim == 1:
+        slot_mapping = slot_mapping[None]
+    offsets = layer_offsets(groups, k_pages)
+    layer_groups = jnp.asarray(groups.layer_groups, jnp.int32)
 
     def run_layer(carry, layer_and_offset, kind=kinds[0]):
         x, k_pages, v_pages = carry
-        layer, offset = layer_and_offset
+        layer, offset, group = layer_and_offset
+        group = 0 if groups.num_groups == 1 else group  # a traced index only when needed
         window, local = kind  # static: a layer group's own
         cos, sin = ropes[local]
         h = norm(x, layer["input_norm"], cfg.rms_norm_eps)
@@ -247,10 +260,10 @@ def forward(
             q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
         q = rotate(q, cos, sin)
         k = rotate(k, cos, sin)
-        slots = slot_mapping + offset * page_size
+        slots = slot_mapping[group] + offset * page_size
         k_pages = _write_kv(k_pages, k, slots)
         v_pages = _write_kv(v_pages, v, slots)
-        table = page_table + offset
+        table = page_table[group] + offset
         if decode_only:
             attn = pallas_kernels.paged_decode_attention(
                 q, k_pages, v_pages, context_lens, table, sliding_window=window, **attn_kwargs
@@ -275,24 +288,26 @@ def forward(
     layers = params["layers"]
     period = layer_pattern(cfg)
     if isinstance(layers, dict) and period == 1:  # stacked: one traced layer
-        carry, _ = jax.lax.scan(run_layer, carry, (layers, offsets))
+        carry, _ = jax.lax.scan(run_layer, carry, (layers, offsets, layer_groups))
     elif isinstance(layers, dict) and period < cfg.num_layers:
-        carry = _scan_groups(run_layer, carry, layers, offsets, kinds, period)
+        carry = _scan_groups(run_layer, carry, layers, offsets, layer_groups, kinds, period)
     else:
         if isinstance(layers, dict):  # no repeating pattern: unrolled
             layers = [{k: v[i] for k, v in layers.items()} for i in range(cfg.num_layers)]
+        per_slot = k_pages.shape[1] // groups.slots_per_page
         for i, layer in enumerate(layers):
-            per_layer = k_pages.shape[1] // cfg.num_layers
-            carry, _ = run_layer(carry, (layer, i * per_layer), kinds[i])
+            offset = groups.layer_slots[i] * per_slot
+            carry, _ = run_layer(carry, (layer, offset, groups.layer_groups[i]), kinds[i])
     x, k_pages, v_pages = carry
     return norm(x, params["final_norm"], cfg.rms_norm_eps), (k_pages, v_pages)
 
 
-def _scan_groups(run_layer, carry, layers: dict, offsets, kinds: list, period: int):
+def _scan_groups(run_layer, carry, layers: dict, offsets, layer_groups, kinds, period: int):
     """Stacked layers whose kinds repeat every `period` layers: lax.scan over the groups,
     each running its `period` layers unrolled with their own static kinds, then the layers
     past the last whole group unrolled. A group's layers are read from the stacked arrays by
-    index (as scan reads its xs), so no weights are copied into a grouped layout.
+    index (as scan reads its xs), so no weights are copied into a grouped layout; so are each
+    layer's pool offset and paging group (models/kv_groups.py), which need not follow it.
 
         layers  0 1 2 3 4 5 | 6 7 8 9 10 11 | ... | 24 25
         scan    group 0     | group 1       | ... | leftover (unrolled)
@@ -307,12 +322,13 @@ def _scan_groups(run_layer, carry, layers: dict, offsets, kinds: list, period: i
     def run_group(carry, g):
         for j in range(period):
             i = g * period + j
-            carry, _ = run_layer(carry, (take(i), offsets[i]), kinds[j])
+            carry, _ = run_layer(carry, (take(i), offsets[i], layer_groups[i]), kinds[j])
         return carry, None
 
     carry, _ = jax.lax.scan(run_group, carry, jnp.arange(num_groups, dtype=jnp.int32))
     for i in range(num_groups * period, num_layers):
-        carry, _ = run_layer(carry, ({k: v[i] for k, v in layers.items()}, offsets[i]), kinds[i])
+        layer = {k: v[i] for k, v in layers.items()}
+        carry, _ = run_layer(carry, (layer, offsets[i], layer_groups[i]), kinds[i])
     return carry
 
 

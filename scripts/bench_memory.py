@@ -17,6 +17,15 @@ Three tables:
    caching on and off (paged).
 3. The paged workload of table 1 again with page sizes 8..128 (same token budget): KV
    utilization, tokens/s and the page-table size (entries per sequence, bytes on device).
+4. Preemption: table 1's workload on a small budget, recompute against swap.
+
+`--preset windowed` runs one table instead (issue 28.2, docs/memory.md "Hybrid paging"): a
+Gemma-3-shaped model scaled to the CPU (random weights, 12 layers of the 5 local : 1 global
+pattern, window 512; built with transformers into a temporary directory unless --model is
+given), requests of 4,096-token contexts, at equal KV memory (--kv-tokens token slots of
+every layer): hybrid paging (a page table per layer group, the window groups' old pages
+freed) against --no-free-window-pages (every page kept). Columns as above; "max run" is the
+most sequences admitted at once.
 
 Tokens/s counts output tokens over the wall time of the run less the time spent compiling
 (engine.stats()['compile_seconds']), so cold compiles do not decide the comparison. Requests are greedy
@@ -65,6 +74,7 @@ def make_engine(
     max_model_len,
     kv_tokens=None,
     preemption_mode="recompute",
+    free_window_pages=True,
 ):
     from jpaged.core.engine import LLMEngine
     from jpaged.entrypoints.engine_args import engine_config_from_args
@@ -85,6 +95,7 @@ def make_engine(
         kv_allocation=kv_allocation,
         preemption_mode=preemption_mode,
         enable_prefix_caching=prefix_caching,
+        free_window_pages=free_window_pages,
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -98,13 +109,16 @@ def make_engine(
 
 
 def kv_slots(engine) -> tuple[int, int]:
-    """(slots holding computed tokens, slots of allocated pages); a shared page counts once."""
+    """(slots holding computed tokens, slots of allocated pages); a shared page counts once,
+    a freed (null) entry not at all, and every paging group's pages count."""
     ps = engine.config.cache.page_size
     filled: dict[int, int] = {}
     for seq in engine.scheduler.running:
-        for i, page in enumerate(seq.pages):
-            n = min(ps, max(0, seq.num_computed_tokens - i * ps))
-            filled[page] = max(filled.get(page, 0), n)
+        for pages in seq.tables:
+            for i, page in enumerate(pages):
+                if page:
+                    n = min(ps, max(0, seq.num_computed_tokens - i * ps))
+                    filled[page] = max(filled.get(page, 0), n)
     return sum(filled.values()), engine.allocator.num_used() * ps
 
 
@@ -192,6 +206,7 @@ def bench(
     max_tokens,
     kv_tokens=None,
     preemption_mode="recompute",
+    free_window_pages=True,
 ):
     """A fresh engine; a warm-up run on other tokens of the same shapes, then the timed run."""
     longest = max(len(p) for p, _ in requests) + max_tokens
@@ -203,12 +218,77 @@ def bench(
         max_model_len=longest,
         kv_tokens=kv_tokens,
         preemption_mode=preemption_mode,
+        free_window_pages=free_window_pages,
     )
     if args.warmup:
         other = [([3 + (t - 2) % (args.vocab - 3) for t in p], n) for p, n in requests]
         run(engine, other, max_tokens)
         engine.allocator.reset_prefix_cache()
     return run(engine, requests, max_tokens)
+
+
+_HEAD = f"{'':<22}{'KV util':>9}{'max run':>9}{'tok/s':>9}{'out tok':>9}{'steps':>7}"
+_HEAD += f"{'preempt':>9}{'compile s':>11}"
+
+
+def _row(name, r: Result, extra=""):
+    print(
+        f"{name:<22}{r.utilization:>8.1%}{r.max_running:>9}{r.tokens_per_s:>9.1f}"
+        f"{r.output_tokens:>9}{r.num_steps:>7}{r.num_preemptions:>9}"
+        f"{r.compile_seconds:>11.1f}{extra}",
+        flush=True,
+    )
+
+
+def windowed_model(path: Path, window: int, vocab: int) -> Path:
+    """A random Gemma 3 text model scaled to the CPU (12 layers: local, local, local, local,
+    local, global, twice), saved as a Hugging Face directory."""
+    import torch
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=window,
+        max_position_embeddings=8192, query_pre_attn_scalar=16, initializer_range=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def windowed_table(args, row, head) -> None:
+    """--preset windowed: hybrid paging against keeping every page, at equal KV memory."""
+    import tempfile
+
+    if args.model is None:
+        args.model = str(windowed_model(Path(tempfile.mkdtemp()) / "gemma3", args.window, 512))
+    from models.loader import read_config
+
+    args.vocab = read_config(args.model).vocab_size
+    rng = np.random.default_rng(0)
+    prompt_len = args.context - args.max_tokens
+    requests = [
+        (rng.integers(3, args.vocab, prompt_len).tolist(), args.max_tokens)
+        for _ in range(args.num_requests)
+    ]
+    print(
+        f"\n5. hybrid paging: {args.num_requests} requests of {prompt_len} + {args.max_tokens} "
+        f"tokens, page_size {args.page_size}, KV memory of {args.kv_tokens} token slots of "
+        f"every layer ({args.kv_tokens // args.context} whole contexts)"
+    )
+    print(head + f"{'pages':>8}{'peak':>7}")
+    res = {}
+    for name, free in (("hybrid", True), ("keep every page", False)):
+        res[free] = bench(
+            args, requests, page_size=args.page_size, prefix_caching=False,
+            max_tokens=args.max_tokens, free_window_pages=free,
+        )  # fmt: skip
+        row(name, res[free], f"{res[free].pages_total:>8}{res[free].peak_pages:>7}")
+    print(
+        f"hybrid / keep every page: {res[True].max_running / res[False].max_running:.2f}x the "
+        f"sequences at once, {res[True].tokens_per_s / res[False].tokens_per_s:.2f}x tokens/s"
+    )
 
 
 def main() -> None:
@@ -250,10 +330,36 @@ def main() -> None:
     p.add_argument("--warmup", action="store_true", help="run each workload once untimed first")
     p.add_argument("--preempt-kv-tokens", type=int, default=1024, help="table 4's KV budget")
     p.add_argument("--skip", default="", help="comma list of tables to skip: 1,2,3,4")
+    p.add_argument(
+        "--preset", default=None, choices=("windowed",),
+        help="windowed: only table 5, hybrid paging on a Gemma-3-shaped model (module "
+        "docstring); its defaults: 16 requests of 4096-token contexts (64 generated), window "
+        "512, --kv-tokens 16384, --max-num-seqs 32, --page-size 16",
+    )
+    p.add_argument("--context", type=int, default=4096, help="--preset windowed: tokens")
+    p.add_argument("--window", type=int, default=512, help="--preset windowed: the window")
     args = p.parse_args()
+    if args.preset == "windowed":
+        given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
+        for flag, value in (("--num-requests", 16), ("--max-tokens", 64),
+                            ("--kv-tokens", 16384)):  # fmt: skip
+            if flag not in given:
+                setattr(args, flag[2:].replace("-", "_"), value)
 
     import jax
 
+    if args.preset == "windowed":
+        if args.dtype is None:
+            args.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        device = jax.devices()[0]
+        print(
+            f"hardware: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+            f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}"
+        )
+        t_start = time.perf_counter()
+        windowed_table(args, _row, _HEAD)
+        print(f"\ntotal {time.perf_counter() - t_start:.0f}s")
+        return
     if args.model is None:
         from models.demo import ensure_demo_model
 
@@ -279,16 +385,9 @@ def main() -> None:
     )
 
     requests = workload(args, vocab, seed=0)
-    head = f"{'':<22}{'KV util':>9}{'max run':>9}{'tok/s':>9}{'out tok':>9}{'steps':>7}"
-    head += f"{'preempt':>9}{'compile s':>11}"
+    head = _HEAD
 
-    def row(name, r: Result, extra=""):
-        print(
-            f"{name:<22}{r.utilization:>8.1%}{r.max_running:>9}{r.tokens_per_s:>9.1f}"
-            f"{r.output_tokens:>9}{r.num_steps:>7}{r.num_preemptions:>9}"
-            f"{r.compile_seconds:>11.1f}{extra}",
-            flush=True,
-        )
+    row = _row
 
     paged = None
     if "1" not in skip:

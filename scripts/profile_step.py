@@ -88,7 +88,7 @@ def _inputs(cfg, key, *, rows, context, new_per_row, page_size, pages_per_seq):
         token_ids=rng.integers(3, cfg.vocab_size, t_pad).astype(np.int32),
         src_rows=np.full(t_pad, -1, np.int32),
         positions=positions,
-        slot_mapping=slots,
+        slot_mapping=slots[None],  # one paging group
         table_rows=table_rows,
         context_lens=context_lens,
         query_start=query_start,
@@ -297,7 +297,7 @@ def profile(bench: StepBench, *, sampling: bool) -> None:
         return [kp, vp]  # a list: time_part feeds a tuple's first item back, a list whole
 
     kv = bench.state.kv_pages
-    bench.time_part("K/V writes, all layers", write, kv, k, inputs.slot_mapping, donate=(0,))
+    bench.time_part("K/V writes, all layers", write, kv, k, inputs.slot_mapping[0], donate=(0,))
     # The donated pool was consumed above: fresh buffers for what follows.
     kv = (jnp.zeros_like(bench.state.k_pages), jnp.zeros_like(bench.state.v_pages))
     bench.state = programs.DeviceState(*kv, bench.state.page_table)

@@ -38,7 +38,7 @@ import numpy as np
 from jpaged.config import DEFAULT_SWAP_SPACE_BYTES, CacheConfig, EngineConfig
 from jpaged.core.output_processor import OutputProcessor
 from jpaged.core.page_allocator import PageAllocator
-from jpaged.core.scheduler import Scheduler
+from jpaged.core.scheduler import Scheduler, sequence_pages
 from jpaged.core.sequence import RequestGroup, SeqStatus, Sequence
 from jpaged.outputs import RequestOutput
 from jpaged.pooling import Pooler, PoolingParams, sentence_transformers_pooling
@@ -57,6 +57,7 @@ from jpaged.worker.step_inputs import bucket, needs_key
 from jpaged.worker.step_plan import StepPlan
 from models import quantization
 from models.config import LongRopeScaling, ModelConfig
+from models.kv_groups import KVGroups, kv_groups
 from pallas_kernels import kv_quant
 
 logger = logging.getLogger(__name__)
@@ -171,14 +172,20 @@ def _host_pool(config: EngineConfig, per_page: int) -> tuple[int, str]:
     )
 
 
-def fit_max_model_len(config: EngineConfig, num_pages: int, *, given: bool) -> EngineConfig:
+def fit_max_model_len(
+    config: EngineConfig, num_pages: int, *, given: bool,
+    group_windows: tuple[int | None, ...] = (None,),
+) -> EngineConfig:  # fmt: skip
     """config with a max_model_len one sequence of which fits a pool of num_pages pages.
 
     A sequence of max_model_len tokens needs ceil(max_model_len / page_size) pages of the
     pool's num_pages - 1 (page 0 is the null page; a draft model's K/V uses the same page ids,
     inside the same memory budget): a pool with fewer could never hold it, whatever is
     preempted. Speculative proposals need no page past it: LLMEngine._proposals caps them so
-    that a verifying step writes positions below max_model_len only.
+    that a verifying step writes positions below max_model_len only. group_windows: the
+    windows of a model's paging groups when it has several (models/kv_groups.py): it needs
+    that many in each full group and at most its window's in each windowed one
+    (scheduler.sequence_pages).
 
     Raises ValueError (both figures and the fixes) when max_model_len was given and does not
     fit; when it was not given, lowers it to the largest that fits and logs that once.
@@ -186,10 +193,21 @@ def fit_max_model_len(config: EngineConfig, num_pages: int, *, given: bool) -> E
     ps = config.cache.page_size
     max_len = config.scheduler.max_model_len
     usable = num_pages - 1
-    fits = usable * ps
+    if len(group_windows) == 1:
+        fits = usable * ps
+        need = -(-max_len // ps)
+    else:  # the longest sequence that fits (sequence_pages grows with its length)
+        lo, hi = 0, max_len
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if sequence_pages(config, group_windows, mid) <= usable:
+                lo = mid
+            else:
+                hi = mid - 1
+        fits = lo
+        need = sequence_pages(config, group_windows, max_len)
     if max_len <= fits:
         return config
-    need = -(-max_len // ps)
     fixes = "raise --kv-cache-memory-bytes or --num-pages"
     if given or fits < 2:
         lower = f"lower --max-model-len to {fits} or less, or " if fits >= 2 else ""
@@ -204,6 +222,16 @@ def fit_max_model_len(config: EngineConfig, num_pages: int, *, given: bool) -> E
     )  # fmt: skip
     scheduler = dataclasses.replace(config.scheduler, max_model_len=fits)
     return dataclasses.replace(config, scheduler=scheduler)
+
+
+def group_pages(num_pages: int, groups: KVGroups, num_layers: int) -> int:
+    """The page ids of a pool of num_pages pages of every layer (--num-pages, or what the
+    memory budget holds) when a page id holds a paging group's slots_per_page layers
+    (models/kv_groups.py): as many bytes, num_layers / slots_per_page times the pages (page 0
+    stays the one null page)."""
+    if not groups.grouped:
+        return num_pages
+    return (num_pages - 1) * num_layers // groups.slots_per_page + 1
 
 
 def resolve_num_swap_pages(
@@ -298,18 +326,40 @@ class LLMEngine:
         dtype = jax.tree_util.tree_leaves(loaded.params)[0].dtype
         itemsize = np.dtype(dtype).itemsize
         draft = self._load_draft(config, dtype)
-        self._draft_loaded = draft is not None
         extra = (
             0
             if draft is None
             else DraftModel.bytes_per_page(draft, config.cache.page_size, itemsize)
         )
         self.kv_dtype = kv_quant.storage_dtype(config.cache.kv_cache_dtype, dtype)
-        self.num_pages = resolve_num_pages(
-            config.cache, config, self.model_config, itemsize, extra_bytes_per_page=extra,
-            kv_dtype=self.kv_dtype,
+        # Paging groups: a page table per attention kind when windowed pages are freed
+        # (docs/memory.md, "Hybrid paging"); not with a draft model, which reads the same
+        # page ids with full attention.
+        self.kv_groups: KVGroups = kv_groups(
+            self.model_config.windows,
+            free_window_pages=config.cache.free_window_pages and draft is None,
+            max_model_len=config.scheduler.max_model_len,
         )
-        self.config = config = fit_max_model_len(config, self.num_pages, given=max_len_given)
+        grouped = self.kv_groups.grouped
+        num_layers = self.model_config.num_layers
+        self.num_pages = group_pages(
+            resolve_num_pages(
+                config.cache, config, self.model_config, itemsize, extra_bytes_per_page=extra,
+                kv_dtype=self.kv_dtype,
+            ),
+            self.kv_groups,
+            num_layers,
+        )  # fmt: skip
+        if grouped:
+            logger.info(
+                "paging groups (windows %s): %d pages of %d of the %d layers each",
+                self.kv_groups.windows, self.num_pages, self.kv_groups.slots_per_page,
+                num_layers,
+            )  # fmt: skip
+        self.config = config = fit_max_model_len(
+            config, self.num_pages, given=max_len_given,
+            group_windows=self.kv_groups.windows if grouped else (None,),
+        )  # fmt: skip
         if isinstance(self.model_config.rope_scaling, LongRopeScaling) and (
             config.cache.enable_prefix_caching
         ):
@@ -319,9 +369,8 @@ class LLMEngine:
             cache = dataclasses.replace(config.cache, enable_prefix_caching=False)
             self.config = config = dataclasses.replace(config, cache=cache)
         self.max_model_len = config.scheduler.max_model_len
-        self.num_swap_pages = resolve_num_swap_pages(
-            config, self.model_config, itemsize, self.kv_dtype
-        )
+        swap_pages = resolve_num_swap_pages(config, self.model_config, itemsize, self.kv_dtype)
+        self.num_swap_pages = group_pages(swap_pages + 1, self.kv_groups, num_layers) - 1
         self._new_host_state()
         broadcast = None
         if loaded.mesh is not None and jax.process_count() > 1:
@@ -338,6 +387,7 @@ class LLMEngine:
             num_swap_pages=self.num_swap_pages,
             broadcast=broadcast,
             cache_dir=self.compilation_cache_dir,
+            kv_groups=self.kv_groups if grouped else None,
         )
         self._arrivals = 0
         self._drafter = None
@@ -371,17 +421,6 @@ class LLMEngine:
             self.runner.programs.summary(),
         )
 
-    @property
-    def paging_window(self) -> int | None:
-        """The sliding window whose older pages the scheduler frees: every layer's, when all
-        have the same one (mixed full and windowed layers share one page table, which must
-        keep every page for the full layers: docs/memory.md, "Hybrid paging"), and no draft
-        model reads the same pages with full attention; else None."""
-        windows = set(self.model_config.windows)
-        if not self.config.cache.free_window_pages or len(windows) != 1 or self._draft_loaded:
-            return None
-        return windows.pop()
-
     def _new_host_state(self) -> None:
         """Fresh page allocators, scheduler, output processor and request table."""
         config = self.config
@@ -396,7 +435,7 @@ class LLMEngine:
             self.allocator,
             self.eos_token_ids,
             swap_allocator=swap_allocator,
-            sliding_window=self.paging_window,
+            group_windows=self.kv_groups.windows,
         )
         # At Linux's mapping cap, sequences join only batches a compiled program holds.
         self.scheduler.admission_check = lambda demands: (

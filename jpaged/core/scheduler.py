@@ -42,8 +42,18 @@ held pages, and a swapped sequence comes back into fresh pages for its window on
     pages        NULL_PAGE       | page k (held)     | held pages
                  (k = max(start - W + 1, 0) // ps: the pages wholly before the first key read)
 
+Paging groups (`group_windows`, a model mixing attention kinds: models/kv_groups.py): each
+group of layers has its own page table per sequence (Sequence.tables; group g's rows of the
+device table are g * (max_num_seqs + 1) + row) and its own window or none, and the rules
+above apply to each table: a full group keeps every page, a windowed group frees the pages
+before its window. All groups' pages come from the one allocator: a step, an admission or a
+swap needs the sum over the groups, and a prefix hit takes as many pages in every group
+(each group caches its pages under hashes of its own; a window group's hit needs every
+page from the first, so it ends where that group's pages were freed).
+
 Liveness: the oldest running sequence is never preempted (victims are the newest) and, since
-the pool holds one sequence of max_model_len tokens (the engine checks it at start; a request
+the pool holds one sequence of max_model_len tokens (`sequence_pages` with groups; the engine
+checks it at start; a request
 that could never fit is refused by `unservable` before it is queued), it computes at least one
 token every step and ends within max_model_len + 1 steps; with nothing running, the waiting
 head is admitted in the same step. Admission has no head-of-line blocking: the waiting queue
@@ -84,6 +94,29 @@ MAX_BLOCKED_PER_STEP = 32
 Row = tuple
 
 
+def _group_key(h: int, salt, group: int) -> tuple[int, object]:
+    """The prefix-cache hash and salt of a page of paging group `group` whose first
+    group's hash is h: the first group's own, the others' their own (a page id holds one
+    group's layers, and a lookup must find only its group's pages)."""
+    if group == 0:
+        return h, salt
+    return hash((h, group)), (salt, group)
+
+
+def sequence_pages(config: EngineConfig, windows: tuple[int | None, ...], num_tokens: int) -> int:
+    """The most pages a sequence of num_tokens tokens holds at once, summed over the paging
+    groups: every page in a full group (and in every group with kv_allocation "reserve"), in a
+    group of window W at most the pages of its first query's window and one step's tokens,
+    ceil((W - 1 + max_num_batched_tokens) / page_size) + 1 (W - 1 + n positions straddle at
+    most that many pages)."""
+    ps = config.cache.page_size
+    every = -(-num_tokens // ps)
+    reserve = config.cache.kv_allocation == "reserve"
+    step = config.scheduler.max_num_batched_tokens
+    capped = [min(every, -(-(w - 1 + step) // ps) + 1) for w in windows if w is not None]
+    return every * (len(windows) - len(capped)) + (every * len(capped) if reserve else sum(capped))
+
+
 class Scheduler:
     def __init__(
         self,
@@ -93,17 +126,26 @@ class Scheduler:
         *,
         swap_allocator: PageAllocator | None = None,
         sliding_window: int | None = None,
+        group_windows: tuple[int | None, ...] | None = None,
     ) -> None:
         """swap_allocator: host swap pages, required when preemption_mode is "swap".
         sliding_window: the window W every layer attends within, whose older pages are freed
-        (module docstring); None keeps every page."""
-        if sliding_window is not None and (
-            isinstance(sliding_window, bool)
-            or not isinstance(sliding_window, int)
-            or sliding_window < 1
-        ):
-            raise ValueError(f"sliding_window must be a positive integer, got {sliding_window!r}")
-        self.sliding_window = sliding_window
+        (module docstring); None keeps every page. group_windows: instead, one window (or
+        None) per paging group of a model mixing attention kinds (models/kv_groups.py), each
+        group a page table of its own."""
+        if group_windows is not None and sliding_window is not None:
+            raise ValueError("give sliding_window or group_windows, not both")
+        windows = (sliding_window,) if group_windows is None else tuple(group_windows)
+        if not windows:
+            raise ValueError("group_windows must name at least one group")
+        for w in windows:
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+                name = "sliding_window" if group_windows is None else "group_windows"
+                raise ValueError(f"{name} must be a positive integer, got {w!r}")
+        self.windows = windows
+        self.num_groups = len(windows)
+        # The window every layer has (one group), else None.
+        self.sliding_window = windows[0] if len(windows) == 1 else None
         self.config = config
         self.sched = config.scheduler
         self.page_size = config.cache.page_size
@@ -117,8 +159,10 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence, by seq_id
-        # Page-table rows; row max_num_seqs is a scratch row that padding writes go to.
+        # Page-table rows; row max_num_seqs is a scratch row that padding writes go to. The
+        # device table holds a block of max_num_seqs + 1 rows per group (_device_row).
         self._free_rows = list(range(self.sched.max_num_seqs - 1, -1, -1))  # pop() -> 0 first
+        self._group_stride = self.sched.max_num_seqs + 1
         self._reserved_rows: dict[int, list[int]] = {}  # parent seq_id -> rows for its forks
         self._updates: list[tuple[int, int, int]] = []
         self._copies: list[tuple[int, int]] = []
@@ -178,7 +222,10 @@ class Scheduler:
                 f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens "
                 f"({s.max_num_batched_tokens}) and chunked prefill is off"
             )
-        need = math.ceil((num_prompt_tokens + 1) / self.page_size)
+        # One group counts every page, as before groups: a windowed group of several is
+        # counted at its cap (sequence_pages), which the engine's pool check counts too.
+        windows = self.windows if self.num_groups > 1 else (None,)
+        need = sequence_pages(self.config, windows, num_prompt_tokens + 1)
         if need > self.allocator.num_usable_pages:
             return (
                 f"prompt of {num_prompt_tokens} tokens needs {need} KV pages of "
@@ -250,6 +297,7 @@ class Scheduler:
             page_copies=self._copies if rows else [],
             swap_out=self._swap_out,
             swap_in=self._swap_in,
+            num_groups=self.num_groups,
         )
         if rows:
             self._updates, self._copies = [], []
@@ -297,34 +345,40 @@ class Scheduler:
             if not self.admission_check(demands):
                 return 0  # it waits for a batch a compiled program holds
         swapped = bool(seq.swap_pages)
+        groups = range(self.num_groups)
         if swapped:  # its computed K/V comes back from host into fresh pages
-            hits, computed = [], seq.num_computed_tokens
+            hits, computed = [[] for _ in groups], seq.num_computed_tokens
         elif (
             seq.params.prompt_logprobs is not None or seq.group.pooler is not None
         ) and seq.num_output_tokens == 0:
-            hits, computed = [], 0  # prompt log-probabilities and embeddings need every token
+            hits, computed = [[] for _ in groups], 0  # prompt logprobs, embeddings: every token
         else:
             hits = self._prefix_hits(seq)
-            computed = len(hits) * self.page_size
+            computed = len(hits[0]) * self.page_size
         num_new = min(seq.num_tokens - computed, budget)
         if num_new < seq.num_tokens - computed and not self.sched.enable_chunked_prefill:
             return 0
-        # Hit pages wholly before the window of the first query are not taken (NULL_PAGE).
-        dead = self._num_dead_pages(computed)
-        hits = [NULL_PAGE] * min(dead, len(hits)) + hits[dead:]
-        revived = sum(1 for p in hits[dead:] if self.allocator.ref_counts[p] == 0)
         if self.config.cache.kv_allocation == "reserve":
             total = seq.num_prompt_tokens + (seq.params.max_tokens or self.sched.max_model_len)
             upto = min(max(total, seq.num_tokens), self.sched.max_model_len)
         else:
             upto = computed + num_new
-        # A swapped sequence's pages before its window were not swapped out (_preempt).
-        need = math.ceil(upto / self.page_size) - max(len(hits), dead)
-        if need > self.allocator.num_free() - revived:
+        # Per group: hit pages wholly before the window of the first query are not taken
+        # (NULL_PAGE); a swapped sequence's pages before its window were not swapped out
+        # (_preempt). The pages every group needs come from the one free list.
+        dead = [self._num_dead_pages(computed, g) for g in groups]
+        for g in groups:
+            hits[g] = [NULL_PAGE] * min(dead[g], len(hits[g])) + hits[g][dead[g] :]
+        revived = sum(
+            1 for g in groups for p in hits[g][dead[g] :] if self.allocator.ref_counts[p] == 0
+        )
+        needs = [math.ceil(upto / self.page_size) - max(len(hits[g]), dead[g]) for g in groups]
+        if sum(needs) > self.allocator.num_free() - revived:
             return 0
         self.waiting.remove(seq)
-        for p in hits[dead:]:
-            self.allocator.take_cached(p)
+        for g in groups:
+            for p in hits[g][dead[g] :]:
+                self.allocator.take_cached(p)
         seq.table_row = self._free_rows.pop()
         if seq.needs_fork:
             self._reserved_rows[seq.seq_id] = [
@@ -333,11 +387,17 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         seq.num_computed_tokens = computed
         self.running.append(seq)
-        self._append_pages(seq, hits + [NULL_PAGE] * (dead - len(hits)))
-        pages = self.allocator.allocate(need)
-        self._append_pages(seq, pages)
+        seq.tables = [[] for _ in groups]
+        swap_pages = list(seq.swap_pages)
+        for g in groups:
+            self._append_pages(seq, hits[g] + [NULL_PAGE] * (dead[g] - len(hits[g])), g)
+            pages = self.allocator.allocate(needs[g])
+            self._append_pages(seq, pages, g)
+            if swapped:  # group g's swapped pages: those of positions dead[g] .. computed
+                num_swapped = math.ceil(computed / self.page_size) - dead[g]
+                self._swap_in.extend(zip(swap_pages[:num_swapped], pages))
+                del swap_pages[:num_swapped]
         if swapped:
-            self._swap_in.extend(zip(seq.swap_pages, pages))
             self._drop_swap(seq)
             self.num_swaps_in += 1
             return num_new
@@ -364,9 +424,11 @@ class Scheduler:
             pooling=seq.group.pooler is not None,
         )
 
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Cached pages matching the sequence's leading full pages (at least one token is left
-        to compute, so the step has a hidden state to sample from)."""
+    def _prefix_hits(self, seq: Sequence) -> list[list[int]]:
+        """Per group, cached pages matching the sequence's leading full pages (at least one
+        token is left to compute, so the step has a hidden state to sample from), as many in
+        every group: a hit serves every layer or none. Group g > 0 caches its pages under
+        its own hashes and salt (_group_key), each page after its group's previous one."""
         hits: list[int] = []
         seq.page_hashes = []
         parent, salt = None, seq.group.cache_salt
@@ -379,33 +441,53 @@ class Scheduler:
             hits.append(page)
             seq.page_hashes.append(h)
             parent = h
-        return hits
+        found = [hits]
+        for g in range(1, self.num_groups):
+            group_hits: list[int] = []
+            for i in range(len(found[0])):
+                h, group_salt = _group_key(seq.page_hashes[i], salt, g)
+                tokens = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
+                prev = group_hits[-1] if group_hits else None
+                page = self.allocator.lookup(h, tokens, parent=prev, salt=group_salt)
+                if page is None:
+                    break
+                group_hits.append(page)
+            found.append(group_hits)
+        num_hits = min(len(x) for x in found)
+        del seq.page_hashes[num_hits:]
+        return [x[:num_hits] for x in found]
 
     def _grow(self, seq: Sequence, num_new: int) -> bool:
-        """Makes seq's pages cover the step's writes; False (nothing changed) if pages lack."""
+        """Makes seq's pages cover the step's writes in every group; False (nothing changed)
+        if pages lack."""
         first = seq.num_computed_tokens // self.page_size
         last = (seq.num_computed_tokens + num_new - 1) // self.page_size
         shared = [
-            i
-            for i in range(first, min(last + 1, len(seq.pages)))
-            if self.allocator.ref_counts[seq.pages[i]] > 1
+            [i for i in range(first, min(last + 1, len(t))) if self.allocator.ref_counts[t[i]] > 1]
+            for t in seq.tables
         ]
-        need = max(0, last + 1 - len(seq.pages)) + len(shared)
-        if not self.allocator.can_allocate(need):
+        needs = [max(0, last + 1 - len(t)) for t in seq.tables]
+        if not self.allocator.can_allocate(sum(needs) + sum(map(len, shared))):
             return False
-        for i in shared:
-            (new,) = self.allocator.allocate(1)
-            self._copies.append((seq.pages[i], new))
-            self.allocator.free([seq.pages[i]])
-            seq.pages[i] = new
-            self._updates.append((seq.table_row, i, new))
-        self._append_pages(seq, self.allocator.allocate(need - len(shared)))
+        for g, table in enumerate(seq.tables):
+            for i in shared[g]:
+                (new,) = self.allocator.allocate(1)
+                self._copies.append((table[i], new))
+                self.allocator.free([table[i]])
+                table[i] = new
+                self._updates.append((self._device_row(seq, g), i, new))
+            self._append_pages(seq, self.allocator.allocate(needs[g]), g)
         return True
 
-    def _append_pages(self, seq: Sequence, pages: list[int]) -> None:
+    def _device_row(self, seq: Sequence, group: int) -> int:
+        """seq's row of the device table in a group's block of rows."""
+        return group * self._group_stride + seq.table_row
+
+    def _append_pages(self, seq: Sequence, pages: list[int], group: int = 0) -> None:
+        table, row = seq.tables[group], self._device_row(seq, group)
         for p in pages:
-            self._updates.append((seq.table_row, len(seq.pages), p))
-            seq.pages.append(p)
+            self._updates.append((row, len(table), p))
+            table.append(p)
 
     def _fork(self, parent: Sequence, parent_row: int) -> list[Row]:
         """Forks n - 1 children sharing every page of the parent; they sample from its row."""
@@ -427,35 +509,40 @@ class Scheduler:
         return rows
 
     def _share_pages(self, parent: Sequence, child: Sequence) -> None:
-        """The child's page-table row: every page of the parent, shared (freed ones stay
-        NULL_PAGE)."""
-        for p in parent.pages:
-            if p != NULL_PAGE:
-                self.allocator.share(p)
-        self._append_pages(child, list(parent.pages))
+        """The child's page-table rows: every page of the parent in every group, shared
+        (freed ones stay NULL_PAGE)."""
+        child.tables = [[] for _ in parent.tables]
+        for g, table in enumerate(parent.tables):
+            for p in table:
+                if p != NULL_PAGE:
+                    self.allocator.share(p)
+            self._append_pages(child, list(table), g)
 
-    def _num_dead_pages(self, start: int) -> int:
-        """Leading pages that no query at position >= start reads: those wholly before the
-        key start - W + 1 (0 without a sliding window)."""
-        if self.sliding_window is None:
+    def _num_dead_pages(self, start: int, group: int = 0) -> int:
+        """Leading pages of a group that no query at position >= start reads: those wholly
+        before the key start - W + 1 (0 for a group without a sliding window)."""
+        window = self.windows[group]
+        if window is None:
             return 0
-        return max(start - self.sliding_window + 1, 0) // self.page_size
+        return max(start - window + 1, 0) // self.page_size
 
     def _slide(self, seq: Sequence) -> None:
         """Frees seq's held pages wholly before the window of its next query (position
-        num_computed_tokens) and points their page-table entries at the null page. The step
-        in flight, if any, may still read them: it runs on the device before any step that
-        writes them for their next owner."""
-        dead = min(self._num_dead_pages(seq.num_computed_tokens), len(seq.pages))
-        i = dead
-        while i > 0 and seq.pages[i - 1] != NULL_PAGE:
-            i -= 1
-        if i == dead:
-            return
-        self.allocator.free(seq.pages[i:dead], forget=True)
-        for j in range(i, dead):
-            seq.pages[j] = NULL_PAGE
-            self._updates.append((seq.table_row, j, NULL_PAGE))
+        num_computed_tokens) in each windowed group and points their page-table entries at
+        the null page. The step in flight, if any, may still read them: it runs on the
+        device before any step that writes them for their next owner."""
+        for g, table in enumerate(seq.tables):
+            dead = min(self._num_dead_pages(seq.num_computed_tokens, g), len(table))
+            i = dead
+            while i > 0 and table[i - 1] != NULL_PAGE:
+                i -= 1
+            if i == dead:
+                continue
+            self.allocator.free(table[i:dead], forget=True)
+            row = self._device_row(seq, g)
+            for j in range(i, dead):
+                table[j] = NULL_PAGE
+                self._updates.append((row, j, NULL_PAGE))
 
     def _new_seq(self, group: RequestGroup, index: int, token_ids: list[int], seed: int):
         seq = Sequence(
@@ -480,17 +567,23 @@ class Scheduler:
         self.running.remove(seq)
         self._slide(seq)
         num_pages = math.ceil(seq.num_computed_tokens / self.page_size)
-        dead = min(self._num_dead_pages(seq.num_computed_tokens), num_pages)
+        dead = [
+            min(self._num_dead_pages(seq.num_computed_tokens, g), num_pages)
+            for g in range(self.num_groups)
+        ]
+        num_swapped = num_pages * self.num_groups - sum(dead)
         swap = (
             allow_swap
             and self.swap_allocator is not None
             and 0 < seq.num_computed_tokens < seq.num_planned_tokens
-            and self.swap_allocator.can_allocate(num_pages - dead)
+            and self.swap_allocator.can_allocate(num_swapped)
         )
         if swap:
             # Every held page is copied, shared ones too: it comes back into private pages.
-            seq.swap_pages = self.swap_allocator.allocate(num_pages - dead)
-            self._swap_out.extend(zip(seq.pages[dead:num_pages], seq.swap_pages))
+            # swap_pages: each group's held pages in turn (_admit splits them the same way).
+            seq.swap_pages = self.swap_allocator.allocate(num_swapped)
+            held = [p for g, t in enumerate(seq.tables) for p in t[dead[g] : num_pages]]
+            self._swap_out.extend(zip(held, seq.swap_pages))
             self.num_swaps_out += 1
         else:
             seq.num_computed_tokens = 0
@@ -511,8 +604,13 @@ class Scheduler:
         """Frees a sequence's pages (tail first) and its page-table row(s). The device row keeps
         stale entries until the row's next owner overwrites them; nothing reads past a
         sequence's context length."""
-        self.allocator.free([p for p in seq.pages[::-1] if p != NULL_PAGE])
-        seq.pages = []
+        # Tail first across the groups, so a prefix outlives its suffix in every group.
+        longest = max(len(t) for t in seq.tables)
+        self.allocator.free([
+            t[i] for i in range(longest - 1, -1, -1) for t in seq.tables
+            if i < len(t) and t[i] != NULL_PAGE
+        ])  # fmt: skip
+        seq.tables = [[] for _ in range(self.num_groups)]
         seq.page_hashes = []
         self._free_rows.append(seq.table_row)
         self._free_rows.extend(self._reserved_rows.pop(seq.seq_id, []))
@@ -615,9 +713,11 @@ class Scheduler:
             verified = ends[i] - proposed[i] + a  # the K/V of these positions is valid
             seq.num_computed_tokens = verified
             needed = -(-verified // ps)
-            if proposed[i] and len(seq.pages) > needed and self._paged:
-                self.allocator.free(seq.pages[needed:][::-1])  # the rejected proposals' pages
-                del seq.pages[needed:]
+            if proposed[i] and self._paged:
+                for table in seq.tables:  # the rejected proposals' pages, in every group
+                    if len(table) > needed:
+                        self.allocator.free(table[needed:][::-1])
+                        del table[needed:]
             self._cache_full_pages(seq, verified)
         return result
 
@@ -675,9 +775,14 @@ class Scheduler:
         for i in range(len(seq.page_hashes), num_tokens // ps):
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
             h = page_hash(parent, tokens, salt)
-            prev = seq.pages[i - 1] if i else None
-            if seq.pages[i] != NULL_PAGE and prev != NULL_PAGE:  # freed: see _slide
-                self.allocator.cache_page(seq.pages[i], h, tokens, parent=prev, salt=salt)
+            for g, table in enumerate(seq.tables):
+                prev = table[i - 1] if i else None
+                if table[i] == NULL_PAGE or prev == NULL_PAGE:  # freed: see _slide
+                    continue
+                group_hash, group_salt = _group_key(h, salt, g)
+                self.allocator.cache_page(
+                    table[i], group_hash, tokens, parent=prev, salt=group_salt
+                )
             seq.page_hashes.append(h)
             parent = h
 

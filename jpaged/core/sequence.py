@@ -59,9 +59,10 @@ class Sequence:
     # Tokens sampled by steps still in flight (async scheduling), not yet in token_ids; the
     # scheduler plans as if they were there.
     num_placeholders: int = 0
-    # The sequence's row of the page table while running (its pages are the host copy of
-    # that row, owned by the scheduler; the device table is edited by each plan's updates).
-    pages: list[int] = dataclasses.field(default_factory=list)
+    # The sequence's rows of the page table while running, one per paging group
+    # (models/kv_groups.py): the host copy of those rows, owned by the scheduler (the device
+    # table is edited by each plan's updates). `pages` is the first group's.
+    tables: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
     page_hashes: list[int] = dataclasses.field(default_factory=list)  # of the full pages
     table_row: int = -1  # row of the device page table while running, else -1
     # Host swap pages holding the K/V of the computed tokens while swapped out (waiting with
@@ -89,6 +90,12 @@ class Sequence:
             for token, entry in zip(dropped, self.logprobs[self.num_output_tokens :]):
                 self.cumulative_logprob -= entry.get(token, 0.0)
             del self.logprobs[self.num_output_tokens :]
+
+    @property
+    def pages(self) -> list[int]:
+        """The first paging group's pages (the only group's, unless the model mixes
+        attention kinds)."""
+        return self.tables[0]
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,7 @@ from jpaged.worker.map_count import MapBudget, MapCountError
 from jpaged.worker.step_inputs import StepInputs, StepKey
 from models import sharding
 from models.config import ModelConfig
+from models.kv_groups import KVGroups
 from models.llama import compute_logits, forward, stack_layers, unstack_layers
 from pallas_kernels import kv_quant
 from pallas_kernels.kv_quant import QuantizedPages
@@ -67,13 +68,16 @@ SWAP_PAGES = 32  # pages per swap call: one compiled gather and one scatter
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DeviceState:
-    # K and V of every layer: [num_kv_heads, num_layers * num_pages, page_size, head_dim];
-    # layer l's page p is physical page l * num_pages + p (models/llama.py forward). With a
+    # K and V of every layer: [num_kv_heads, slots * num_pages, page_size, head_dim], slots
+    # the layers one page id holds (num_layers, or a paging group's: models/kv_groups.py);
+    # slot j's page p is physical page j * num_pages + p (models/llama.py forward). With a
     # quantized --kv-cache-dtype each is a kv_quant.QuantizedPages (rows and their scales,
     # both indexed by page on axis 1): every copy below moves both with jax.tree.map.
     k_pages: jax.Array | QuantizedPages
     v_pages: jax.Array | QuantizedPages
-    page_table: jax.Array  # int32[max_num_seqs + 1, max_pages_per_seq]; last row is scratch
+    # int32[G * (max_num_seqs + 1), max_pages_per_seq]: group g's row r at g * (max_num_seqs
+    # + 1) + r (G paging groups; one: the plain table); row max_num_seqs of each is scratch.
+    page_table: jax.Array
 
     @property
     def kv_pages(self) -> tuple[jax.Array, jax.Array]:
@@ -82,7 +86,7 @@ class DeviceState:
 
 def every_layer(pages, num_layers: int, num_pages: int):
     """int32[len(pages)] page ids -> int32[num_layers * len(pages)]: each page in every
-    layer's part of the pool, layer-major."""
+    slot's part of the pool, slot-major (num_layers: the pool's slots per page)."""
     offsets = jnp.arange(num_layers, dtype=pages.dtype)[:, None] * num_pages
     return (pages[None, :] + offsets).reshape(-1)
 
@@ -132,15 +136,23 @@ def step(
     model_config: ModelConfig,
     key: StepKey,
     backend: str | None,
+    kv_groups: KVGroups | None = None,
     tp_axis=None,
 ):
     src = inputs.src_rows
     token_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], inputs.token_ids)
     page_table = _apply_updates(state.page_table, inputs.page_updates)
     kv_pages = _copy_pages(
-        state.k_pages, state.v_pages, inputs.page_copies, model_config.num_layers
+        state.k_pages, state.v_pages, inputs.page_copies, _slots(model_config, kv_groups)
     )
-    table = page_table[inputs.table_rows, : key.num_page_cols]  # [S, P]
+    num_groups = kv_groups.num_groups if kv_groups is not None else 1
+    if num_groups == 1:
+        table = page_table[inputs.table_rows, : key.num_page_cols]  # [S, P]
+    else:  # [G, S, P]: each group's block of rows
+        stride = page_table.shape[0] // num_groups
+        blocks = stride * jnp.arange(num_groups, dtype=jnp.int32)
+        rows = inputs.table_rows[None, :] + blocks[:, None]
+        table = page_table[rows, : key.num_page_cols]
     hidden, kv_pages = forward(
         params,
         model_config,
@@ -151,6 +163,7 @@ def step(
         inputs.context_lens,
         table,
         inputs.query_start,
+        kv_groups=kv_groups,
         decode_only=key.decode_only,
         max_query_len=key.spec_k + 1 if key.spec_k else None,
         attention_backend=backend,
@@ -177,6 +190,11 @@ def step(
     # constant inside shard_map (tests/parallel/test_zero_size_constant.py).
     tokens = jnp.pad(out.tokens, (0, prev_tokens.shape[0] - key.num_seqs))
     return out, tokens, DeviceState(*kv_pages, page_table)
+
+
+def _slots(model_config: ModelConfig, kv_groups: KVGroups | None) -> int:
+    """The pool's layers per page id."""
+    return model_config.num_layers if kv_groups is None else kv_groups.slots_per_page
 
 
 def _pooled(hidden: jax.Array, query_start: jax.Array) -> jax.Array:
@@ -240,6 +258,7 @@ class Programs:
       mesh: the replica's Mesh params are sharded over, or None for one device.
       scan_layers: whether params["layers"] is stacked (the layers run under lax.scan) or a
         list (unrolled); it only sets the params' sharding specs, forward follows the params.
+      kv_groups: the layers' paging groups (models/kv_groups.py); None: one group.
     """
 
     def __init__(
@@ -250,8 +269,11 @@ class Programs:
         *,
         scan_layers: bool = True,
         cache_dir: str | None = None,
+        kv_groups: KVGroups | None = None,
     ):
         self.model_config = model_config
+        self.kv_groups = kv_groups
+        self.num_slots = _slots(model_config, kv_groups)
         self.scan_layers = scan_layers
         self.attention_backend = attention_backend
         self.mesh = mesh
@@ -325,10 +347,10 @@ class Programs:
 
     # -- state -----------------------------------------------------------------------------
     def init_state(self, num_pages: int, page_size: int, table_shape, dtype) -> DeviceState:
-        """A zero pool (num_pages per layer) and page table (made in place on every device
+        """A zero pool (num_pages per slot) and page table (made in place on every device
         under a mesh)."""
         cfg = self.model_config
-        shape = (cfg.num_kv_heads, cfg.num_layers * num_pages, page_size, cfg.head_dim)
+        shape = (cfg.num_kv_heads, self.num_slots * num_pages, page_size, cfg.head_dim)
 
         def zeros():  # kv_quant.zeros: QuantizedPages for an int8/fp8 dtype
             return DeviceState(
@@ -354,7 +376,8 @@ class Programs:
         mesh = None
         if self.mesh is not None:
             mesh = (tuple(self.mesh.shape.items()), [d.id for d in self.mesh.devices.flat])
-        return repr((self.model_config, self.attention_backend, self.scan_layers, mesh))
+        identity = (self.model_config, self.attention_backend, self.scan_layers, mesh)
+        return repr(identity if self.kv_groups is None else (*identity, self.kv_groups))
 
     def _compiled(self, fn, *args, name: str):
         """fn's executable for args: loaded from the executable cache when it holds one,
@@ -405,7 +428,11 @@ class Programs:
                 logger.warning("compiling a new step shape after warm-up: %s", key)
                 self.num_recompiles += 1
             body = functools.partial(
-                step, model_config=self.model_config, key=key, backend=self.attention_backend
+                step,
+                model_config=self.model_config,
+                key=key,
+                backend=self.attention_backend,
+                kv_groups=self.kv_groups,
             )
             if self.mesh is None:
                 fn = jax.jit(body, donate_argnums=(1,))
@@ -424,7 +451,7 @@ class Programs:
         if self._prelude is None:
             updates = np.zeros((PRELUDE_UPDATES, 3), np.int32)
             copies = np.zeros((PRELUDE_COPIES, 2), np.int32)
-            body = functools.partial(prelude, num_layers=self.model_config.num_layers)
+            body = functools.partial(prelude, num_layers=self.num_slots)
             if self.mesh is None:
                 fn = jax.jit(body, donate_argnums=(0,))
             else:
@@ -437,7 +464,7 @@ class Programs:
         """(gather, scatter) of SWAP_PAGES pages at a time, compiled once each; page_shape:
         (num_kv_heads, page_size, head_dim) of one page of one layer."""
         if self._swappers is None:
-            num_layers = self.model_config.num_layers
+            num_layers = self.num_slots
             ids = np.zeros(SWAP_PAGES, np.int32)
             h, *rest = page_shape
             pages = kv_quant.zeros((2, h, num_layers * SWAP_PAGES, *rest), dtype)

@@ -9,7 +9,8 @@ Per step it packs the plan (jpaged.worker.step_inputs.pack), runs the compiled s
     out = runner.fetch(step)                  # numpy SamplerOutput, rows in plan order
 
 Page-table edits that do not fit a step's share go through the prelude program first. Swap
-(preemption_mode="swap"): the host swap space is numpy [2 (K, V), num_kv_heads, num_layers,
+(preemption_mode="swap"): the host swap space is numpy [2 (K, V), num_kv_heads, slots (the
+pool's layers per page: num_layers, or a paging group's, models/kv_groups.py),
 num_swap_pages + 1, page_size, head_dim] (host page 0 unused, like the null page); a plan's
 swap-outs gather their device pages in calls of SWAP_PAGES and device_get them, its swap-ins
 scatter host pages back, pool donated; both before the step (`swap`).
@@ -49,6 +50,7 @@ from jpaged.worker.step_inputs import (
 )
 from jpaged.worker.step_plan import StepPlan, empty_plan
 from models.config import ModelConfig
+from models.kv_groups import KVGroups
 from pallas_kernels import kv_quant
 
 logger = logging.getLogger(__name__)
@@ -76,12 +78,14 @@ class ModelRunner:
         num_swap_pages: int = 0,
         broadcast=None,
         cache_dir: str | None = None,
+        kv_groups: KVGroups | None = None,
     ) -> None:
         """mesh: the replica's Mesh (models/sharding.py) params are sharded over, or None.
         num_swap_pages: host pages of swap space (0: no swap). broadcast: a StepBroadcast
         when the model spans processes, else None. cache_dir: the compilation cache's
         directory, which also keeps compiled programs to load without tracing
-        (executable_cache.py); None: none."""
+        (executable_cache.py); None: none. kv_groups: the layers' paging groups, one page
+        table each (models/kv_groups.py); None: one group."""
         if num_swap_pages and broadcast is not None:
             raise ValueError('preemption_mode="swap" is not supported across processes')
         self.config = config
@@ -92,8 +96,14 @@ class ModelRunner:
         self.mesh = mesh
         self.broadcast = broadcast
         scan = config.scans_layers(jax.default_backend(), model_config)
+        self.num_groups = 1 if kv_groups is None else kv_groups.num_groups
         self.programs = Programs(
-            model_config, config.attention_backend, mesh, scan_layers=scan, cache_dir=cache_dir
+            model_config,
+            config.attention_backend,
+            mesh,
+            scan_layers=scan,
+            cache_dir=cache_dir,
+            kv_groups=kv_groups,
         )
         self.params = self.programs.layout_params(params)
         self._warmed: set[StepKey] = set()  # step programs precompile has run (warm_up_inputs)
@@ -110,14 +120,15 @@ class ModelRunner:
         self.swap_space = None
         if num_swap_pages:  # zeros: the OS maps host pages on first write
             h, d = model_config.num_kv_heads, model_config.head_dim
-            shape = (2, h, model_config.num_layers, num_swap_pages + 1, self.page_size, d)
+            shape = (2, h, self.programs.num_slots, num_swap_pages + 1, self.page_size, d)
             self.swap_space = kv_quant.zeros(shape, self.kv_dtype, xp=np)
 
     def reset_state(self) -> None:
         """A zero pool and page table, and zero previous tokens (at start, and after a failed
         step, whose donated buffers may be gone)."""
         sched = self.config.scheduler
-        table_shape = (sched.max_num_seqs + 1, self.config.max_pages_per_seq)
+        rows = self.num_groups * (sched.max_num_seqs + 1)
+        table_shape = (rows, self.config.max_pages_per_seq)
         self.state = self.programs.init_state(
             self.num_pages, self.page_size, table_shape, self.kv_dtype
         )
@@ -201,6 +212,7 @@ class ModelRunner:
             scratch_row=self.scratch_row,
             page_size=self.page_size,
             mask_words=self.mask_words,
+            num_groups=self.num_groups,
             **kwargs,
         )
 
@@ -262,7 +274,7 @@ class ModelRunner:
         if draft_offset is not None:
             key = dataclasses.replace(key, draft=True)
         key = self._runnable(key)
-        cap = update_capacity(key, self.page_size)
+        cap = update_capacity(key, self.page_size, self.num_groups)
         updates, copies = plan.page_updates, plan.page_copies
         # What does not fit the step's share goes through the prelude first.
         while len(updates) > cap or len(copies) > key.num_seqs:

@@ -45,7 +45,8 @@ class StepInputs:
     token_ids: jax.Array  # int32[T]
     src_rows: jax.Array  # int32[T]: row of prev_tokens holding the token; -1: token_ids'
     positions: jax.Array  # int32[T]
-    slot_mapping: jax.Array  # int32[T]: page * page_size + offset; padding -> null page
+    # int32[G, T]: page * page_size + offset in each paging group's pages; padding -> null page
+    slot_mapping: jax.Array
     table_rows: jax.Array  # int32[S]: page-table row of each sequence; padding -> scratch row
     context_lens: jax.Array  # int32[S]: cached tokens after the step; padding -> 0
     query_start: jax.Array  # int32[S + 1]
@@ -53,7 +54,7 @@ class StepInputs:
     # speculative step: after the row's last token and after each proposal (repeated past
     # the row's proposals).
     logits_indices: jax.Array
-    page_updates: jax.Array  # int32[U, 3]: (table row, column, page)
+    page_updates: jax.Array  # int32[U, 3]: (row of the whole table, column, page)
     page_copies: jax.Array  # int32[C, 2]: (src, dst)
     sampling: SamplingInputs
     prompt_targets: jax.Array | None = None  # int32[T]: next prompt token, -1 (key.prompt_logprobs)
@@ -276,9 +277,9 @@ def warm_up_keys(config: EngineConfig, context_len: int) -> list[StepKey]:
     return keys
 
 
-def update_capacity(key: StepKey, page_size: int) -> int:
+def update_capacity(key: StepKey, page_size: int, num_groups: int = 1) -> int:
     """Page-table updates a step of this key carries (more go through the prelude first)."""
-    n = 2 * key.num_seqs + key.num_tokens // page_size
+    n = num_groups * (2 * key.num_seqs + key.num_tokens // page_size)
     return max(16, 1 << (n - 1).bit_length())
 
 
@@ -307,6 +308,7 @@ def pack(
     mask_words: int,
     prev_plan: StepPlan | None = None,
     token_bitmask: np.ndarray | None = None,
+    num_groups: int = 1,
 ) -> StepInputs:
     """The plan padded to key's shapes.
 
@@ -320,13 +322,14 @@ def pack(
         PLACEHOLDER tokens.
       token_bitmask: int32[len(plan), mask_words] of the constrained rows (others all ones),
         or None when no row is constrained.
+      num_groups: paging groups (models/kv_groups.py): rows of slot_mapping.
     """
     t_pad, s_pad = key.num_tokens, key.num_seqs
     t, s = plan.num_tokens, len(plan)
     token_ids = np.zeros(t_pad, np.int32)
     src_rows = np.full(t_pad, -1, np.int32)
     positions = np.zeros(t_pad, np.int32)
-    slot_mapping = np.zeros(t_pad, np.int32)
+    slot_mapping = np.zeros((num_groups, t_pad), np.int32)
     token_ids[:t] = plan.token_ids
     pending = np.flatnonzero(plan.token_ids == PLACEHOLDER)
     if len(pending):
@@ -335,7 +338,8 @@ def pack(
         prev = previous_rows(prev_plan)
         src_rows[pending] = [prev[int(sid)] for sid in plan.seq_ids[rows]]
     positions[:t] = plan.positions
-    slot_mapping[:t] = plan.slot_mapping
+    if t:
+        slot_mapping[:, :t] = plan.slot_mapping
     table_rows = np.full(s_pad, scratch_row, np.int32)
     table_rows[:s] = plan.table_rows
     context_lens = np.zeros(s_pad, np.int32)
@@ -367,7 +371,7 @@ def pack(
         query_start=query_start,
         logits_indices=logits_indices,
         page_updates=pad_rows(
-            plan.page_updates, update_capacity(key, page_size), (scratch_row, 0, 0)
+            plan.page_updates, update_capacity(key, page_size, num_groups), (scratch_row, 0, 0)
         ),
         page_copies=pad_rows(plan.page_copies, key.num_seqs, (0, 0)),
         sampling=_pack_sampling(plan, key, mask_words, token_bitmask),

@@ -2,14 +2,17 @@
 
 A plan is a frozen snapshot: it holds no live Sequence, so nothing the scheduler changes after
 `schedule()` (commits, stops, preemptions) can change a plan already handed to the device.
-The scheduler is the only host owner of page tables (each Sequence's `pages`); a plan carries
-the page-table edits the device must make (`page_updates`) and, for every new token, its flat
-pool slot (`slot_mapping`), so the runner never reads a page list.
+The scheduler is the only host owner of page tables (each Sequence's `tables`, one per paging
+group: models/kv_groups.py); a plan carries the page-table edits the device must make
+(`page_updates`, rows of the whole device table: group g's row r is g * (max_num_seqs + 1) + r)
+and, for every new token, its flat pool slot in each group (`slot_mapping`), so the runner
+never reads a page list.
 
 Layout of one plan with S rows (scheduled sequences) and T new tokens:
 
     rows    seq_ids, table_rows, starts, num_new_tokens, sample_rows, keep_sample   [S]
-    tokens  token_ids, positions, slot_mapping                                     [T]
+    tokens  token_ids, positions                                                   [T]
+            slot_mapping                                                        [G, T]
             row i's tokens are [query_start[i], query_start[i + 1])
 
     token_ids[t] == PLACEHOLDER: the token is the sample of the previous step (async
@@ -66,8 +69,8 @@ class StepPlan:
     query_start: np.ndarray  # int32[S + 1]
     token_ids: np.ndarray  # int32[T]; PLACEHOLDER: the previous step's sample
     positions: np.ndarray  # int32[T]
-    slot_mapping: np.ndarray  # int32[T]: page * page_size + offset
-    page_updates: np.ndarray  # int32[U, 3]: (table row, column, page)
+    slot_mapping: np.ndarray  # int32[G, T]: page * page_size + offset in each group's pages
+    page_updates: np.ndarray  # int32[U, 3]: (row of the whole table, column, page)
     page_copies: np.ndarray  # int32[C, 2]: (src, dst) copies before the step (copy-on-write)
     swap_out: np.ndarray  # int32[O, 2]: (device page, host page), before swap_in
     swap_in: np.ndarray  # int32[I, 2]: (host page, device page), before the step
@@ -128,20 +131,22 @@ def build(
     page_copies: list[tuple[int, int]],
     swap_out: list[tuple[int, int]],
     swap_in: list[tuple[int, int]],
+    num_groups: int = 1,
 ) -> StepPlan:
     """The plan of the scheduled rows.
 
     Args:
       rows: (seq, num_new_tokens, start, sample_row, keep_sample, proposals) per scheduled
-        sequence, in row order; seq is read here and only here (Sequence.pages, token_ids,
+        sequence, in row order; seq is read here and only here (Sequence.tables, token_ids,
         params); proposals: speculative tokens after the last one (num_new_tokens counts
         them), or None.
       page_size: tokens per page.
+      num_groups: paging groups: each sequence's len(tables).
       eos_token_ids: banned with the stop tokens while a row has fewer than min_tokens.
     """
     tok: list[int] = []
     pos: list[int] = []
-    slot: list[int] = []
+    slot: list[list[int]] = [[] for _ in range(num_groups)]
     table_rows: list[int] = []
     query_end: list[int] = []
     consts: list[tuple] = []
@@ -156,25 +161,24 @@ def build(
     spec_rows: list[tuple[int, list[int]]] = []  # (row, its proposals)
     wants_logprobs = pools = False
     for i, (seq, n, start, _, _, proposals) in enumerate(rows):
-        pages = seq.pages
         if proposals:  # the last token, then the proposals after it (speculative decoding)
             spec_rows.append((i, proposals))
-            span = np.arange(start, start + n)
             tok.append(seq.token_ids[start])
             tok.extend(proposals)
-            pos.extend(range(start, start + n))
-            page_of = np.asarray(pages, np.int64)[span // page_size]
-            slot.extend((page_of * page_size + span % page_size).tolist())
         elif n == 1:  # a decode token (or the last of a prompt)
             tok.append(seq.token_ids[start] if start < len(seq.token_ids) else PLACEHOLDER)
+        elif n:
+            tok.extend(seq.token_ids[start : start + n])
+        if n == 1:
             pos.append(start)
-            slot.append(pages[start // page_size] * page_size + start % page_size)
+            for g, pages in enumerate(seq.tables):
+                slot[g].append(pages[start // page_size] * page_size + start % page_size)
         elif n:
             span = np.arange(start, start + n)
-            tok.extend(seq.token_ids[start : start + n])
             pos.extend(range(start, start + n))
-            page_of = np.asarray(pages, np.int64)[span // page_size]
-            slot.extend((page_of * page_size + span % page_size).tolist())
+            for g, pages in enumerate(seq.tables):
+                page_of = np.asarray(pages, np.int64)[span // page_size]
+                slot[g].extend((page_of * page_size + span % page_size).tolist())
         end = start + n
         num_pages = max(num_pages, -(-end // page_size))
         table_rows.append(seq.table_row)
@@ -262,7 +266,7 @@ def build(
         query_start=query_start,
         token_ids=np.asarray(tok, np.int32),
         positions=np.asarray(pos, np.int32),
-        slot_mapping=np.asarray(slot, np.int32),
+        slot_mapping=np.asarray(slot, np.int32).reshape(num_groups, len(tok)),
         page_updates=pairs(page_updates, 3),
         page_copies=pairs(page_copies, 2),
         swap_out=pairs(swap_out, 2),

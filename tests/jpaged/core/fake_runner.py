@@ -159,8 +159,9 @@ class FakePrograms:
 class FakeRunner:
     def __init__(self, config: EngineConfig, model_config, params: FakeModel, num_pages: int,
                  dtype, *, mesh=None, num_swap_pages: int = 0, broadcast=None,
-                 cache_dir=None) -> None:  # fmt: skip
+                 cache_dir=None, kv_groups=None) -> None:  # fmt: skip
         assert mesh is None and broadcast is None, "the fake runs one device, one process"
+        assert kv_groups is None, "the fake's models have one kind of attention"
         self.config = config
         self.model_config = model_config
         self.model = params
@@ -282,9 +283,10 @@ class FakeRunner:
                           x.token_ids).astype(np.int64)  # fmt: skip
         n = int(x.query_start[num_rows])
         assert np.all(np.diff(x.query_start) >= 0) and np.all(x.query_start[num_rows:] == n)
-        real_pages = x.slot_mapping[:n] // ps
+        slots = x.slot_mapping[0, :n]  # one paging group
+        real_pages = slots // ps
         assert not np.any(real_pages == NULL_PAGE), "a token written to the null page"
-        self.pool[x.slot_mapping[:n] // ps, x.slot_mapping[:n] % ps] = tokens[:n]
+        self.pool[slots // ps, slots % ps] = tokens[:n]
         self.pool[NULL_PAGE] = 0  # what padding tokens write there
         # Per row: its context's tokens read back through the page table, and their hashes.
         hashes, contexts = [], []

@@ -30,6 +30,10 @@ After every operation:
   (in the device table too) and the rest are held; no page a later query reads is ever
   freed (reads are checked from the window's first key); swapped sequences hold host pages
   for their window only.
+- paging groups (a model mixing attention kinds: one page table per group, each with its own
+  window or none, all from one free list): every check above holds in every group's table,
+  a prefix hit takes as many pages in each group, and a group's cached pages are found only
+  under its own hashes.
 At the end every request is drained or aborted and nothing may be left allocated.
 """
 
@@ -43,7 +47,7 @@ from hypothesis import strategies as st
 from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
 from jpaged.core import scheduler as scheduler_module
 from jpaged.core.page_allocator import NULL_PAGE, PageAllocator
-from jpaged.core.scheduler import Scheduler
+from jpaged.core.scheduler import Scheduler, _group_key, sequence_pages
 from jpaged.core.sequence import RequestGroup, SeqStatus
 from jpaged.sample.sampler import SamplerOutput
 from jpaged.sample.sampling_params import SamplingParams
@@ -61,7 +65,8 @@ BASES = [
 
 
 class FakeDevice:
-    """The jitted step's memory effects: page-table updates, CoW copies, K/V writes."""
+    """The jitted step's memory effects: page-table updates, CoW copies, K/V writes. A page
+    belongs to one paging group, so one token array per page stands for every layer."""
 
     def __init__(
         self,
@@ -69,16 +74,17 @@ class FakeDevice:
         page_size: int,
         table_shape: tuple[int, int],
         num_swap_pages: int,
-        window: int | None = None,
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
         self.page_size = page_size
-        self.window = window
+        self.windows = windows
+        self.stride = table_shape[0]  # rows of one group's block of the device table
         self.kv = np.full((num_pages, page_size), -1, np.int64)  # token id held by each slot
         self.host = np.full((num_swap_pages + 1, page_size), -1, np.int64)  # swap space
-        self.page_table = np.zeros(table_shape, np.int32)
+        self.page_table = np.zeros((len(windows) * table_shape[0], table_shape[1]), np.int32)
 
-    def token_at(self, slot: int, pos: int) -> int:
-        page = self.page_table[slot, pos // self.page_size]
+    def token_at(self, slot: int, pos: int, group: int = 0) -> int:
+        page = self.page_table[group * self.stride + slot, pos // self.page_size]
         return int(self.kv[page, pos % self.page_size])
 
     def run(self, plan: StepPlan, sched: Scheduler) -> None:
@@ -92,25 +98,29 @@ class FakeDevice:
             src, dst = plan.page_copies.T
             self.kv[dst] = self.kv[src]  # all copies read before any write, as in jit
         assert not np.any(plan.token_ids == PLACEHOLDER)  # synchronous steps only
+        assert plan.slot_mapping.shape == (len(self.windows), plan.num_tokens)
         for i in range(len(plan)):
             seq = sched.sequence(int(plan.seq_ids[i]))
             row, start = int(plan.table_rows[i]), int(plan.starts[i])
             assert row == seq.table_row and start <= seq.num_tokens
-            for pos in range(first_key(start, self.window), start):  # what attention reads
-                assert self.token_at(row, pos) == seq.token_ids[pos], (seq.seq_id, pos)
+            assert len(seq.tables) == len(self.windows)
+            for g, window in enumerate(self.windows):
+                for pos in range(first_key(start, window), start):  # what attention reads
+                    assert self.token_at(row, pos, g) == seq.token_ids[pos], (seq.seq_id, g, pos)
             first, last = plan.query_start[i], plan.query_start[i + 1]
             assert last - first == plan.num_new_tokens[i]
             for t, pos in zip(range(first, last), range(start, start + last - first)):
-                page = self.page_table[row, pos // self.page_size]
-                assert page != NULL_PAGE
-                assert page == seq.pages[pos // self.page_size]  # device table == host pages
                 assert plan.positions[t] == pos
-                assert plan.slot_mapping[t] == page * self.page_size + pos % self.page_size
                 if pos < seq.num_tokens:
                     assert plan.token_ids[t] == seq.token_ids[pos]
                 else:  # a speculative proposal after the sequence's last token
                     assert plan.token_ids[t] == plan.proposals[i, pos - seq.num_tokens]
-                self.kv[page, pos % self.page_size] = plan.token_ids[t]
+                for g in range(len(self.windows)):
+                    page = self.page_table[g * self.stride + row, pos // self.page_size]
+                    assert page != NULL_PAGE
+                    assert page == seq.tables[g][pos // self.page_size]  # device == host
+                    assert plan.slot_mapping[g, t] == page * self.page_size + pos % self.page_size
+                    self.kv[page, pos % self.page_size] = plan.token_ids[t]
 
 
 def first_key(pos: int, window: int | None) -> int:
@@ -130,7 +140,9 @@ class Harness:
         swap_pages=0,
         spec=False,
         window=None,
+        windows=None,
     ):
+        """window: every layer's (one group); windows: instead, each paging group's."""
         config = EngineConfig(
             cache=CacheConfig(
                 page_size=page_size,
@@ -153,11 +165,11 @@ class Harness:
         )
         self.sched = Scheduler(
             config, self.alloc, eos_token_ids=(EOS,), swap_allocator=self.swap,
-            sliding_window=window,
+            sliding_window=window, group_windows=windows,
         )  # fmt: skip
-        self.window = window
+        self.windows = (window,) if windows is None else windows
         table_shape = (max_num_seqs + 1, config.max_pages_per_seq)
-        self.device = FakeDevice(num_pages, page_size, table_shape, swap_pages, window)
+        self.device = FakeDevice(num_pages, page_size, table_shape, swap_pages, self.windows)
         self.groups: list[RequestGroup] = []
         self.num_steps = 0
         self.spec = spec  # speculative decoding: proposals, then a partial acceptance
@@ -221,9 +233,9 @@ class Harness:
     def running(self):
         return [s for g in self.groups for s in g.seqs if s.status is SeqStatus.RUNNING]
 
-    def num_dead(self, start):
-        """Pages wholly before the first key a query at start reads."""
-        return first_key(start, self.window) // self.ps
+    def num_dead(self, start, group=0):
+        """Pages of a group wholly before the first key a query at start reads."""
+        return first_key(start, self.windows[group]) // self.ps
 
     def check_scheduled(self, plan: StepPlan):
         for seq_id, start, end in zip(
@@ -231,13 +243,14 @@ class Harness:
         ):
             seq = self.sched.sequence(seq_id)
             assert seq.status is SeqStatus.RUNNING
-            assert len(seq.pages) * self.ps >= end  # the step's writes have slots
-            if self.paged:
-                assert len(seq.pages) * self.ps - end <= self.ps - 1
-            # Freed exactly: the pages no query from start reads (a fresh fork's row, which
-            # computes nothing and samples from its parent's, shares its parent's pages).
-            k = self.num_dead(start) if end > start else seq.pages.count(NULL_PAGE)
-            assert seq.pages[:k] == [NULL_PAGE] * k and NULL_PAGE not in seq.pages[k:]
+            for g, pages in enumerate(seq.tables):
+                assert len(pages) * self.ps >= end  # the step's writes have slots
+                if self.paged:
+                    assert len(pages) * self.ps - end <= self.ps - 1
+                # Freed exactly: the pages no query from start reads (a fresh fork's row,
+                # which computes nothing and samples from its parent's, shares its pages).
+                k = self.num_dead(start, g) if end > start else pages.count(NULL_PAGE)
+                assert pages[:k] == [NULL_PAGE] * k and NULL_PAGE not in pages[k:]
         assert plan.num_tokens <= self.sched.sched.max_num_batched_tokens
 
     def check(self):
@@ -245,7 +258,9 @@ class Harness:
         running = self.running()
         assert sorted(s.seq_id for s in running) == sorted(s.seq_id for s in sched.running)
         # Reference counts == holders; free list == unreferenced pages.
-        holders = collections.Counter(p for s in running for p in s.pages if p != NULL_PAGE)
+        holders = collections.Counter(
+            p for s in running for t in s.tables for p in t if p != NULL_PAGE
+        )
         expected = np.zeros(alloc.num_pages, np.int64)
         for p, c in holders.items():
             expected[p] = c
@@ -257,18 +272,22 @@ class Harness:
         rows = [s.table_row for s in running] + sched._free_rows
         rows += [x for v in sched._reserved_rows.values() for x in v]
         assert sorted(rows) == list(range(sched.sched.max_num_seqs))
+        stride = self.device.stride
         for s in running:
-            k = len(s.pages)
-            assert self.device.page_table[s.table_row, :k].tolist() == s.pages
             assert 0 < s.num_computed_tokens <= s.num_tokens
-            # Freed pages: a leading run, none that the next query reads.
-            num_null = s.pages.count(NULL_PAGE)
-            assert s.pages[:num_null] == [NULL_PAGE] * num_null
-            assert num_null <= self.num_dead(s.num_computed_tokens)
-            for pos in range(first_key(s.num_computed_tokens, self.window), s.num_computed_tokens):
-                assert self.device.token_at(s.table_row, pos) == s.token_ids[pos], (s.seq_id, pos)
-            if self.paged:
-                assert k == -(-s.num_computed_tokens // ps)  # waste <= page_size - 1
+            assert len(s.tables) == len(self.windows)
+            for g, pages in enumerate(s.tables):
+                k = len(pages)
+                assert self.device.page_table[g * stride + s.table_row, :k].tolist() == pages
+                # Freed pages: a leading run, none that the next query reads.
+                num_null = pages.count(NULL_PAGE)
+                assert pages[:num_null] == [NULL_PAGE] * num_null
+                assert num_null <= self.num_dead(s.num_computed_tokens, g)
+                for pos in range(first_key(s.num_computed_tokens, self.windows[g]),
+                                 s.num_computed_tokens):  # fmt: skip
+                    assert self.device.token_at(s.table_row, pos, g) == s.token_ids[pos]
+                if self.paged:
+                    assert k == -(-s.num_computed_tokens // ps)  # waste <= page_size - 1
             # Its page hashes are the chain of its own full computed pages.
             assert len(s.page_hashes) <= s.num_computed_tokens // ps
             parent = None
@@ -277,8 +296,9 @@ class Harness:
                     parent, tuple(s.token_ids[i * ps : (i + 1) * ps]), s.group.cache_salt
                 )
                 assert h == parent
-                entry = alloc.cached_entry(s.pages[i])
-                assert entry is None or entry.hash == h
+                for g, pages in enumerate(s.tables):
+                    entry = alloc.cached_entry(pages[i])
+                    assert entry is None or entry.hash == _group_key(h, s.group.cache_salt, g)[0]
         # Cached pages: the page holds the entry's tokens; the hash is a real prefix's chain.
         known = collections.defaultdict(set)  # hash -> page tokens (several if hashes collide)
         for g in self.groups:
@@ -288,7 +308,9 @@ class Harness:
                     parent = scheduler_module.page_hash(
                         parent, tuple(s.token_ids[i * ps : (i + 1) * ps]), g.cache_salt
                     )
-                    known[parent].add(tuple(s.token_ids[i * ps : (i + 1) * ps]))
+                    for k in range(len(self.windows)):  # each group's own hash
+                        h = _group_key(parent, g.cache_salt, k)[0]
+                        known[h].add(tuple(s.token_ids[i * ps : (i + 1) * ps]))
         for page in range(alloc.num_pages):
             entry = alloc.cached_entry(page)
             if entry is None:
@@ -316,11 +338,19 @@ class Harness:
         for s in seqs:
             if s.status is not SeqStatus.WAITING:
                 continue
-            k = self.num_dead(s.num_computed_tokens) if s.swap_pages else 0
-            assert len(s.swap_pages) == -(-s.num_computed_tokens // ps) - k  # 0: recomputed
-            for pos in range(k * ps, s.num_computed_tokens):
-                page = s.swap_pages[pos // ps - k]
-                assert self.device.host[page, pos % ps] == s.token_ids[pos], (s.seq_id, pos)
+            if not s.swap_pages:
+                assert s.num_computed_tokens == 0  # recomputed
+                continue
+            num_pages = -(-s.num_computed_tokens // ps)
+            held = list(s.swap_pages)  # each group's window in turn
+            for g in range(len(self.windows)):
+                k = self.num_dead(s.num_computed_tokens, g)
+                group_pages, held = held[: num_pages - k], held[num_pages - k :]
+                assert len(group_pages) == num_pages - k
+                for pos in range(k * ps, s.num_computed_tokens):
+                    page = group_pages[pos // ps - k]
+                    assert self.device.host[page, pos % ps] == s.token_ids[pos], (s.seq_id, pos)
+            assert not held
 
     def drain_and_check_no_leaks(self):
         for _ in range(2000):
@@ -350,22 +380,31 @@ prompts = st.builds(
 OPS = ["admit"] * 3 + ["step"] * 5 + ["abort", "reset_prefix_cache"]
 
 
-def run_ops(data, kv_allocation, swap=False, spec=False, window=None):
+def run_ops(data, kv_allocation, swap=False, spec=False, window=None, windows=None):
     ps = data.draw(st.sampled_from([1, 2, 4]), label="page_size")
     pages_per_seq = -(-MAX_MODEL_LEN // ps)
     max_num_seqs = data.draw(st.integers(1, 4), label="max_num_seqs")
+    budget = data.draw(st.integers(max_num_seqs, 16), label="budget")
+    if windows is not None:  # one sequence's most pages at once, over the groups
+        config = EngineConfig(
+            cache=CacheConfig(page_size=ps, num_pages=2, kv_allocation=kv_allocation),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                      max_model_len=MAX_MODEL_LEN),
+        )  # fmt: skip
+        pages_per_seq = sequence_pages(config, windows, MAX_MODEL_LEN)
     h = Harness(
         page_size=ps,
         # From one sequence's worth of pages (heavy preemption) to room for about two.
         num_pages=data.draw(st.integers(pages_per_seq + 1, 2 * pages_per_seq), label="num_pages"),
         max_num_seqs=max_num_seqs,
-        budget=data.draw(st.integers(max_num_seqs, 16), label="budget"),
+        budget=budget,
         kv_allocation=kv_allocation,
         caching=data.draw(st.sampled_from([True, True, False]), label="caching"),
         # From too few host pages for one sequence (recompute fallbacks) to room for several.
         swap_pages=data.draw(st.integers(1, 3 * pages_per_seq), label="swap_pages") if swap else 0,
         spec=spec,
         window=window,
+        windows=windows,
     )
     for _ in range(data.draw(st.integers(5, 40), label="num_ops")):
         op = data.draw(st.sampled_from(OPS))
@@ -521,3 +560,44 @@ def test_sliding_window_paging_keeps_every_invariant(data):
         spec=data.draw(st.booleans(), label="spec"),
         window=window,
     )
+
+
+@settings(_SETTINGS, max_examples=500)
+@given(st.data())
+def test_paging_groups_keep_every_invariant(data):
+    """Several paging groups (a model mixing attention kinds, models/kv_groups.py): each
+    with no window or a window from 1 to past max_model_len, every invariant above in every
+    group's table, with forks, prefix hits, preemption (recompute or swap) and speculative
+    rollback, from one free list; nothing leaks."""
+    window = st.one_of(st.none(), st.integers(1, MAX_MODEL_LEN + 2))
+    windows = tuple(data.draw(st.lists(window, min_size=2, max_size=3), label="windows"))
+    run_ops(
+        data,
+        data.draw(st.sampled_from(["paged", "paged", "reserve"]), label="kv_allocation"),
+        swap=data.draw(st.booleans(), label="swap"),
+        spec=data.draw(st.booleans(), label="spec"),
+        windows=windows,
+    )
+
+
+def test_paging_groups_hit_only_where_every_group_hits():
+    """A full group and a group of window 4 (pages of 2): a prompt whose window pages were
+    freed while it decoded hits nothing for a second request of the same prompt (its first
+    page is gone from the window group's cache), while one that never slid hits in both."""
+    h = Harness(2, 40, 2, 16, "paged", True, windows=(None, 4))
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    h.admit(prompt, 1, 8, None, seed=0)
+    for _ in range(8):  # the prompt and its first token, then 7 decode steps
+        h.step([5])
+        h.check()
+    first = h.groups[0].seqs[0]
+    assert first.is_finished and first.num_output_tokens == 8
+    h.admit(prompt, 1, 1, None, seed=1)
+    h.step([5])
+    assert h.groups[1].num_cached_tokens == 0  # the window group's pages 0.. were freed
+    h.check()
+    h.admit(prompt, 1, 1, None, seed=2)  # the second request's pages stayed whole
+    h.step([5])
+    assert h.groups[2].num_cached_tokens == 6
+    h.check()
+    h.drain_and_check_no_leaks()

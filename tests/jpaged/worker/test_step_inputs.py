@@ -58,7 +58,7 @@ def test_a_prefill_plan_is_plain_arrays_and_packs_into_its_bucket():
     assert plan.token_ids.tolist() == [11, 12, 13, 14, 15, 21, 22]
     assert plan.positions.tolist() == [0, 1, 2, 3, 4, 0, 1]
     # page * 4 + offset: a's positions 0-3 in page 1, 4 in page 2; b's in page 3
-    assert plan.slot_mapping.tolist() == [4, 5, 6, 7, 8, 12, 13]
+    assert plan.slot_mapping.tolist() == [[4, 5, 6, 7, 8, 12, 13]]  # one paging group
     assert plan.page_updates.tolist() == [[0, 0, 1], [0, 1, 2], [1, 0, 3]]
     assert plan.max_pages == 2 and not plan.decode_only
     assert plan.sampling.banned.tolist()[1][:1] == [0]  # b: EOS banned before min_tokens
@@ -69,7 +69,7 @@ def test_a_prefill_plan_is_plain_arrays_and_packs_into_its_bucket():
     inputs = pack(plan, key, scratch_row=SCRATCH, page_size=4, mask_words=2)
     assert inputs.token_ids.tolist() == [11, 12, 13, 14, 15, 21, 22] + [0] * 9
     assert inputs.src_rows.tolist() == [-1] * 16
-    assert inputs.slot_mapping.tolist() == [4, 5, 6, 7, 8, 12, 13] + [0] * 9  # pad: null page
+    assert inputs.slot_mapping.tolist() == [[4, 5, 6, 7, 8, 12, 13] + [0] * 9]  # pad: null page
     assert inputs.table_rows.tolist() == [0, 1, SCRATCH, SCRATCH]
     assert inputs.context_lens.tolist() == [5, 2, 0, 0]
     assert inputs.query_start.tolist() == [0, 5, 7, 7, 7]
@@ -118,7 +118,7 @@ def test_decode_tokens_still_on_the_device_read_the_previous_steps_rows():
     assert second.decode_only
     assert second.token_ids.tolist() == [PLACEHOLDER, PLACEHOLDER]
     assert second.positions.tolist() == [3, 4]
-    assert second.slot_mapping.tolist() == [4 + 3, 3 * 4]  # a: page 1 slot 3; b: new page 3
+    assert second.slot_mapping.tolist() == [[4 + 3, 3 * 4]]  # a: page 1 slot 3; b: new page 3
     key = step_key(second, config)
     assert key == StepKey(num_tokens=4, num_seqs=4, num_page_cols=4, decode_only=True)
     inputs = pack(second, key, scratch_row=SCRATCH, page_size=4, mask_words=2, prev_plan=first)
@@ -241,7 +241,7 @@ def test_warm_up_runs_lay_a_ragged_keys_tokens_over_one_two_and_every_row():
     padded = _padded_inputs(key)
     for x in runs:  # nothing a request reads: the scratch row, the null page's slot 0
         assert x.table_rows.tolist() == [8] * 4
-        assert x.slot_mapping.tolist() == [0] * 8
+        assert x.slot_mapping.tolist() == [[0] * 8]
         np.testing.assert_array_equal(x.page_updates, padded.page_updates)
         np.testing.assert_array_equal(x.page_copies, padded.page_copies)
         assert (x.src_rows == -1).all()
