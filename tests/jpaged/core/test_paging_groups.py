@@ -17,16 +17,15 @@ import math
 
 import numpy as np
 import pytest
+import window_plans
+from window_plans import PS, W, add, dead, feed
 
 from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
 from jpaged.core.page_allocator import NULL_PAGE, PageAllocator
 from jpaged.core.scheduler import Scheduler, sequence_pages
-from jpaged.core.sequence import RequestGroup, SeqStatus
-from jpaged.sample.sampler import SamplerOutput
-from jpaged.sample.sampling_params import SamplingParams
+from jpaged.core.sequence import SeqStatus
 from models.kv_groups import KVGroups, kv_groups
 
-W, PS = 6, 4
 MAX_WINDOW_PAGES = math.ceil(W / PS) + 1  # 3
 STRIDE = 3  # rows of one group's block of the device table: max_num_seqs 2 + the scratch row
 
@@ -119,36 +118,8 @@ def test_the_pool_must_hold_one_sequence_counting_its_window_pages():
 
 # -- host-only plans ----------------------------------------------------------------------------
 def make_scheduler(num_pages=32, *, swap_pages=0, caching=True, windows=(None, W)):
-    config = EngineConfig(
-        cache=CacheConfig(page_size=PS, num_pages=num_pages, enable_prefix_caching=caching),
-        scheduler=SchedulerConfig(
-            max_num_seqs=2,
-            max_num_batched_tokens=32,
-            max_model_len=128,
-            preemption_mode="swap" if swap_pages else "recompute",
-        ),
-    )
-    alloc = PageAllocator(num_pages, enable_prefix_caching=caching)
-    swap = PageAllocator(swap_pages + 1, enable_prefix_caching=False) if swap_pages else None
-    sched = Scheduler(config, alloc, eos_token_ids=(0,), swap_allocator=swap, group_windows=windows)
-    return sched, alloc, swap
-
-
-def add(sched, rid, prompt, max_tokens, n=1):
-    params = SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0 if n > 1 else 0.0)
-    group = RequestGroup(rid, None, list(prompt), params, 0)
-    sched.add(group, seed=3)
-    return group
-
-
-def feed(sched, plan, token=5):
-    n = len(plan)
-    sched.commit(plan, SamplerOutput(np.full(n, token, np.int32), np.zeros(n), None, None))
-
-
-def dead(start):
-    """Window-group pages wholly before the first key a query at `start` reads."""
-    return max(start - W + 1, 0) // PS
+    return window_plans.make_scheduler(num_pages, swap_pages=swap_pages, caching=caching,
+                                       group_windows=windows)
 
 
 def test_decoding_10x_past_the_window_keeps_every_full_page_and_3_window_pages():
