@@ -641,10 +641,12 @@ def test_paging_groups_keep_every_invariant(data):
     )
 
 
-def test_paging_groups_hit_only_where_every_group_hits():
-    """A full group and a group of window 4 (pages of 2): a prompt whose window pages were
-    freed while it decoded hits nothing for a second request of the same prompt (its first
-    page is gone from the window group's cache), while one that never slid hits in both."""
+def test_paging_groups_hit_a_prompt_whose_window_pages_slid():
+    """A full group and a group of window 4 (pages of 2): a prompt of 7 decodes 8 tokens,
+    its window group freeing pages 0-4 (positions 0-9); a second request of the same
+    prompt still hits 3 pages (6 tokens): from 6 its window group reads keys 3.., so it
+    needs only pages 1 and 2, prompt pages that stayed cached (NULL_PAGE at 0); a third
+    hits the same."""
     h = Harness(2, 40, 2, 16, "paged", True, windows=(None, 4))
     prompt = [1, 2, 3, 4, 5, 6, 7]
     h.admit(prompt, 1, 8, None, seed=0)
@@ -653,12 +655,12 @@ def test_paging_groups_hit_only_where_every_group_hits():
         h.check()
     first = h.groups[0].seqs[0]
     assert first.is_finished and first.num_output_tokens == 8
-    h.admit(prompt, 1, 1, None, seed=1)
-    h.step([5])
-    assert h.groups[1].num_cached_tokens == 0  # the window group's pages 0.. were freed
-    h.check()
-    h.admit(prompt, 1, 1, None, seed=2)  # the second request's pages stayed whole
-    h.step([5])
-    assert h.groups[2].num_cached_tokens == 6
-    h.check()
-    h.drain_and_check_no_leaks()
+    for i in (1, 2):
+        h.admit(prompt, 1, 2, None, seed=i)
+        h.step([5])
+        seq = h.groups[i].seqs[0]
+        assert h.groups[i].num_cached_tokens == 6 and seq.tables[1][0] == NULL_PAGE
+        assert NULL_PAGE not in seq.tables[1][1:] + seq.tables[0]
+        h.check()
+        h.drain_and_check_no_leaks()
+    assert h.sched.prefix_cache_hit_tokens == 12
