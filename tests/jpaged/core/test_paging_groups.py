@@ -533,6 +533,60 @@ def test_batched_greedy_with_prefix_caching_equals_keeping_every_page(gemmas, na
     assert ours == kept == hf_greedy(gemmas[name], ps, 24)
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_a_prompt_decoded_past_its_window_is_hit_again_with_the_same_tokens(gemmas, name):
+    """a: a 14-token prompt and 20 greedy tokens, stepped synchronously with prefix caching
+    (its window groups free the prompt's pages as it decodes; they stay cached). b, the
+    same prompt: a hit of 3 pages (12 tokens) with a's full pages, and in every window
+    group NULL_PAGE for positions 0-3 (from 12 the window of 8 reads keys 5..) then a's
+    pages of 4-11. c, sharing a's first 10 tokens: 2 pages (8 tokens), a's window pages of
+    0-7. b's tokens are a's (a hit nothing), c's transformers'."""
+    from dense_families import hf_greedy
+
+    from jpaged import SamplingParams
+    from jpaged.core.engine import LLMEngine
+    from jpaged.entrypoints.engine_args import engine_config_from_args
+
+    engine = LLMEngine(
+        engine_config_from_args(
+            str(gemmas[name]), async_scheduling=False, enable_prefix_caching=True, **ENGINE
+        )
+    )
+    sched = engine.scheduler
+    num_groups = 1 + NUM_WINDOW_GROUPS[name]
+    assert sched.windows == (None,) + (WINDOW,) * NUM_WINDOW_GROUPS[name]
+    prompt, other = prompts([14, 4], seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    cases = [("a", prompt, 0, 0), ("b", prompt, 3, 1), ("c", prompt[:10] + other, 2, 0)]
+    pages, tokens, hit = {}, {}, 0  # pages: (group, position) -> a's page
+    for request_id, ids, num_hits, num_dead in cases:
+        engine.add_request(request_id, ids, params)
+        first = True
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[request_id] = out.outputs[0].token_ids
+                    assert out.num_cached_tokens == num_hits * 4
+            (seq,) = engine.scheduler.running or (None,)
+            if seq is None:
+                continue
+            if request_id == "a":
+                pages.update(
+                    ((g, i), p) for g, t in enumerate(seq.tables) for i, p in enumerate(t) if p
+                )
+            elif first:  # the hit, as admitted
+                assert seq.tables[0][:num_hits] == [pages[0, i] for i in range(num_hits)]
+                for g in range(1, num_groups):
+                    held = [pages[g, i] for i in range(num_dead, num_hits)]
+                    assert seq.tables[g][:num_hits] == [NULL_PAGE] * num_dead + held, g
+            first = False
+        hit += num_hits * 4
+        assert sched.prefix_cache_hit_tokens == hit
+    assert engine.stats()["pages_used"] == 0
+    assert tokens["b"] == tokens["a"] == hf_greedy(gemmas[name], [prompt], 20)[0]
+    assert tokens["c"] == hf_greedy(gemmas[name], [prompt[:10] + other], 20)[0]
+
+
 def test_freed_window_pages_let_a_pool_that_keeping_every_page_preempts_run_both(gemmas):
     """Gemma 2 at equal memory (--num-pages 25 of every layer: 24 usable pages keeping every
     page, 48 hybrid): two 12-token prompts decoding 60 tokens each need 18 + 18 pages kept
