@@ -6,14 +6,18 @@ Invariants:
 - a free page may still hold a cached hash: it stays reusable by a prefix hit until the
   allocator hands it out again, least recently freed first (the free list is the LRU order);
 - every operation costs O(1) per page;
-- a page freed with forget=True (it fell out of a sliding window: jpaged/core/scheduler.py)
-  leaves the prefix cache when unreferenced and is handed out before every other free page;
+- a page freed with forget=True, or forgotten while free (a sliding window's page that no
+  prefix hit will ask for: jpaged/core/scheduler.py), leaves the prefix cache and is handed
+  out before every other free page;
 - a prefix hit is exact whatever the hash function: a cached page records its tokens, the
-  cache salt and its parent, the physical page before it in the sequence that cached it
-  with that page's generation (bumped whenever the page is handed out anew). A lookup hits
-  only when all of them match the requester's: its page tokens, its salt, and the page it
-  matched one position earlier, still in the same generation. The hash only finds the
-  candidate; a collision (even a crafted one) costs a miss, never a wrong hit.
+  cache salt and its parent, a physical page with that page's generation (bumped whenever
+  the page is handed out anew) whose own entry vouches for every token before it in the
+  sequence that cached it: the page before it in its paging group, or, for a window group
+  beside a full one, the full group's page at the same position (its chain covers the same
+  tokens and all before them). A lookup hits only when all of them match the requester's:
+  its page tokens, its salt, and the page it matched for that parent, still in the same
+  generation. The hash only finds the candidate; a collision (even a crafted one) costs a
+  miss, never a wrong hit.
 """
 
 from __future__ import annotations
@@ -104,9 +108,8 @@ class PageAllocator:
         its suffix in the cache).
 
         forget: a page left unreferenced also leaves the prefix cache and goes to the front
-        of the free list (a page that fell out of a sliding window: a prefix hit needs every
-        page from the first, so one whose head is gone is not worth keeping, and reusing it
-        first keeps the useful cached pages longer)."""
+        of the free list (a page that fell out of a sliding window and that no prefix hit
+        will ask for: reusing it first keeps the useful cached pages longer)."""
         for page in pages:
             if page == NULL_PAGE or self.ref_counts[page] < 1:
                 raise RuntimeError(f"free of page {page}, which is not allocated")
@@ -116,6 +119,14 @@ class PageAllocator:
                 if forget:
                     self._uncache(page)
                     self._free.move_to_end(page, last=False)
+
+    def forget(self, page: int, generation: int) -> None:
+        """Drops a free page from the prefix cache and moves it to the front of the free list,
+        if it is still free in that generation (a window page kept cached for a while, no
+        longer worth keeping); otherwise (revived by a hit, or handed out anew) nothing."""
+        if page != NULL_PAGE and self.ref_counts[page] == 0 and self.generation[page] == generation:
+            self._uncache(page)
+            self._free.move_to_end(page, last=False)
 
     # -- prefix cache ----------------------------------------------------------------------
     def _parent_ref(self, parent: int | None) -> tuple[int, int] | None:
@@ -130,8 +141,10 @@ class PageAllocator:
         parent: int | None = None,
         salt: str | None = None,
     ) -> None:
-        """Records that a full, allocated page holds token_ids under hash h, computed after
-        the page `parent` (the sequence's previous page; None for its first) and salt."""
+        """Records that a full, allocated page holds token_ids under hash h and salt, computed
+        after exactly the prefix that the page `parent` vouches for (module docstring: the
+        sequence's previous page in the group, or its full group's page at the same
+        position; None for a first page)."""
         if not self.enable_prefix_caching or page in self._cached or h in self._by_hash:
             return
         self._cached[page] = CachedPage(h, token_ids, salt, self._parent_ref(parent))
@@ -145,8 +158,9 @@ class PageAllocator:
         parent: int | None = None,
         salt: str | None = None,
     ) -> int | None:
-        """The page cached under h if it holds token_ids after exactly the page `parent` (the
-        requester's previous hit; None for a first page) under salt, else None."""
+        """The page cached under h if it holds token_ids under salt and was cached with
+        exactly the page `parent` in its current generation (the requester's hit that
+        vouches for its prefix, as cache_page; None for a first page), else None."""
         if not self.enable_prefix_caching:
             return None
         page = self._by_hash.get(h)

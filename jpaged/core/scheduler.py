@@ -34,8 +34,9 @@ start - W + 1, and later steps read even less, so each plan frees a running sequ
 wholly before that key and points their page-table entries at the null page, which the
 kernels never read (they skip key blocks outside the window). A sequence then holds at most
 ceil(W / page_size) + 1 pages while decoding. Its `pages` keep their positions: a freed page's
-entry is NULL_PAGE (always a leading run). A freed page leaves the prefix cache (forget=True);
-a page is registered only while it and its parent are held. Swap preemption copies only the
+entry is NULL_PAGE (always a leading run). A freed page leaves the prefix cache (forget=True:
+a hit needs every page from the first, see below); a page is registered only while it and
+its parent are held. Swap preemption copies only the
 held pages, and a swapped sequence comes back into fresh pages for its window only:
 
     position     0 ..  ps*k - 1 | ps*k .. start - W | start - W + 1 .. start + n - 1
@@ -47,9 +48,27 @@ group of layers has its own page table per sequence (Sequence.tables; group g's 
 device table are g * (max_num_seqs + 1) + row) and its own window or none, and the rules
 above apply to each table: a full group keeps every page, a windowed group frees the pages
 before its window. All groups' pages come from the one allocator: a step, an admission or a
-swap needs the sum over the groups, and a prefix hit takes as many pages in every group
-(each group caches its pages under hashes of its own; a window group's hit needs every
-page from the first, so it ends where that group's pages were freed).
+swap needs the sum over the groups, and a prefix hit of L pages takes L positions in every
+group, each group's cached under hashes and a salt of its own (_group_key). With a full
+first group (every mixed model: models/kv_groups.py puts full attention first) the other
+groups' pages are anchored to it: group g's page i is cached with the full group's page i
+as its parent, whose own chain vouches for every token before it (the allocator's
+exactness holds), so a hit needs in group g only the pages that a query at L * page_size
+still sees, positions dead_g(L) .. L - 1, NULL_PAGE before them (vLLM's right-to-left rule:
+_anchored_hits), and a window page that slid out stays cached while it can serve one
+(_slide says which). Without a full group (every group windowed) hits are chained: every
+page from the first in each group, each after its group's previous one, so they end where a
+group's pages were freed, and freed pages leave the cache.
+
+Why one windowed group (Mistral with sliding_window, CacheConfig.free_window_pages) keeps
+the chained rule: the right-to-left rule takes page dead(L) without the pages before it,
+so nothing held vouches for its prefix but its hash. A cryptographic chain (hashlib.blake2b
+of the parent digest, tokens and salt) would make that exact up to a digest collision, but
+the allocator's promise (a collision, even a crafted one, costs a miss) would become one
+about blake2b, and its collision tests could not hold for such models; blake2b (16-byte
+digest) costs 1.0 us per page of 16 tokens against 0.18 us for hash() (2.4 and 0.35 us at
+64; Python 3.11 on the 2-core machine). Such a model's prompt is hit again only while its
+first page is cached: still held, or freed before it slid.
 
 Liveness: the oldest running sequence is never preempted (victims are the newest) and, since
 the pool holds one sequence of max_model_len tokens (`sequence_pages` with groups; the engine
@@ -146,6 +165,9 @@ class Scheduler:
         self.num_groups = len(windows)
         # The window every layer has (one group), else None.
         self.sliding_window = windows[0] if len(windows) == 1 else None
+        # A full first group beside others (models/kv_groups.py puts full attention first):
+        # the other groups' cached pages are anchored to its pages (module docstring).
+        self._anchored = len(windows) > 1 and windows[0] is None
         self.config = config
         self.sched = config.scheduler
         self.page_size = config.cache.page_size
@@ -425,37 +447,84 @@ class Scheduler:
         )
 
     def _prefix_hits(self, seq: Sequence) -> list[list[int]]:
-        """Per group, cached pages matching the sequence's leading full pages (at least one
-        token is left to compute, so the step has a hidden state to sample from), as many in
-        every group: a hit serves every layer or none. Group g > 0 caches its pages under
-        its own hashes and salt (_group_key), each page after its group's previous one."""
-        hits: list[int] = []
+        """Per group, the pages of the longest prefix hit of L full pages (at least one token
+        is left to compute, so the step has a hidden state to sample from), L positions in
+        every group: a hit serves every layer or none. The first group's are its leading
+        cached pages, each found after the one before; the other groups' come from
+        _anchored_hits or _chained_hits (module docstring), NULL_PAGE where not needed."""
+        ps, salt = self.page_size, seq.group.cache_salt
+        first: list[int] = []
         seq.page_hashes = []
-        parent, salt = None, seq.group.cache_salt
-        for i in range((seq.num_tokens - 1) // self.page_size):
-            tokens = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
+        parent = None
+        for i in range((seq.num_tokens - 1) // ps):
+            tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
             h = page_hash(parent, tokens, salt)
-            page = self.allocator.lookup(h, tokens, parent=hits[-1] if hits else None, salt=salt)
+            page = self.allocator.lookup(h, tokens, parent=first[-1] if first else None, salt=salt)
             if page is None:
                 break
-            hits.append(page)
+            first.append(page)
             seq.page_hashes.append(h)
             parent = h
-        found = [hits]
+        if self._anchored:
+            hits = self._anchored_hits(seq, first)
+        else:
+            hits = self._chained_hits(seq, first)
+        del seq.page_hashes[len(hits[0]) :]
+        return hits
+
+    def _group_lookup(self, seq: Sequence, group: int, i: int, parent: int | None) -> int | None:
+        """Group `group`'s cached page of seq's page i, cached after exactly `parent` (under
+        the group's own hash and salt: _group_key)."""
+        h, group_salt = _group_key(seq.page_hashes[i], seq.group.cache_salt, group)
+        tokens = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
+        return self.allocator.lookup(h, tokens, parent=parent, salt=group_salt)
+
+    def _chained_hits(self, seq: Sequence, first: list[int]) -> list[list[int]]:
+        """Every group needs every page from the first, each after its group's previous one:
+        the hit ends where any group's pages were freed."""
+        found = [first]
         for g in range(1, self.num_groups):
             group_hits: list[int] = []
-            for i in range(len(found[0])):
-                h, group_salt = _group_key(seq.page_hashes[i], salt, g)
-                tokens = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
-                prev = group_hits[-1] if group_hits else None
-                page = self.allocator.lookup(h, tokens, parent=prev, salt=group_salt)
+            for i in range(len(first)):
+                page = self._group_lookup(seq, g, i, group_hits[-1] if group_hits else None)
                 if page is None:
                     break
                 group_hits.append(page)
             found.append(group_hits)
         num_hits = min(len(x) for x in found)
-        del seq.page_hashes[num_hits:]
         return [x[:num_hits] for x in found]
+
+    def _anchored_hits(self, seq: Sequence, first: list[int]) -> list[list[int]]:
+        """The largest L <= len(first) such that every group g > 0 has the pages of positions
+        dead_g(L) .. L - 1 cached, each anchored to the first group's hit at its position
+        (the pages a query at L * page_size can still see; NULL_PAGE before them). Searched
+        from the right (vLLM's hybrid rule): a miss at position i in any group rules out
+        every L > i (i is inside each such L's window, dead_g being monotone), so L drops to
+        i and the groups are checked again; each position is looked up once per group.
+
+            positions   0 .. dead_g(L) - 1 | dead_g(L) .. L - 1 | L ..
+            group 0     hits               | hits               | computed
+            group g     NULL_PAGE          | hits (anchored)    | computed
+        """
+        ps = self.page_size
+        num_hits = len(first)
+        found: list[dict[int, int | None]] = [{} for _ in range(self.num_groups)]
+        settled = False
+        while not settled:
+            settled = True
+            for g in range(1, self.num_groups):
+                i = num_hits - 1
+                while i >= self._num_dead_pages(num_hits * ps, g):
+                    if i not in found[g]:
+                        found[g][i] = self._group_lookup(seq, g, i, first[i])
+                    if found[g][i] is None:
+                        num_hits, settled = i, False  # every group's window moves with L
+                    i -= 1
+        hits = [first[:num_hits]]
+        for g in range(1, self.num_groups):
+            dead = self._num_dead_pages(num_hits * ps, g)
+            hits.append([NULL_PAGE] * dead + [found[g][i] for i in range(dead, num_hits)])
+        return hits
 
     def _grow(self, seq: Sequence, num_new: int) -> bool:
         """Makes seq's pages cover the step's writes in every group; False (nothing changed)
@@ -530,7 +599,23 @@ class Scheduler:
         """Frees seq's held pages wholly before the window of its next query (position
         num_computed_tokens) in each windowed group and points their page-table entries at
         the null page. The step in flight, if any, may still read them: it runs on the
-        device before any step that writes them for their next owner."""
+        device before any step that writes them for their next owner.
+
+        Which freed pages stay in the prefix cache (free, handed out in LRU order): where
+        hits are chained (_chained_hits) none (a hit needs every page from the first), nor
+        with a window of 1 (a hit needs no page of it). Where they are anchored, any page of
+        position j can serve a hit ending within the window after it, and which will be
+        asked for is a guess: vLLM keeps all, but then every window group's pages cycle
+        through the whole free list (a decode frees one per group every page_size tokens),
+        and the pages it takes from the front evict the other cached pages (1 + the window
+        groups times as fast: 6x for Gemma 3). Kept here: the prompt's pages (the same
+        prompt again, or one sharing a part of it), and the last generated page freed, until
+        the next slide (the page a hit on the whole sequence can need before the window
+        held at its end: a recompute after preemption, or the next turn of a chat; the
+        pages held at the end are freed cached by _release). The other generated pages
+        serve only a prompt that has this output up to them and then differs: forgotten,
+        and reused first as before."""
+        ps = self.page_size
         for g, table in enumerate(seq.tables):
             dead = min(self._num_dead_pages(seq.num_computed_tokens, g), len(table))
             i = dead
@@ -538,7 +623,18 @@ class Scheduler:
                 i -= 1
             if i == dead:
                 continue
-            self.allocator.free(table[i:dead], forget=True)
+            if not self._anchored or self.windows[g] < 2:
+                self.allocator.free(table[i:dead], forget=True)
+            else:
+                prompt_end = min(max(seq.num_prompt_tokens // ps, i), dead)
+                self.allocator.free(table[i:prompt_end])
+                if prompt_end < dead:
+                    self.allocator.free(table[prompt_end : dead - 1], forget=True)
+                    last = table[dead - 1]
+                    self.allocator.free([last])
+                    if g in seq.slid_pages:
+                        self.allocator.forget(*seq.slid_pages[g])
+                    seq.slid_pages[g] = (last, int(self.allocator.generation[last]))
             row = self._device_row(seq, g)
             for j in range(i, dead):
                 table[j] = NULL_PAGE
@@ -612,6 +708,7 @@ class Scheduler:
         ])  # fmt: skip
         seq.tables = [[] for _ in range(self.num_groups)]
         seq.page_hashes = []
+        seq.slid_pages = {}  # the last ones stay cached: a hit on the whole sequence needs them
         self._free_rows.append(seq.table_row)
         self._free_rows.extend(self._reserved_rows.pop(seq.seq_id, []))
         seq.table_row = -1
@@ -776,7 +873,10 @@ class Scheduler:
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
             h = page_hash(parent, tokens, salt)
             for g, table in enumerate(seq.tables):
-                prev = table[i - 1] if i else None
+                if g and self._anchored:  # the full group's page vouches for the prefix
+                    prev = seq.tables[0][i]
+                else:
+                    prev = table[i - 1] if i else None
                 if table[i] == NULL_PAGE or prev == NULL_PAGE:  # freed: see _slide
                     continue
                 group_hash, group_salt = _group_key(h, salt, g)

@@ -64,6 +64,9 @@ class Sequence:
     # table is edited by each plan's updates). `pages` is the first group's.
     tables: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
     page_hashes: list[int] = dataclasses.field(default_factory=list)  # of the full pages
+    # Window group -> (page, generation) of the generated page its last slide left in the
+    # prefix cache, forgotten at its next slide (scheduler: Scheduler._slide).
+    slid_pages: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     table_row: int = -1  # row of the device page table while running, else -1
     # Host swap pages holding the K/V of the computed tokens while swapped out (waiting with
     # num_computed_tokens kept); empty otherwise.

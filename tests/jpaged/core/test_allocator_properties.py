@@ -14,12 +14,15 @@ After every operation:
   page-table row is free, running or reserved, once;
 - each plan's flat slots (slot_mapping) and token ids are exactly those of its rows'
   positions through the device table;
-- every position a sequence has computed reads back its own token through the device table;
+- every position a sequence has computed reads back its own token through the device table,
+  written after exactly the sequence's own tokens before it (a page hit after another
+  prefix with the same page tokens would read back the right tokens, not the right K/V);
 - every cached page holds the tokens of its entry, and its hash is the page_hash chain of
   a prefix some sequence really had; it is found again only while its parent page is in the
   generation it was cached after;
 - prefix hits stay exact when the hash function collides on purpose (all pages one hash, or
-  a hash of the page's tokens alone, blind to the prefix and the cache salt).
+  a hash of the page's tokens alone, blind to the prefix and the cache salt), in every
+  paging group too (a window group's pages all under one hash).
 - paged policy: a running sequence holds ceil(computed / page_size) pages, so at most
   page_size - 1 allocated slots are unfilled (also checked right after each schedule).
 - swap preemption: host swap pages are held exactly by the waiting swapped sequences, which
@@ -47,7 +50,7 @@ from hypothesis import strategies as st
 from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
 from jpaged.core import scheduler as scheduler_module
 from jpaged.core.page_allocator import NULL_PAGE, PageAllocator
-from jpaged.core.scheduler import Scheduler, _group_key, sequence_pages
+from jpaged.core.scheduler import Scheduler, sequence_pages
 from jpaged.core.sequence import RequestGroup, SeqStatus
 from jpaged.sample.sampler import SamplerOutput
 from jpaged.sample.sampling_params import SamplingParams
@@ -64,9 +67,19 @@ BASES = [
 ]
 
 
+def contexts(token_ids) -> list[int]:
+    """Per position, an id of the tokens up to it (what its K/V depends on)."""
+    out, h = [], 0
+    for t in token_ids:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
 class FakeDevice:
     """The jitted step's memory effects: page-table updates, CoW copies, K/V writes. A page
-    belongs to one paging group, so one token array per page stands for every layer."""
+    belongs to one paging group, so one token array per page stands for every layer; beside
+    it, the context id (contexts) of the tokens each slot was computed after."""
 
     def __init__(
         self,
@@ -81,22 +94,29 @@ class FakeDevice:
         self.stride = table_shape[0]  # rows of one group's block of the device table
         self.kv = np.full((num_pages, page_size), -1, np.int64)  # token id held by each slot
         self.host = np.full((num_swap_pages + 1, page_size), -1, np.int64)  # swap space
+        self.ctx = np.zeros((num_pages, page_size), np.int64)  # context id of each slot
+        self.host_ctx = np.zeros((num_swap_pages + 1, page_size), np.int64)
         self.page_table = np.zeros((len(windows) * table_shape[0], table_shape[1]), np.int32)
 
     def token_at(self, slot: int, pos: int, group: int = 0) -> int:
         page = self.page_table[group * self.stride + slot, pos // self.page_size]
         return int(self.kv[page, pos % self.page_size])
 
+    def context_at(self, slot: int, pos: int, group: int = 0) -> int:
+        page = self.page_table[group * self.stride + slot, pos // self.page_size]
+        return int(self.ctx[page, pos % self.page_size])
+
     def run(self, plan: StepPlan, sched: Scheduler) -> None:
         for dev, host in plan.swap_out:  # the runner's order: out, in, then the step
-            self.host[host] = self.kv[dev]
+            self.host[host], self.host_ctx[host] = self.kv[dev], self.ctx[dev]
         for host, dev in plan.swap_in:
-            self.kv[dev] = self.host[host]
+            self.kv[dev], self.ctx[dev] = self.host[host], self.host_ctx[host]
         for row, col, page in plan.page_updates:
             self.page_table[row, col] = page
         if len(plan.page_copies):
             src, dst = plan.page_copies.T
             self.kv[dst] = self.kv[src]  # all copies read before any write, as in jit
+            self.ctx[dst] = self.ctx[src]
         assert not np.any(plan.token_ids == PLACEHOLDER)  # synchronous steps only
         assert plan.slot_mapping.shape == (len(self.windows), plan.num_tokens)
         for i in range(len(plan)):
@@ -104,10 +124,12 @@ class FakeDevice:
             row, start = int(plan.table_rows[i]), int(plan.starts[i])
             assert row == seq.table_row and start <= seq.num_tokens
             assert len(seq.tables) == len(self.windows)
+            first, last = plan.query_start[i], plan.query_start[i + 1]
+            written = contexts(seq.token_ids[:start] + plan.token_ids[first:last].tolist())
             for g, window in enumerate(self.windows):
                 for pos in range(first_key(start, window), start):  # what attention reads
                     assert self.token_at(row, pos, g) == seq.token_ids[pos], (seq.seq_id, g, pos)
-            first, last = plan.query_start[i], plan.query_start[i + 1]
+                    assert self.context_at(row, pos, g) == written[pos], (seq.seq_id, g, pos)
             assert last - first == plan.num_new_tokens[i]
             for t, pos in zip(range(first, last), range(start, start + last - first)):
                 assert plan.positions[t] == pos
@@ -121,6 +143,7 @@ class FakeDevice:
                     assert page == seq.tables[g][pos // self.page_size]  # device == host
                     assert plan.slot_mapping[g, t] == page * self.page_size + pos % self.page_size
                     self.kv[page, pos % self.page_size] = plan.token_ids[t]
+                    self.ctx[page, pos % self.page_size] = written[pos]
 
 
 def first_key(pos: int, window: int | None) -> int:
@@ -275,6 +298,7 @@ class Harness:
         stride = self.device.stride
         for s in running:
             assert 0 < s.num_computed_tokens <= s.num_tokens
+            context = contexts(s.token_ids)
             assert len(s.tables) == len(self.windows)
             for g, pages in enumerate(s.tables):
                 k = len(pages)
@@ -286,6 +310,7 @@ class Harness:
                 for pos in range(first_key(s.num_computed_tokens, self.windows[g]),
                                  s.num_computed_tokens):  # fmt: skip
                     assert self.device.token_at(s.table_row, pos, g) == s.token_ids[pos]
+                    assert self.device.context_at(s.table_row, pos, g) == context[pos]
                 if self.paged:
                     assert k == -(-s.num_computed_tokens // ps)  # waste <= page_size - 1
             # Its page hashes are the chain of its own full computed pages.
@@ -298,7 +323,8 @@ class Harness:
                 assert h == parent
                 for g, pages in enumerate(s.tables):
                     entry = alloc.cached_entry(pages[i])
-                    assert entry is None or entry.hash == _group_key(h, s.group.cache_salt, g)[0]
+                    key = scheduler_module._group_key(h, s.group.cache_salt, g)  # as patched
+                    assert entry is None or entry.hash == key[0]
         # Cached pages: the page holds the entry's tokens; the hash is a real prefix's chain.
         known = collections.defaultdict(set)  # hash -> page tokens (several if hashes collide)
         for g in self.groups:
@@ -309,7 +335,7 @@ class Harness:
                         parent, tuple(s.token_ids[i * ps : (i + 1) * ps]), g.cache_salt
                     )
                     for k in range(len(self.windows)):  # each group's own hash
-                        h = _group_key(parent, g.cache_salt, k)[0]
+                        h = scheduler_module._group_key(parent, g.cache_salt, k)[0]
                         known[h].add(tuple(s.token_ids[i * ps : (i + 1) * ps]))
         for page in range(alloc.num_pages):
             entry = alloc.cached_entry(page)
@@ -342,6 +368,7 @@ class Harness:
                 assert s.num_computed_tokens == 0  # recomputed
                 continue
             num_pages = -(-s.num_computed_tokens // ps)
+            context = contexts(s.token_ids)
             held = list(s.swap_pages)  # each group's window in turn
             for g in range(len(self.windows)):
                 k = self.num_dead(s.num_computed_tokens, g)
@@ -350,6 +377,7 @@ class Harness:
                 for pos in range(k * ps, s.num_computed_tokens):
                     page = group_pages[pos // ps - k]
                     assert self.device.host[page, pos % ps] == s.token_ids[pos], (s.seq_id, pos)
+                    assert self.device.host_ctx[page, pos % ps] == context[pos], (s.seq_id, pos)
             assert not held
 
     def drain_and_check_no_leaks(self):
@@ -507,6 +535,39 @@ def test_prefix_hits_stay_exact_when_every_hash_collides(monkeypatch, collide):
     run()
 
 
+def _exact_hash(parent, tokens, salt):
+    return (parent, tokens, salt)  # equal only for equal prefixes and salts
+
+
+def _window_tokens_key(h, salt, group):
+    """Groups after the first keyed by their page tokens alone, blind to the prefix."""
+    return (h, salt) if group == 0 else ((group, h[1]), (salt, group))
+
+
+@pytest.mark.parametrize(
+    ("page_hash", "group_key"),
+    [(_tokens_only_hash, None), (_exact_hash, _window_tokens_key)],
+    ids=["tokens-only", "window-tokens-only"],
+)
+def test_grouped_prefix_hits_stay_exact_when_hashes_collide(monkeypatch, page_hash, group_key):
+    """Paging groups with every group's hashes blind to the prefix, or only the groups
+    after the first (the first exact, so its hits reach pages whose window-group candidates
+    were computed after another prefix): every key read was computed after the reader's
+    own tokens (FakeDevice's context ids)."""
+    monkeypatch.setattr(scheduler_module, "page_hash", page_hash)
+    if group_key is not None:
+        monkeypatch.setattr(scheduler_module, "_group_key", group_key)
+
+    @settings(_SETTINGS, max_examples=200)
+    @given(st.data())
+    def run(data):
+        window = st.one_of(st.none(), st.integers(1, MAX_MODEL_LEN + 2))
+        windows = tuple(data.draw(st.lists(window, min_size=2, max_size=3), label="windows"))
+        run_ops(data, "paged", windows=windows)
+
+    run()
+
+
 def test_a_crafted_collision_never_hits_another_tenants_page(monkeypatch):
     monkeypatch.setattr(scheduler_module, "page_hash", _tokens_only_hash)
     h = Harness(4, 16, 2, 16, "paged", True)
@@ -580,10 +641,12 @@ def test_paging_groups_keep_every_invariant(data):
     )
 
 
-def test_paging_groups_hit_only_where_every_group_hits():
-    """A full group and a group of window 4 (pages of 2): a prompt whose window pages were
-    freed while it decoded hits nothing for a second request of the same prompt (its first
-    page is gone from the window group's cache), while one that never slid hits in both."""
+def test_paging_groups_hit_a_prompt_whose_window_pages_slid():
+    """A full group and a group of window 4 (pages of 2): a prompt of 7 decodes 8 tokens,
+    its window group freeing pages 0-4 (positions 0-9); a second request of the same
+    prompt still hits 3 pages (6 tokens): from 6 its window group reads keys 3.., so it
+    needs only pages 1 and 2, prompt pages that stayed cached (NULL_PAGE at 0); a third
+    hits the same."""
     h = Harness(2, 40, 2, 16, "paged", True, windows=(None, 4))
     prompt = [1, 2, 3, 4, 5, 6, 7]
     h.admit(prompt, 1, 8, None, seed=0)
@@ -592,12 +655,12 @@ def test_paging_groups_hit_only_where_every_group_hits():
         h.check()
     first = h.groups[0].seqs[0]
     assert first.is_finished and first.num_output_tokens == 8
-    h.admit(prompt, 1, 1, None, seed=1)
-    h.step([5])
-    assert h.groups[1].num_cached_tokens == 0  # the window group's pages 0.. were freed
-    h.check()
-    h.admit(prompt, 1, 1, None, seed=2)  # the second request's pages stayed whole
-    h.step([5])
-    assert h.groups[2].num_cached_tokens == 6
-    h.check()
-    h.drain_and_check_no_leaks()
+    for i in (1, 2):
+        h.admit(prompt, 1, 2, None, seed=i)
+        h.step([5])
+        seq = h.groups[i].seqs[0]
+        assert h.groups[i].num_cached_tokens == 6 and seq.tables[1][0] == NULL_PAGE
+        assert NULL_PAGE not in seq.tables[1][1:] + seq.tables[0]
+        h.check()
+        h.drain_and_check_no_leaks()
+    assert h.sched.prefix_cache_hit_tokens == 12

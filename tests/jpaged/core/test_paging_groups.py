@@ -8,7 +8,8 @@ Gemma 2 (window on alternate layers: 2 groups) and Gemma 3 (5 local : 1 global, 
 one full group and 7 window groups of one layer each): exact per-group page counts at every
 step 10x past the window, tokens equal to the engine that keeps every page and to
 transformers', freed pages reused, n = 2 forks, beam search, forced recompute and swap
-preemption, prefix caching.
+preemption, prefix caching (a window group's pages anchored to the full group's: a hit
+needs only the pages of its window, so a prompt that slid out of it is hit again).
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ def test_decoding_10x_past_the_window_keeps_every_full_page_and_3_window_pages()
 def test_the_first_pages_and_the_exact_page_table_edits():
     """The prefill takes pages 1, 2 (full) and 3, 4 (window); position 8 takes 5 (full) and 6
     (window); the step at 9 frees window page 3 (keys 4.. only) and nulls its entry in the
-    window group's rows (3 + row), the full group keeps page 1."""
+    window group's rows (3 + row), the full group keeps page 1. Page 3 (prompt positions
+    0-3) stays cached at the back of the free list, anchored to full page 1."""
     sched, alloc, _ = make_scheduler()
     seq = add(sched, "a", range(1, 6), max_tokens=20).seqs[0]
     plan = sched.schedule()
@@ -171,22 +173,33 @@ def test_the_first_pages_and_the_exact_page_table_edits():
     feed(sched, plan)
     plan = sched.schedule()  # position 9
     assert (plan.page_updates.tolist(), seq.tables) == ([[3, 0, NULL_PAGE]], [[1, 2, 5], [0, 4, 6]])
-    assert alloc.free_pages()[0] == 3 and alloc.cached_entry(3) is None  # forgotten
+    assert alloc.free_pages()[-1] == 3 and alloc.cached_entry(3).parent == (1, 1)
     assert alloc.ref_counts[1:7].tolist() == [1, 1, 0, 1, 1, 1]
 
 
-def test_freed_window_pages_are_reused_by_another_sequence():
-    """a holds [1, 2, 5] and [3, 4, 6] at position 8; at 9 it frees window page 3, and b
-    (3-token prompt), admitted in that plan, takes it for its full group's first page."""
+def test_a_generated_window_page_stays_cached_until_the_next_slide():
+    """a (1-token prompt) holds [1, 3, 5] and [2, 4, 6] at position 8; at 9 it frees window
+    page 2 (positions 0-3, generated: a hit on a's whole sequence could need it), cached at
+    the back of the free list; at 13 it frees page 4 the same way, and page 2 is forgotten
+    and handed out first: b (3-token prompt), admitted in that plan, takes it for its full
+    group's first page."""
     sched, alloc, _ = make_scheduler(num_pages=16)
-    a = add(sched, "a", range(1, 6), max_tokens=12).seqs[0]
-    for _ in range(5):  # positions 0-4, 5, 6, 7, 8
+    a = add(sched, "a", [1], max_tokens=16).seqs[0]
+    for _ in range(9):  # positions 0, 1, .., 8
         feed(sched, sched.schedule())
-    assert (a.tables, alloc.free_pages()) == ([[1, 2, 5], [3, 4, 6]], list(range(7, 16)))
+    assert (a.tables, alloc.free_pages()) == ([[1, 3, 5], [2, 4, 6]], list(range(7, 16)))
+    plan = sched.schedule()  # position 9
+    assert a.tables == [[1, 3, 5], [0, 4, 6]] and alloc.free_pages()[-1] == 2
+    assert alloc.cached_entry(2).parent == (1, 1)
+    for _ in range(3):  # positions 9, 10, 11, then 12 (takes 7 and 8)
+        feed(sched, plan)
+        plan = sched.schedule()
+    feed(sched, plan)
     b = add(sched, "b", [7, 8, 9], max_tokens=4).seqs[0]
-    plan = sched.schedule()
+    plan = sched.schedule()  # position 13 and b's prompt
     assert plan.seq_ids.tolist() == [a.seq_id, b.seq_id]
-    assert (a.tables, b.tables) == ([[1, 2, 5], [0, 4, 6]], [[3], [7]])
+    assert a.tables == [[1, 3, 5, 7], [0, 0, 6, 8]] and b.tables == [[2], [9]]
+    assert alloc.cached_entry(4).parent == (3, 1) and alloc.free_pages()[-1] == 4
     while sched.has_unfinished():
         feed(sched, plan)
         for s in (a, b):
@@ -218,7 +231,7 @@ def test_a_fork_shares_both_tables_and_copies_on_write_in_each():
     plan = sched.schedule()  # position 9
     assert (parent.tables, child.tables) == ([[1, 5, 7], [0, 6, 8]], [[1, 2, 9], [0, 4, 10]])
     assert alloc.ref_counts[1] == 2 and alloc.ref_counts[3] == 0
-    assert alloc.free_pages()[0] == 3
+    assert alloc.free_pages()[-1] == 3  # a prompt page: cached
     while sched.has_unfinished():
         feed(sched, plan)
         plan = sched.schedule()
@@ -274,21 +287,82 @@ def test_prefix_hits_take_every_full_page_and_the_window_pages():
     assert sched.prefix_cache_hit_tokens == 12
 
 
-def test_a_window_group_whose_head_was_freed_gives_no_hit():
-    """a decodes 10 tokens past its 13-token prompt: its window group's first pages are freed
-    (forgotten), so b with the same prompt hits nothing, though a's full pages are cached."""
+def run_to_end(sched, seq, pages=None):
+    """Steps until seq finishes; pages: a dict (group, position) -> page to fill with every
+    page seq held."""
+    while not seq.is_finished:
+        plan = sched.schedule()
+        for g, table in enumerate(seq.tables):
+            for i, p in enumerate(table):
+                if pages is not None and p != NULL_PAGE:
+                    pages[g, i] = p
+        feed(sched, plan)
+
+
+def test_a_prompt_that_slid_out_of_the_window_is_hit_again():
+    """a decodes 14 tokens after a 13-token prompt (window pages of positions 0-19 freed by
+    its last step: the prompt's 0-2 stay cached, generated 3 is forgotten when 4 slides, 4
+    stays cached). Same prompt: a hit of 3 pages (12 tokens), a's full pages, and in the
+    window group NULL_PAGE then a's pages of positions 1, 2 (from 12 the window reads keys
+    7..). A prompt sharing 9 tokens: 2 pages (8 tokens), window pages 0, 1. a's whole
+    sequence and one more token: 6 pages (24 tokens), needing window pages 4 (kept for
+    this) and 5. a's first 21 tokens and others: the full group hits 5 pages, but the window
+    of 20 needs page 3, forgotten, so the hit is 3 pages (12 tokens, window pages 1, 2)."""
     sched, alloc, _ = make_scheduler()
     prompt = list(range(1, 14))
-    a = add(sched, "a", prompt, max_tokens=10).seqs[0]
-    feed(sched, sched.schedule())
-    first_full = a.tables[0][0]
-    while sched.has_unfinished():
-        feed(sched, sched.schedule())
-    assert alloc.cached_entry(first_full) is not None  # the full group's pages stay cached
-    b = add(sched, "b", prompt, max_tokens=1).seqs[0]
-    feed(sched, sched.schedule())
-    assert b.is_finished and b.group.num_cached_tokens == 0
+    a = add(sched, "a", prompt, max_tokens=14).seqs[0]
+    pages = {}
+    run_to_end(sched, a, pages)
+    assert a.num_tokens == 27 and alloc.num_used() == 0
+    cases = [
+        (prompt, 3, [1, 2]),
+        (prompt[:9] + [90, 91, 92, 93], 2, [0, 1]),
+        (a.token_ids + [99], 6, [4, 5]),
+        (a.token_ids[:21] + [99] * 4, 3, [1, 2]),
+    ]
+    hit = 0
+    for n, (tokens, num_hits, window) in enumerate(cases):
+        b = add(sched, f"b{n}", tokens, max_tokens=1).seqs[0]
+        plan = sched.schedule()
+        held = [NULL_PAGE] * window[0] + [pages[1, i] for i in window]
+        assert b.tables[0][:num_hits] == [pages[0, i] for i in range(num_hits)], n
+        assert b.tables[1][:num_hits] == held, n
+        assert NULL_PAGE not in b.tables[1][num_hits:] and len(b.tables[1]) == len(b.tables[0])
+        assert b.group.num_cached_tokens == num_hits * PS, n
+        hit += num_hits * PS
+        assert sched.prefix_cache_hit_tokens == hit
+        feed(sched, plan)
+        assert b.is_finished
+    assert alloc.num_used() == 0
+
+
+def _exact_hash(parent, tokens, salt):
+    return (parent, tokens, salt)  # equal only for equal prefixes and salts
+
+
+def _window_tokens_key(h, salt, group):
+    """Groups after the first keyed by their page tokens alone, blind to the prefix."""
+    return (h, salt) if group == 0 else ((group, h[1]), (salt, group))
+
+
+def test_a_window_page_cached_after_another_prefix_is_a_miss(monkeypatch):
+    """Exact whatever the hash: with the window group's pages keyed by their tokens alone,
+    a and c share pages 1 and 2 but not page 0, so c's window pages 1, 2 are not cached
+    (a's hold their keys). b, c's prompt again, hits c's 3 full pages, but its window pages
+    of positions 4-11 find a's, whose anchors (a's full pages) are not b's hits: misses,
+    so the hit drops to 1 page (4 tokens: c's window page 0)."""
+    from jpaged.core import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "page_hash", _exact_hash)
+    monkeypatch.setattr(scheduler_module, "_group_key", _window_tokens_key)
+    sched, _, _ = make_scheduler()
+    rest = [3, 4, 5, 6, 7, 8, 9, 10, 11]
+    for first in (1, 2):  # a, then c
+        run_to_end(sched, add(sched, str(first), [first] * 4 + rest, max_tokens=1).seqs[0])
     assert sched.prefix_cache_hit_tokens == 0
+    b = add(sched, "b", [2] * 4 + rest, max_tokens=1).seqs[0]
+    sched.schedule()
+    assert b.group.num_cached_tokens == 4 and sched.prefix_cache_hit_tokens == 4
 
 
 # -- engines on tiny Gemma 2 and Gemma 3 --------------------------------------------------------
@@ -457,6 +531,60 @@ def test_batched_greedy_with_prefix_caching_equals_keeping_every_page(gemmas, na
         gemmas[name], ps, 24, enable_prefix_caching=True, free_window_pages=False, **ENGINE
     )
     assert ours == kept == hf_greedy(gemmas[name], ps, 24)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_a_prompt_decoded_past_its_window_is_hit_again_with_the_same_tokens(gemmas, name):
+    """a: a 14-token prompt and 20 greedy tokens, stepped synchronously with prefix caching
+    (its window groups free the prompt's pages as it decodes; they stay cached). b, the
+    same prompt: a hit of 3 pages (12 tokens) with a's full pages, and in every window
+    group NULL_PAGE for positions 0-3 (from 12 the window of 8 reads keys 5..) then a's
+    pages of 4-11. c, sharing a's first 10 tokens: 2 pages (8 tokens), a's window pages of
+    0-7. b's tokens are a's (a hit nothing), c's transformers'."""
+    from dense_families import hf_greedy
+
+    from jpaged import SamplingParams
+    from jpaged.core.engine import LLMEngine
+    from jpaged.entrypoints.engine_args import engine_config_from_args
+
+    engine = LLMEngine(
+        engine_config_from_args(
+            str(gemmas[name]), async_scheduling=False, enable_prefix_caching=True, **ENGINE
+        )
+    )
+    sched = engine.scheduler
+    num_groups = 1 + NUM_WINDOW_GROUPS[name]
+    assert sched.windows == (None,) + (WINDOW,) * NUM_WINDOW_GROUPS[name]
+    prompt, other = prompts([14, 4], seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    cases = [("a", prompt, 0, 0), ("b", prompt, 3, 1), ("c", prompt[:10] + other, 2, 0)]
+    pages, tokens, hit = {}, {}, 0  # pages: (group, position) -> a's page
+    for request_id, ids, num_hits, num_dead in cases:
+        engine.add_request(request_id, ids, params)
+        first = True
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[request_id] = out.outputs[0].token_ids
+                    assert out.num_cached_tokens == num_hits * 4
+            (seq,) = engine.scheduler.running or (None,)
+            if seq is None:
+                continue
+            if request_id == "a":
+                pages.update(
+                    ((g, i), p) for g, t in enumerate(seq.tables) for i, p in enumerate(t) if p
+                )
+            elif first:  # the hit, as admitted
+                assert seq.tables[0][:num_hits] == [pages[0, i] for i in range(num_hits)]
+                for g in range(1, num_groups):
+                    held = [pages[g, i] for i in range(num_dead, num_hits)]
+                    assert seq.tables[g][:num_hits] == [NULL_PAGE] * num_dead + held, g
+            first = False
+        hit += num_hits * 4
+        assert sched.prefix_cache_hit_tokens == hit
+    assert engine.stats()["pages_used"] == 0
+    assert tokens["b"] == tokens["a"] == hf_greedy(gemmas[name], [prompt], 20)[0]
+    assert tokens["c"] == hf_greedy(gemmas[name], [prompt[:10] + other], 20)[0]
 
 
 def test_freed_window_pages_let_a_pool_that_keeping_every_page_preempts_run_both(gemmas):
