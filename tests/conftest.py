@@ -91,9 +91,8 @@ ONE_VERSION_MODULES = {
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    root = Path(str(config.rootpath))
     for item in items:
-        if Path(str(item.path)).relative_to(root).as_posix() in ONE_VERSION_MODULES:
+        if item.path.relative_to(config.rootpath).as_posix() in ONE_VERSION_MODULES:
             item.add_marker(pytest.mark.once)
 
 

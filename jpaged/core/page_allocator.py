@@ -117,16 +117,19 @@ class PageAllocator:
             if self.ref_counts[page] == 0:
                 self._free[page] = None
                 if forget:
-                    self._uncache(page)
-                    self._free.move_to_end(page, last=False)
+                    self._forget_free(page)
 
     def forget(self, page: int, generation: int) -> None:
         """Drops a free page from the prefix cache and moves it to the front of the free list,
         if it is still free in that generation (a window page kept cached for a while, no
         longer worth keeping); otherwise (revived by a hit, or handed out anew) nothing."""
         if page != NULL_PAGE and self.ref_counts[page] == 0 and self.generation[page] == generation:
-            self._uncache(page)
-            self._free.move_to_end(page, last=False)
+            self._forget_free(page)
+
+    def _forget_free(self, page: int) -> None:
+        """A free page out of the prefix cache and first in line to be handed out."""
+        self._uncache(page)
+        self._free.move_to_end(page, last=False)
 
     # -- prefix cache ----------------------------------------------------------------------
     def _parent_ref(self, parent: int | None) -> tuple[int, int] | None:
