@@ -16,9 +16,10 @@ thread and 65,536 per block. The configurations:
   the same memory, and two float32-query kernels (full-precision dots).
 
 Float32 kernels must multiply at full precision (no `inputPrecision = tf32` in their dots).
-The whole sweep (about 400 kernels, several CPU-minutes) is marked slow and CI runs it under
-the GPU machine's versions (.ci/run, Python 3.12 stage); a representative subset runs in the
-default suite. Where the triton package is not installed these tests fail, they do not skip:
+The whole sweep (about 400 kernels, several CPU-minutes, in chunks of 24 that pytest-xdist
+spreads over its workers with --dist load) is marked slow and CI runs it under the GPU
+machine's versions (.ci/run, Python 3.12 stage); a representative subset runs in the default
+suite. Where the triton package is not installed these tests fail, they do not skip:
 it is a test dependency (.ci/run installs it).
 """
 
@@ -187,9 +188,13 @@ def test_engine_buckets_compile_for_sm90(model, chunk):
         check_config(f"{model}-{name}", kernel, args)
 
 
+GRID_CHUNKS = _chunks(grid_configs(), 24)
+
+
 @pytest.mark.slow
-def test_gpu_test_grid_and_bench_shapes_compile_for_sm90():
-    for name, kernel, args in grid_configs():
+@pytest.mark.parametrize("chunk", range(len(GRID_CHUNKS)))
+def test_gpu_test_grid_and_bench_shapes_compile_for_sm90(chunk):
+    for name, kernel, args in GRID_CHUNKS[chunk]:
         check_config(name, kernel, args)
 
 
