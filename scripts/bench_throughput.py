@@ -5,6 +5,7 @@
     python scripts/bench_throughput.py --workload W1 --preset llama-3.2-1b   # accelerator
     python scripts/bench_throughput.py --preset smollm2          # the real SmolLM2-135M, 32 x 128 x 64
     python scripts/bench_throughput.py --preset smollm2 --workload W2 --scale 32 --skip-startup
+    python scripts/bench_throughput.py --preset qwen3moe-cpu --num-requests 32   # MoE, 32 x 128 x 64
     python scripts/bench_throughput.py --preset cpu-tp --tensor-parallel-size 4 \
         --simulate-cpu-devices 8 --skip-transformers             # sharded, simulated CPU devices
 
@@ -18,9 +19,10 @@ Workloads (issue 8; greedy, EOS ignored, all requests submitted at once):
 --scale N divides the request counts by N (a quick smoke run). --no-async-scheduling steps
 synchronously (the host plans step N+1 only after step N's tokens are back).
 
-The checkpoint is a random Llama of the preset's shape made from --seed and written with
-save_pretrained into --checkpoint-dir (with numpy, models.demo, where torch is not installed),
-where later runs find and reuse it; the `smollm2` preset is the real SmolLM2-135M-Instruct
+The checkpoint is a random Llama of the preset's shape (for `qwen3moe-cpu` a Qwen3-MoE: 32
+experts, 4 per token) made from --seed and written with save_pretrained into --checkpoint-dir
+(with numpy, models.demo, where torch is not installed: Llamas only), where later runs find
+and reuse it; the `smollm2` preset is the real SmolLM2-135M-Instruct
 instead (its Q4_1 GGUF from models.demo.ensure_smollm2(), dequantized at load by both
 engines: jpaged's loader and transformers' `from_pretrained(dir, gguf_file=...)`). Every phase runs in its own process, in order of value, so
 that jax and torch never hold accelerator memory at the same time and a phase that runs out of
@@ -63,7 +65,10 @@ import numpy as np
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 
-# name: hidden, layers, heads, kv heads, head_dim, intermediate, vocab, tied embeddings
+# name: hidden, layers, heads, kv heads, head_dim, intermediate, vocab, tied embeddings; "arch"
+# is "llama" when absent. A "qwen3moe" preset adds experts (per layer), experts_per_tok,
+# moe_inter (each expert's intermediate size) and norm_topk (renormalise the top-k weights);
+# its "inter" is only the config's intermediate_size (every layer is an expert layer).
 PRESETS = {
     "cpu-small": {
         "hidden": 256,
@@ -104,6 +109,22 @@ PRESETS = {
         "inter": 14336,
         "vocab": 128256,
         "tied": False,
+    },
+    # Qwen3-30B-A3B's proportions (128 experts of 768, top-8, hidden 2048) scaled to a CPU.
+    "qwen3moe-cpu": {
+        "arch": "qwen3moe",
+        "hidden": 512,
+        "layers": 8,
+        "heads": 8,
+        "kv_heads": 2,
+        "head_dim": 64,
+        "inter": 1536,
+        "vocab": 16384,
+        "tied": False,
+        "experts": 32,
+        "experts_per_tok": 4,
+        "moe_inter": 256,
+        "norm_topk": True,
     },
 }
 # Real models (not random checkpoints): preset -> the function that returns the model's path.
@@ -203,8 +224,9 @@ def vocab_size(model: str) -> int:
 
 
 def ensure_checkpoint(root: Path, preset: str, dtype: str, seed: int) -> Path:
-    """A random Llama of the preset's shape in the Hugging Face layout, made once per
-    (preset, dtype, seed) and reused: the directory is renamed into place only when complete."""
+    """A random model of the preset's arch and shape (a Llama, or a Qwen3-MoE) in the Hugging
+    Face layout, made once per (preset, dtype, seed) and reused: the directory is renamed into
+    place only when complete."""
     path = root / f"{preset}-{dtype}-seed{seed}"
     if (path / "config.json").exists():
         return path
@@ -214,24 +236,12 @@ def ensure_checkpoint(root: Path, preset: str, dtype: str, seed: int) -> Path:
         import transformers
     except ImportError:  # e.g. a dry run without torch: the same shapes, written with numpy
         return _numpy_checkpoint(root, path, s, dtype, seed)
-    cfg = transformers.LlamaConfig(
-        hidden_size=s["hidden"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        head_dim=s["head_dim"],
-        intermediate_size=s["inter"],
-        vocab_size=s["vocab"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=s["tied"],
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    cfg = _hf_config(s)
     t0 = time.perf_counter()
     # Shapes on the meta device, then storage in the target dtype filled directly: no float32
-    # copy and none of transformers' per-module initialisation.
+    # copy and none of transformers' per-module initialisation (routers included: N(0, 0.02)).
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
     model = model.to(getattr(torch, dtype)).to_empty(device="cpu")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -250,6 +260,36 @@ def ensure_checkpoint(root: Path, preset: str, dtype: str, seed: int) -> Path:
     return path
 
 
+def _hf_config(s: dict):
+    """The transformers config of a preset: LlamaConfig, or Qwen3MoeConfig for "qwen3moe"."""
+    import transformers
+
+    common = {
+        "hidden_size": s["hidden"],
+        "num_hidden_layers": s["layers"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "head_dim": s["head_dim"],
+        "intermediate_size": s["inter"],
+        "vocab_size": s["vocab"],
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": s["tied"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    arch = s.get("arch", "llama")
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "qwen3moe":
+        return transformers.Qwen3MoeConfig(
+            **common,
+            num_experts=s["experts"],
+            num_experts_per_tok=s["experts_per_tok"],
+            moe_intermediate_size=s["moe_inter"],
+            norm_topk_prob=s["norm_topk"],
+        )
+    raise ValueError(f"unknown preset arch {arch!r} (llama, qwen3moe)")
+
 
 def _numpy_checkpoint(root: Path, path: Path, s: dict, dtype: str, seed: int) -> Path:
     """ensure_checkpoint without torch: models.demo's numpy writer (float32 weights, cast by
@@ -257,6 +297,10 @@ def _numpy_checkpoint(root: Path, path: Path, s: dict, dtype: str, seed: int) ->
     from models.demo import write_llama_checkpoint
 
     del dtype  # the name keeps the (preset, dtype, seed) key; the file holds float32
+    if s.get("arch", "llama") != "llama":
+        raise ValueError(
+            f"{path.name}: the numpy writer makes only Llamas; a {s['arch']} preset needs torch"
+        )
     if s["hidden"] // s["heads"] != s["head_dim"]:
         raise ValueError(f"numpy checkpoints need head_dim = hidden / heads: {s}")
     root.mkdir(parents=True, exist_ok=True)
