@@ -448,6 +448,20 @@ def _stored(key: tuple, spec: TensorSpec, raw: Any, dtype: Any, quantize) -> Any
     return np.ascontiguousarray(spec.to_layout(raw), dtype=dtype)
 
 
+def quantizer(method: str | None) -> Callable[[str, TensorSpec, np.ndarray], Any] | None:
+    """build_params' quantize for quantization=method (None: None, every param in dtype): a
+    layer param of models.quantization.QUANTIZED_PARAMS quantized per output channel
+    (quantize_param), its errors naming spec.hf_name; the others kept in dtype."""
+    if method is None:
+        return None
+    from models import quantization as quant
+
+    def quantize(name: str, spec: TensorSpec, value: np.ndarray) -> Any:
+        return quant.quantize_param(name, value, method, name=spec.hf_name)
+
+    return quantize
+
+
 def load_hf_model(
     path: str | os.PathLike,
     *,
@@ -557,12 +571,9 @@ def load_hf_model(
                 return np.stack(parts)
             return read_stored(spec.hf_name, spec.hf_shape)
 
-        def quantize(name: str, spec: TensorSpec, value: np.ndarray) -> Any:
-            return quant.quantize_param(name, value, quantization, name=spec.hf_name)
-
         params = build_params(
             config, specs, read, dtype=target_dtype, mesh=mesh, on_host=on_host,
-            stacked=stacked, quantize=quantize if quantization else None,
+            stacked=stacked, quantize=quantizer(quantization),
         )
     return directory_model(model_dir, config, params, mesh)
 
