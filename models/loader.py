@@ -16,7 +16,6 @@ working; this module imports the loaders and none of them imports it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -61,12 +60,13 @@ def load_model(
       stacked: params["layers"] as one dict of [num_layers, ...] arrays (for lax.scan),
         built on the host by the HF and GGUF loaders (a callable: decided from the model's
         config once read, as EngineConfig.scans_layers); an Orbax checkpoint (saved per layer)
-        is restored per layer and stacked on the devices (models/llama.py stack_layers).
+        is restored per layer and stacked on the devices (models/llama.py stack_layers), or
+        with quantization stacked on the host as HF's.
       expert_parallel: a mixture-of-experts model's experts split over the mesh's
         tensor-parallel devices (ModelConfig.with_expert_parallel); HF and GGUF only.
-      quantization: "int8" or "fp8" weights (models/quantization.py; HF and GGUF only, one
-        device); None: float weights in dtype (a compressed-tensors fp8 checkpoint still
-        loads fp8).
+      quantization: "int8" or "fp8" weights (models/quantization.py; an Orbax checkpoint is
+        then restored to the host and quantized there, orbax_checkpoint.load_orbax_model);
+        None: float weights in dtype (a compressed-tensors fp8 checkpoint still loads fp8).
 
     Raises:
       FileNotFoundError, ValueError: as the chosen loader; ValueError for a repo that cannot
@@ -80,25 +80,11 @@ def load_model(
             quantization=quantization,
         )
     if orbax_checkpoint.is_orbax_dir(local):
-        if quantization is not None:
-            raise ValueError(f"{local}: quantization is not supported for Orbax checkpoints")
         if expert_parallel:
             raise ValueError(f"{local}: expert parallelism is not supported for Orbax checkpoints")
-        loaded = orbax_checkpoint.load_orbax_model(local, dtype=dtype, mesh=mesh)
-        if callable(stacked):
-            stacked = stacked(loaded.config)
-        if not stacked:
-            return loaded
-        from models.llama import stack_layers
-        from models.sharding import param_shardings
-
-        place = None
-        if mesh is not None:
-            import jax
-
-            layers = param_shardings(loaded.config, mesh, stacked=True)["layers"]
-            place = lambda name, a: jax.device_put(a, layers[name])
-        return dataclasses.replace(loaded, params=stack_layers(loaded.params, place))
+        return orbax_checkpoint.load_orbax_model(
+            local, dtype=dtype, mesh=mesh, stacked=stacked, quantization=quantization
+        )
     return load_hf_model(
         local, dtype=dtype, mesh=mesh, stacked=stacked, expert_parallel=expert_parallel,
         quantization=quantization,

@@ -10,6 +10,9 @@ A converted model directory is a loadable model directory:
 
 Restoring builds the target from the config alone (shape, dtype, NamedSharding per param), so
 Orbax reads on each device only the slice that device holds: no full copy on the host.
+Quantized weights (quantization="int8" / "fp8") are the exception: the checkpoint is restored
+to the host in its stored dtype and quantized there, as a Hugging Face directory is, before
+each param is placed (load_orbax_model).
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from models import hf_checkpoint
 from models.config import ModelConfig
@@ -123,20 +129,141 @@ def _layout_shape(cfg: ModelConfig, key: tuple) -> tuple[int, ...]:
 
 
 def load_orbax_model(
-    path: str | os.PathLike, *, dtype: Any = None, mesh: Any = None
+    path: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    mesh: Any = None,
+    stacked: bool | Callable[[ModelConfig], bool] = False,
+    quantization: str | None = None,
 ) -> hf_checkpoint.LoadedModel:
-    """Restores a converted directory straight into the mesh's shardings (or one device)."""
+    """Restores a converted directory straight into the mesh's shardings (or one device).
+
+    Args:
+      path: a directory convert_hf_to_orbax wrote.
+      dtype: dtype of every float param (default: the loader's default for this platform).
+      mesh: a Mesh of models.sharding (None: one device).
+      stacked: params["layers"] as one dict of [num_layers, ...] arrays (a callable: decided
+        from the config): restored per layer (as saved) and stacked on the devices
+        (models/llama.py stack_layers); quantized, stacked on the host by build_params.
+      quantization: "int8" or "fp8": the layer projections quantized per output channel at
+        load, exactly as load_hf_model does (models.quantization.quantize_param; embeddings,
+        norms, LM head and router stay in dtype), then placed as that loader places them
+        (models.sharding.quantized_shardings under a mesh). The memory trade-off: the whole
+        checkpoint is restored to the host in its stored dtype (not into shards), each param
+        quantized (or cast) there and dropped once placed, so the host holds the model once
+        as stored. The values equal those of the Hugging Face directory loaded with the same
+        flag when the conversion kept its dtype (convert --dtype float32 for a float32 one).
+
+    Raises:
+      ValueError: an unknown quantization; quantized, a param missing from the checkpoint,
+        one it holds that the config does not imply, or one of another shape (the message
+        names the params directory and the param).
+    """
     import orbax.checkpoint as ocp
 
+    from models import quantization as quant
+
+    quant.check_method(quantization)
     model_dir = Path(path).absolute()
     t0 = time.perf_counter()
     config = hf_checkpoint.read_hf_config(model_dir)
-    target = abstract_params(config, hf_checkpoint.resolve_dtype(dtype), mesh)
-    params = ocp.StandardCheckpointer().restore(model_dir / PARAMS_DIR, target)
+    if callable(stacked):
+        stacked = stacked(config)
+    target_dtype = hf_checkpoint.resolve_dtype(dtype)
+    if quantization is not None:
+        params = _restore_quantized(
+            model_dir / PARAMS_DIR, config, target_dtype, mesh, stacked, quantization
+        )
+    else:
+        target = abstract_params(config, target_dtype, mesh)
+        params = ocp.StandardCheckpointer().restore(model_dir / PARAMS_DIR, target)
+        if stacked:
+            params = _stack_on_devices(config, params, mesh)
     logger.info(
-        "restored %s from Orbax in %.2fs (%s)",
+        "restored %s from Orbax in %.2fs (%s%s)",
         model_dir,
         time.perf_counter() - t0,
         "one device" if mesh is None else f"mesh {dict(mesh.shape)}",
+        f", {quantization} on the host" if quantization else "",
     )
     return hf_checkpoint.directory_model(model_dir, config, params, mesh)
+
+
+def _stack_on_devices(config: ModelConfig, params: dict, mesh: Any) -> dict:
+    """Restored per-layer params stacked for lax.scan, each stacked array on its sharding."""
+    import jax
+
+    from models.llama import stack_layers
+    from models.sharding import param_shardings
+
+    place = None
+    if mesh is not None:
+        layers = param_shardings(config, mesh, stacked=True)["layers"]
+        place = lambda name, a: jax.device_put(a, layers[name])
+    return stack_layers(params, place)
+
+
+def _restore_quantized(
+    params_dir: Path, config: ModelConfig, dtype: Any, mesh: Any, stacked: bool, method: str
+) -> dict:
+    """The params of load_orbax_model(quantization=method): restored to the host in their
+    stored dtype, then quantized, cast and placed by hf_checkpoint.build_params with the
+    quantize callback load_hf_model uses (each param read in the layout as stored)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.StandardCheckpointer()
+    stored = checkpointer.metadata(params_dir).item_metadata.tree
+    # No sharding in the target: Orbax restores numpy arrays on the host.
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), stored)
+    host = _by_name(params_dir, checkpointer.restore(params_dir, target))
+    specs = {  # the param as stored, named "PARAMS_DIR/layers.0.wq" in errors
+        key: hf_checkpoint.TensorSpec(
+            f"{params_dir}/{'.'.join(map(str, key))}",
+            _layout_shape(config, key),
+            _as_stored,
+            _as_stored,
+        )
+        for key in hf_checkpoint.tensor_specs(config)
+    }
+    unexpected = sorted(set(host) - {spec.hf_name for spec in specs.values()})
+    if unexpected:
+        shown = ", ".join(n.rpartition("/")[2] for n in unexpected[:5])
+        raise ValueError(f"{params_dir}: param(s) {shown} not implied by {config.architecture}")
+
+    def read(spec: hf_checkpoint.TensorSpec) -> np.ndarray:
+        array = host.pop(spec.hf_name, None)  # the host copy goes once the param is placed
+        if array is None:
+            raise ValueError(f"{spec.hf_name}: missing from the checkpoint")
+        if array.shape != spec.hf_shape:
+            raise ValueError(
+                f"{spec.hf_name}: shape {list(array.shape)}, expected {list(spec.hf_shape)} "
+                f"from {hf_checkpoint.CONFIG_FILE}"
+            )
+        return array
+
+    return hf_checkpoint.build_params(
+        config,
+        specs,
+        read,
+        dtype=dtype,
+        mesh=mesh,
+        stacked=stacked,
+        quantize=hf_checkpoint.quantizer(method),
+    )
+
+
+def _by_name(params_dir: Path, tree: dict) -> dict[str, np.ndarray]:
+    """The restored arrays by "params_dir/layers.0.wq"."""
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        f"{params_dir}/" + ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): a
+        for path, a in leaves
+    }
+
+
+def _as_stored(x: np.ndarray) -> np.ndarray:
+    """An Orbax param is already in the layout (its TensorSpec maps nothing)."""
+    return x

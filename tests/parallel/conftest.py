@@ -49,3 +49,10 @@ def tp_results(tp_checkpoint, tmp_path_factory) -> dict:
 def quant_results(tp_checkpoint, tmp_path_factory) -> dict:
     """sharded_worker.run_quant: quantized weights at T = 1, 2 and D = 2 x T = 2."""
     return run_worker("quant", str(tp_checkpoint), str(tmp_path_factory.mktemp("quant")))
+
+
+@pytest.fixture(scope="session")
+def orbax_quant_results(tp_checkpoint, tmp_path_factory) -> dict:
+    """sharded_worker.run_orbax_quant: Orbax loads with int8 / fp8 weights at T = 2 against
+    the HF directory's."""
+    return run_worker("orbax_quant", str(tp_checkpoint), str(tmp_path_factory.mktemp("oq")))

@@ -3,6 +3,7 @@
     python tests/parallel/sharded_worker.py tp CKPT ORBAX_DIR     # 8 devices, one process
     python tests/parallel/sharded_worker.py multihost CKPT ADDR N I OUT   # 4 devices each
     python tests/parallel/sharded_worker.py quant CKPT TMP_DIR     # quantized weights, 8 devices
+    python tests/parallel/sharded_worker.py orbax_quant CKPT TMP_DIR   # Orbax + int8/fp8, T = 2
 
 The device count must be set before JAX starts, so the tests run this file as a subprocess
 (pytest's own process has already initialised JAX with one device).
@@ -163,11 +164,11 @@ def run_tp(ckpt: str, orbax_dir: str) -> dict:
     return results
 
 
-def _quantized_layout(runner) -> dict:
+def _quantized_layout(params) -> dict:
     """Spec and per-device shape of each array of the stacked quantized params ("wq.q",
     "wq.scale", "w_down.offset"), and of one float one (input_norm)."""
     out = {}
-    for name, x in runner.params["layers"].items():
+    for name, x in params["layers"].items():
         arrays = {"q": x.q, "scale": x.scale, "offset": x.offset} if hasattr(x, "q") else {"": x}
         for part, a in arrays.items():
             if a is not None:
@@ -203,7 +204,7 @@ def run_quant(ckpt: str, tmp: str) -> dict:
         for t in (1, 2):
             llm = LLM(model, tensor_parallel_size=t, quantization=method, **ENGINE)
             res = _generate(llm)
-            res["layout"] = _quantized_layout(llm.llm_engine.runner)
+            res["layout"] = _quantized_layout(llm.llm_engine.runner.params)
             res["weight_bytes"] = llm.stats()["weight_bytes"]
             results[f"{label}_{t}"] = res
     llm = LLM(ckpt, tensor_parallel_size=2, data_parallel_size=2, quantization="int8", **ENGINE)
@@ -215,6 +216,44 @@ def run_quant(ckpt: str, tmp: str) -> dict:
         LLM(str(root / "odd.gguf"), tensor_parallel_size=2, quantization="int8", **ENGINE)
     except ValueError as e:
         results["odd_error"] = str(e)
+    return results
+
+
+def run_orbax_quant(ckpt: str, tmp: str) -> dict:
+    """CKPT converted to Orbax (float32) and loaded with int8 / fp8 weights under a T = 2
+    mesh (stacked, and int8 per layer too), against CKPT loaded the same way: the params of
+    each load whose sharding or values differ (none expected), and the stacked layouts."""
+    _env(8)
+    import jax
+    import numpy as np
+
+    from models import sharding
+    from models.loader import load_model, read_config
+    from models.orbax_checkpoint import convert_hf_to_orbax
+
+    orbax_dir = convert_hf_to_orbax(ckpt, Path(tmp) / "orbax", dtype="float32")
+    mesh = sharding.make_mesh(read_config(ckpt), 2)
+    results = {}
+    for method, stacked in (("int8", True), ("fp8", True), ("int8", False)):
+        ours, ref = (
+            load_model(path, mesh=mesh, quantization=method, stacked=stacked).params
+            for path in (orbax_dir, ckpt)
+        )
+        paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(ours)[0], strict=True)
+        ref_paths, ref_leaves = zip(*jax.tree_util.tree_flatten_with_path(ref)[0], strict=True)
+        res = {
+            "params": len(leaves),
+            "same_paths": paths == ref_paths,
+            "different": [
+                jax.tree_util.keystr(path)
+                for path, a, b in zip(paths, leaves, ref_leaves, strict=True)
+                if a.sharding != b.sharding or a.dtype != b.dtype or not np.array_equal(a, b)
+            ],
+        }
+        if stacked:
+            res["layout"] = _quantized_layout(ours)
+            res["hf_layout"] = _quantized_layout(ref)
+        results[f"{method}_{'stacked' if stacked else 'per_layer'}"] = res
     return results
 
 
@@ -245,5 +284,11 @@ def run_multihost(ckpt: str, addr: str, num_processes: str, process_id: str, out
 
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    result = {"tp": run_tp, "multihost": run_multihost, "quant": run_quant}[mode](*args)
+    modes = {
+        "tp": run_tp,
+        "multihost": run_multihost,
+        "quant": run_quant,
+        "orbax_quant": run_orbax_quant,
+    }
+    result = modes[mode](*args)
     print(json.dumps(result))
