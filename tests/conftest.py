@@ -89,11 +89,61 @@ ONE_VERSION_MODULES = {
 }  # fmt: skip
 
 
+# The slowest modules, slowest first (each one's setup and calls, measured in a CI run on the
+# idle 2-core machine: the longest single durations 100-250 s). xdist gives each worker whole
+# modules in the order of the collection (--no-loadscope-reorder in pyproject.toml), so these
+# start first and the many short modules fill in behind them: a slow module started last
+# would leave the other worker idle until it ends. Regenerate from JPAGED_MODULE_TIMES below.
+SLOW_MODULES_FIRST = (
+    "tests/models/test_gemma.py",
+    "tests/models/test_quantization_smollm2.py",
+    "tests/jpaged/core/test_paging_groups.py",
+    "tests/parallel/test_tensor_parallel.py",
+    "tests/server/test_tool_calling.py",
+    "tests/models/test_gguf_smollm2.py",
+    "tests/server/test_embeddings.py",
+    "tests/parallel/test_quantized_tensor_parallel.py",
+    "tests/jpaged/structured_output/test_structured_engine.py",
+)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.relative_to(config.rootpath).as_posix() in ONE_VERSION_MODULES:
             item.add_marker(pytest.mark.once)
+    # SLOW_MODULES_FIRST in its order, then the other modules by their number of tests, most
+    # first (xdist's own reordering, which the option turns off); within a module, as written.
+    modules = [item.path.relative_to(config.rootpath).as_posix() for item in items]
+    counts = {m: modules.count(m) for m in set(modules)}
+    rank = {m: i for i, m in enumerate(SLOW_MODULES_FIRST)}
+    keys = {m: (rank.get(m, len(rank)), -counts[m], m) for m in counts}
+    order = sorted(range(len(items)), key=lambda i: (keys[modules[i]], i))
+    items[:] = [items[i] for i in order]
+
+
+# JPAGED_MODULE_TIMES=FILE: the run appends one JSON line per module (its setup, call and
+# teardown seconds summed), the measure behind SLOW_MODULES_FIRST. Written by the process that
+# sees every report: xdist's controller (workers' reports reach it too), or the only one.
+_module_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("JPAGED_MODULE_TIMES"):
+        module = report.nodeid.split("::", 1)[0]
+        _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    path = os.environ.get("JPAGED_MODULE_TIMES")
+    if path and _module_seconds and not hasattr(session.config, "workerinput"):
+        import json
+
+        slowest = sorted(_module_seconds.items(), key=lambda kv: -kv[1])
+        with open(path, "a") as f:
+            f.writelines(
+                json.dumps({"module": m, "seconds": round(s, 1)}) + "\n" for m, s in slowest
+            )
 
 
 @pytest.fixture(scope="session")
