@@ -86,6 +86,22 @@ ONE_VERSION_MODULES = {
     "tests/server/test_openai_demo.py": "demo model over HTTP; test_openai_api runs",
     "tests/server/test_spec_decode_metrics.py": "metric counters",
     "tests/models/test_gguf_families.py": "numpy GGUF parsing; test_gguf_loader runs",
+    # The servers' request plumbing on the fake engine (no JAX program): test_openai_api
+    # (HTTP) and test_generate (gRPC) stay in both stages for it.
+    "tests/server/test_openai_errors.py": "HTTP error shapes on the fake engine",
+    "tests/server/test_openai_streams.py": "SSE streams on the fake engine",
+    "tests/server/test_bad_input.py": "gRPC validation on the fake engine",
+    "tests/server/test_cancel.py": "gRPC cancellation on the fake engine",
+    "tests/server/test_drain.py": "drain on the fake engine",
+    "tests/server/test_engine_loop.py": "the engine thread on the fake engine",
+    "tests/server/test_metrics.py": "Prometheus counters on the fake engine",
+    "tests/server/test_grpc_chat.py": "gRPC chat plumbing on the fake engine",
+    "tests/server/test_tool_requests.py": "tool request validation",
+    "tests/server/test_tool_parsers.py": "string parsing",
+    "tests/server/test_interface.py": "method signatures",
+    "tests/server/test_wire.py": "protobuf field checks",
+    "tests/server/test_proto.py": "generated stubs",
+    "tests/test_layering.py": "reads the source",
 }  # fmt: skip
 
 
