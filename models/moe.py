@@ -63,10 +63,9 @@ def moe_mlp(x: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis=None) -> j
     (plain TP or one device), or under expert parallelism the E_local experts starting at
     axis_index * E_local."""
     num_tokens, k = x.shape[0], cfg.num_experts_per_tok
-    # Quantized experts are dequantized in the step (models/quantization.py).
-    w_gate, w_up, w_down = (
-        dequantize(layer[name], x.dtype) for name in ("w_gate_exps", "w_up_exps", "w_down_exps")
-    )
+    # Quantized experts (models/quantization.py) stay quantized here: grouped_mlp
+    # dequantizes them, one expert at a time in the CPU's block loop.
+    w_gate, w_up, w_down = (layer[name] for name in ("w_gate_exps", "w_up_exps", "w_down_exps"))
     logits = jnp.dot(
         x.astype(jnp.float32),
         layer["router"].astype(jnp.float32),
@@ -110,7 +109,9 @@ def grouped_mlp(
 
     Args:
       xs: [M, D], rows sorted by group; rows past sum(group_sizes) belong to none.
-      w_gate, w_up: [G, D, F]; w_down: [G, F, D].
+      w_gate, w_up: [G, D, F]; w_down: [G, F, D]; arrays or QuantizedWeights (the block loop
+        dequantizes only the expert of each block, to xs's dtype: the step reads the stored
+        bytes, never a float copy of every expert; ragged_dot takes them dequantized).
       group_sizes: int32[G].
       blocked: the CPU's block loop (_blocked_mlp); None: on the CPU only, as
         jax.lax.ragged_dot is a dense product there and a native grouped matmul elsewhere.
@@ -123,6 +124,7 @@ def grouped_mlp(
         blocked = jax.default_backend() == "cpu"
     if blocked:
         return _blocked_mlp(xs, w_gate, w_up, w_down, group_sizes, act)
+    w_gate, w_up, w_down = (dequantize(w, xs.dtype) for w in (w_gate, w_up, w_down))
     gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
     return jax.lax.ragged_dot(act(gate) * jax.lax.ragged_dot(xs, w_up, group_sizes), w_down,
                               group_sizes)  # fmt: skip
@@ -160,9 +162,10 @@ def _blocked_mlp(xs, w_gate, w_up, w_down, group_sizes, act) -> jax.Array:
 
     def body(i, yp):  # block i: B rows of one expert
         e = block_group[i]
+        wg, wu, wd = (dequantize(w[e], xs.dtype) for w in (w_gate, w_up, w_down))
         xb = xp[i]  # [B, D]
-        h = act(xb @ w_gate[e]) * (xb @ w_up[e])  # [B, F]
-        return yp.at[i].set((h @ w_down[e]).astype(yp.dtype))
+        h = act(xb @ wg) * (xb @ wu)  # [B, F]
+        return yp.at[i].set((h @ wd).astype(yp.dtype))
 
     # Only the used blocks run (a loop of dynamic length): the bound above is for shapes.
     yp = jax.lax.fori_loop(0, block_end[-1], body, jnp.zeros_like(xp))

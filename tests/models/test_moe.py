@@ -101,6 +101,29 @@ def test_blocked_grouped_mlp_equals_ragged_dot(sizes):
     np.testing.assert_array_equal(out[True][n:], 0.0)
 
 
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_blocked_grouped_mlp_dequantizes_each_block_expert(method):
+    """Quantized experts in the block loop (each block's expert dequantized in the loop) give
+    what their dequantized arrays give."""
+    from models.quantization import QUANTIZED_PARAMS, dequantize, quantize
+
+    rng = np.random.default_rng(2)
+    sizes = np.asarray([3, 0, 9, 1, 5], np.int32)
+    xs = rng.normal(size=(int(sizes.sum()), 8)).astype(np.float32)
+    shapes = {"w_gate_exps": (5, 8, 6), "w_up_exps": (5, 8, 6), "w_down_exps": (5, 6, 8)}
+    quantized = [
+        jax.tree.map(jnp.asarray, quantize(rng.normal(size=s), QUANTIZED_PARAMS[n], method))
+        for n, s in shapes.items()
+    ]
+    dequantized = [dequantize(w) for w in quantized]
+    out = [
+        np.asarray(jax.jit(lambda x, ws, sz: moe.grouped_mlp(
+            x, *ws, sz, jax.nn.silu, blocked=True))(xs, ws, sizes))
+        for ws in (quantized, dequantized)
+    ]  # fmt: skip
+    np.testing.assert_allclose(out[0], out[1], rtol=1e-6, atol=1e-6)
+
+
 def test_block_rows_follow_the_mean_group_size():
     # decode (32 sequences x top-4 over 32 experts), a mid step, prefill of 2,048 tokens
     assert [moe.block_rows(m, 32) for m in (128, 1000, 8192, 1)] == [8, 32, 128, 8]
@@ -284,6 +307,27 @@ def test_gguf_equals_hf_directory(checkpoints, tmp_path, family):
     assert [p for p, _ in flat_gguf] == [p for p, _ in flat_hf]
     for (p, a), (_, b) in zip(flat_gguf, flat_hf, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
+
+
+@pytest.mark.needs_torch
+def test_int8_experts_give_the_logits_of_their_dequantized_weights(checkpoints):
+    """--quantization int8 keeps the experts int8 (the block loop dequantizes each block's
+    expert): the logits of every position equal those of the same weights dequantized
+    up front."""
+    import dataclasses
+
+    from models.quantization import QuantizedWeight, dequantize
+
+    loaded = load_hf_model(checkpoints["qwen3moe"], quantization="int8")
+    experts = loaded.params["layers"][0]["w_gate_exps"]
+    assert isinstance(experts, QuantizedWeight) and experts.dtype == jnp.int8
+    plain = jax.tree.map(
+        dequantize, loaded.params, is_leaf=lambda a: isinstance(a, QuantizedWeight)
+    )
+    ids = np.random.default_rng(3).integers(0, 160, 21).tolist()
+    want = paged_logits(dataclasses.replace(loaded, params=plain), [21], ids)
+    for chunks in ([21], [9, 1, 11]):
+        np.testing.assert_allclose(paged_logits(loaded, chunks, ids), want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.needs_torch
