@@ -334,15 +334,20 @@ def main() -> None:
         "--preset", default=None, choices=("windowed",),
         help="windowed: only table 5, hybrid paging on a Gemma-3-shaped model (module "
         "docstring); its defaults: 16 requests of 4096-token contexts (64 generated), window "
-        "512, --kv-tokens 16384, --max-num-seqs 32, --page-size 16",
+        "512, --kv-tokens 16384, --max-num-seqs 32, --max-num-batched-tokens 1024, "
+        "--page-size 16",
     )
     p.add_argument("--context", type=int, default=4096, help="--preset windowed: tokens")
     p.add_argument("--window", type=int, default=512, help="--preset windowed: the window")
     args = p.parse_args()
     if args.preset == "windowed":
         given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
+        # A budget of 1,024 tokens: at 512, 8 prefill steps per 4,032-token prompt against 64
+        # decode steps keep about 9 sequences running whatever the memory (the budget binds);
+        # at 4,096 a whole prompt's chunk needs its pages in every window group before they
+        # slide (docs/memory.md, "Hybrid paging").
         for flag, value in (("--num-requests", 16), ("--max-tokens", 64),
-                            ("--kv-tokens", 16384)):  # fmt: skip
+                            ("--kv-tokens", 16384), ("--max-num-batched-tokens", 1024)):  # fmt: skip
             if flag not in given:
                 setattr(args, flag[2:].replace("-", "_"), value)
 
