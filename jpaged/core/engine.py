@@ -326,12 +326,14 @@ class LLMEngine:
         dtype = jax.tree_util.tree_leaves(loaded.params)[0].dtype
         itemsize = np.dtype(dtype).itemsize
         draft = self._load_draft(config, dtype)
+        self.kv_dtype = kv_quant.storage_dtype(config.cache.kv_cache_dtype, dtype)
+        # A draft model's pool has the target's page ids and kv dtype (its runner reads the
+        # same CacheConfig): each page costs its bytes too.
         extra = (
             0
             if draft is None
-            else DraftModel.bytes_per_page(draft, config.cache.page_size, itemsize)
+            else kv_page_bytes(draft.config, config.cache.page_size, itemsize, self.kv_dtype)
         )
-        self.kv_dtype = kv_quant.storage_dtype(config.cache.kv_cache_dtype, dtype)
         # Paging groups: a page table per attention kind when windowed pages are freed
         # (docs/memory.md, "Hybrid paging"); not with a draft model, which reads the same
         # page ids with full attention.

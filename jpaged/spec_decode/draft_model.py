@@ -58,10 +58,6 @@ class DraftModel:
         self.vocab_size = loaded.config.vocab_size
         self._computed: dict[int, tuple[int, tuple[int, ...]]] = {}  # seq_id -> (n, pages)
 
-    @staticmethod
-    def bytes_per_page(loaded: LoadedModel, page_size: int, itemsize: int) -> int:
-        return loaded.config.kv_bytes_per_page(page_size, itemsize)
-
     def reset(self) -> None:
         """After a failed step: a fresh pool and no sequence computed."""
         self.runner.reset_state()

@@ -84,6 +84,21 @@ def test_equal_memory_admits_twice_the_sequences_in_fp8_and_four_times_in_int8(d
     assert running["int8"] >= 1.9 * running["float32"] and running["fp8"] >= 1.9 * running["bfloat16"]
 
 
+def test_a_draft_models_pool_is_quantized_and_counted_so(demo_model_dir):
+    """The model as its own draft on an int8 cache: the draft's pool holds int8 pages too,
+    and the memory budget counts both pools' int8 pages (not the draft's as float32)."""
+    config = engine_config_from_args(
+        str(demo_model_dir), page_size=PAGE, max_num_seqs=4, max_model_len=64,
+        kv_cache_memory_bytes=MEMORY, kv_cache_dtype="int8",
+        speculative_config={"method": "draft_model", "model": str(demo_model_dir),
+                            "num_speculative_tokens": 2},
+    )  # fmt: skip
+    engine = LLMEngine(config)
+    int8_page = 2 * 4 * 2 * PAGE * (64 + 2)  # K and V rows of 64 int8 + a 2-byte scale
+    assert engine.num_pages == MEMORY // (2 * int8_page) + 1 == 125
+    assert engine._drafter.runner.kv_dtype == engine.runner.kv_dtype == np.int8
+
+
 # -- the features that move pages, on a quantized cache ---------------------------------------
 @pytest.fixture(scope="module")
 def engines(demo_model_dir):
