@@ -71,7 +71,7 @@ from checkpoints import ARCHS, make_tiny_checkpoint
 # the allocator, the tool and structured-output plumbing, the CLI and servers' request
 # handling) or an engine path whose JAX programs other tests already run under 3.12. Those
 # tests stay in the 3.12 stage: the kernels, sharding, caches of compiled programs, loaders,
-# quantization, MoE, the engine's compile plan and every-request-ends.
+# quantization and MoE.
 ONE_VERSION_MODULES = {
     "tests/jpaged/core/test_paging_groups.py": "host plans (its engine tests need transformers)",
     "tests/jpaged/core/test_allocator_properties.py": "pure host: allocator and scheduler",
@@ -102,6 +102,18 @@ ONE_VERSION_MODULES = {
     "tests/server/test_wire.py": "protobuf field checks",
     "tests/server/test_proto.py": "generated stubs",
     "tests/test_layering.py": "reads the source",
+    # Engine behaviour built on programs that other 3.12 tests compile and run (test_engine,
+    # test_step_hlo, test_executable_cache, the kernels' and sharding's own tests): which
+    # programs a warm-up compiles, admission at the mapping cap, the CPU server's slots,
+    # every-request-ends, pages of a quantized pool moved by prefix caching, forks, beams and
+    # swaps (the quantized pages themselves: test_kv_quant, test_kv_quant_kernels), the
+    # quantized weights' sharding specs (host numpy; shard_map itself: test_tensor_parallel).
+    "tests/jpaged/core/test_engine_warm_up.py": "the warm-up's program plan",
+    "tests/jpaged/worker/test_map_count.py": "admission at Linux's mapping cap",
+    "tests/server/test_startup.py": "the CPU server's slots and warm-up",
+    "tests/jpaged/core/test_liveness.py": "every accepted request ends",
+    "tests/jpaged/core/test_kv_cache_dtype.py": "quantized pages through the engine",
+    "tests/parallel/test_quantized_tensor_parallel.py": "quantized weights' shard specs",
 }  # fmt: skip
 
 
