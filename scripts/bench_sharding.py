@@ -4,8 +4,9 @@
 
 For each tensor-parallel size it builds an engine on a random Llama (preset cpu-tp of
 bench_throughput.py), runs a small batch (prefill and decode steps), and reads the HLO of every
-compiled step: the step must be one program (one HloModule) holding exactly one all-reduce
-after each row-parallel matmul (wo and w_down: 2 per layer), one for the vocab-parallel
+compiled step (layers unrolled, so that each layer's collectives appear in the text): the
+step must be one program (one HloModule) holding exactly one all-reduce after each
+row-parallel matmul (wo and w_down: 2 per layer), one for the vocab-parallel
 embedding, and one all-gather of the logits. Then it prints the bytes each device sends per
 step under this layout for Llama-3-8B and Llama-3-70B shapes at T = 8 (bfloat16 activations,
 float32 logits, ring collectives), from models.sharding.comm_bytes_per_step.
@@ -47,6 +48,7 @@ def check_programs(model: str, sizes: list[int], num_layers: int) -> bool:
             max_model_len=128,
             max_num_batched_tokens=64,
             compilation_cache_dir=None,
+            scan_layers=False,  # unrolled: each layer's collectives appear in the program text
         )
         llm.generate(prompts, params)  # compiles the shapes
         t0 = time.perf_counter()
@@ -101,14 +103,14 @@ def main() -> int:
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     )
     import jax
-    from bench_throughput import PRESETS, make_checkpoint
+    from bench_throughput import PRESETS, ensure_checkpoint
 
     print(
         f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices (simulated)"
     )
-    model = Path(tempfile.mkdtemp(prefix="jpaged-shard-")) / "model"
-    make_checkpoint(model, "cpu-tp", "float32")
-    ok = check_programs(str(model), args.sizes, num_layers=PRESETS["cpu-tp"][1])
+    model = ensure_checkpoint(Path(tempfile.mkdtemp(prefix="jpaged-shard-")), "cpu-tp",
+                              "float32", seed=0)  # fmt: skip
+    ok = check_programs(str(model), args.sizes, num_layers=PRESETS["cpu-tp"]["layers"])
     comm_table(args.comm_tp)
     print("\ncollectives as expected" if ok else "\nUNEXPECTED collectives (see above)")
     return 0 if ok else 1
