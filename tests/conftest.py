@@ -6,6 +6,7 @@ fixtures and the environment defaults that must be set before JAX is imported.
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 from pathlib import Path
@@ -143,7 +144,7 @@ def pytest_collection_modifyitems(config, items):
     # SLOW_MODULES_FIRST in its order, then the other modules by their number of tests, most
     # first (xdist's own reordering, which the option turns off); within a module, as written.
     modules = [item.path.relative_to(config.rootpath).as_posix() for item in items]
-    counts = {m: modules.count(m) for m in set(modules)}
+    counts = collections.Counter(modules)
     rank = {m: i for i, m in enumerate(SLOW_MODULES_FIRST)}
     keys = {m: (rank.get(m, len(rank)), -counts[m], m) for m in counts}
     order = sorted(range(len(items)), key=lambda i: (keys[modules[i]], i))
