@@ -136,9 +136,87 @@ def zeros(shape: tuple[int, ...], dtype, xp=jnp) -> jax.Array | QuantizedPages:
     return xp.zeros(shape, dtype)
 
 
+# XLA:CPU has no float8 or bfloat16 gather or scatter: its float normalization wraps each
+# one in conversions of the whole operand to float16 and back, which for a pool array
+# converts every layer's pages at each read and write (measured: SmolLM2's fp8 decode steps
+# 6x slower than int8's, docs/memory.md). Pool arrays of those dtypes are therefore moved as
+# unsigned integers of the same width ("bits"); a bitcast between them changes no byte.
+_BITS = {1: jnp.uint8, 2: jnp.uint16}
+
+
+def _needs_bits(dtype) -> bool:
+    dtype = np.dtype(dtype)
+    return dtype == np.dtype(ml_dtypes.bfloat16) or dtype in QUANTIZED_DTYPES[1:]
+
+
+def _bits(a: jax.Array) -> jax.Array:
+    if not _needs_bits(a.dtype):
+        return a
+    return jax.lax.bitcast_convert_type(a, _BITS[np.dtype(a.dtype).itemsize])
+
+
+def _unbits(a: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(a, dtype) if a.dtype != np.dtype(dtype) else a
+
+
+@jax.tree_util.register_pytree_node_class
+class PoolBits:
+    """A pool half held as bits inside one CPU step program (to_bits at its start, from_bits
+    at its end): data and scales (None for an unquantized pool) as unsigned integers, dtype
+    the data's own. take and write read and write it like the pool it stands for; copies by
+    index (jax.tree.map over data and scales) are integer gathers and scatters. Bitcasting
+    the whole pool once at each end of the step costs two copies of it, against two float16
+    round trips per layer (docs/memory.md has the figures)."""
+
+    def __init__(self, data: jax.Array, scales: jax.Array | None, dtype):
+        self.data, self.scales, self.dtype = data, scales, np.dtype(dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    def tree_flatten(self):
+        return (self.data, self.scales), self.dtype
+
+    @classmethod
+    def tree_unflatten(cls, dtype, children):
+        return cls(*children, dtype)
+
+
+def to_bits(pages):
+    """A pool half (array or QuantizedPages) as PoolBits when its dtype needs it, else as it
+    is (float32 and int8 pages with no scales are gathered natively)."""
+    if isinstance(pages, QuantizedPages):
+        return PoolBits(_bits(pages.data), _bits(pages.scales), pages.dtype)
+    if _needs_bits(pages.dtype):
+        return PoolBits(_bits(pages), None, pages.dtype)
+    return pages
+
+
+def from_bits(pages):
+    """to_bits' inverse."""
+    if not isinstance(pages, PoolBits):
+        return pages
+    data = _unbits(pages.data, pages.dtype)
+    if pages.scales is None:
+        return data
+    return QuantizedPages(data, _unbits(pages.scales, SCALE_DTYPE))
+
+
 def write(pages, new: jax.Array, slots: jax.Array):
     """pages with new [T, H, D] written into flat slots int32[T] (page * page_size + offset),
     quantized when pages is QuantizedPages, else cast to the pages' dtype."""
+    if isinstance(pages, PoolBits):
+        if pages.scales is None:
+            return PoolBits(
+                _write(pages.data, _bits(new.astype(pages.dtype)), slots), None, pages.dtype
+            )
+        q, scale = quantize(new, pages.dtype)
+        return PoolBits(
+            _write(pages.data, _bits(q), slots),
+            _write(pages.scales, _bits(scale), slots),
+            pages.dtype,
+        )
     if isinstance(pages, QuantizedPages):
         q, scale = quantize(new, pages.dtype)
         return QuantizedPages(_write(pages.data, q, slots), _write(pages.scales, scale, slots))
@@ -156,6 +234,11 @@ def _write(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
 def take(pages, index) -> jax.Array:
     """pages[:, index] as float32 (dequantized): index any int array -> [H, *index.shape,
     page_size, D]. The gathered bytes are the stored dtype's; dequantization follows."""
+    if isinstance(pages, PoolBits):
+        data = _unbits(pages.data[:, index], pages.dtype)
+        if pages.scales is None:
+            return data.astype(jnp.float32)
+        return dequantize(data, _unbits(pages.scales[:, index], SCALE_DTYPE))
     if isinstance(pages, QuantizedPages):
         return dequantize(pages.data[:, index], pages.scales[:, index])
     return pages[:, index].astype(jnp.float32)

@@ -142,9 +142,11 @@ def step(
     src = inputs.src_rows
     token_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], inputs.token_ids)
     page_table = _apply_updates(state.page_table, inputs.page_updates)
-    kv_pages = _copy_pages(
-        state.k_pages, state.v_pages, inputs.page_copies, _slots(model_config, kv_groups)
-    )
+    k_pages, v_pages = state.k_pages, state.v_pages
+    as_bits = _gathers_on_cpu(backend)
+    if as_bits:  # float8 / bfloat16 pages moved as their bits (kv_quant.PoolBits)
+        k_pages, v_pages = kv_quant.to_bits(k_pages), kv_quant.to_bits(v_pages)
+    kv_pages = _copy_pages(k_pages, v_pages, inputs.page_copies, _slots(model_config, kv_groups))
     num_groups = kv_groups.num_groups if kv_groups is not None else 1
     if num_groups == 1:
         table = page_table[inputs.table_rows, : key.num_page_cols]  # [S, P]
@@ -189,7 +191,16 @@ def step(
     # index array is a zero-size constant, and jax 0.11's CPU compiler crashes on a zero-size
     # constant inside shard_map (tests/parallel/test_zero_size_constant.py).
     tokens = jnp.pad(out.tokens, (0, prev_tokens.shape[0] - key.num_seqs))
+    if as_bits:
+        kv_pages = tuple(map(kv_quant.from_bits, kv_pages))
     return out, tokens, DeviceState(*kv_pages, page_table)
+
+
+def _gathers_on_cpu(backend: str | None) -> bool:
+    """Whether the step's attention reads pages by XLA:CPU gathers (the reference on the
+    CPU): XLA:CPU gathers and scatters float8 and bfloat16 through float16 copies of the
+    whole pool, so such a step moves the pool's bytes as integers (kv_quant.PoolBits)."""
+    return jax.default_backend() == "cpu" and backend != "pallas_interpret"
 
 
 def _slots(model_config: ModelConfig, kv_groups: KVGroups | None) -> int:

@@ -8,6 +8,7 @@ qmax), and each case says why its scale and codes are what they are.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -20,6 +21,7 @@ from pallas_kernels.kv_quant import QuantizedPages
 INT8 = np.dtype(np.int8)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def round_trip(row, dtype):
@@ -114,6 +116,39 @@ def test_write_quantizes_each_row_into_its_slot_with_its_scale():
         for o in range(2):
             if (p, o) not in written:  # every other slot is untouched
                 assert not data[:, p, o].any() and not scales[:, p, o].any()
+
+
+@pytest.mark.parametrize("dtype", [INT8, E4M3, E5M2, BF16], ids=["int8", "e4m3", "e5m2", "bf16"])
+def test_pool_bits_write_and_read_the_same_bytes_as_the_pool(dtype):
+    """kv_quant.PoolBits (a CPU step's view of a float8 or bfloat16 pool as integers):
+    write, take and an index copy through the bits equal the same on the pool, byte for byte,
+    and from_bits gives the pool back."""
+    rng = np.random.default_rng(0)
+    pages = kv_quant.zeros((2, 5, 4, 8), dtype)  # 2 heads, 5 pages of 4 slots, head_dim 8
+    pages = kv_quant.write(
+        pages,
+        jnp.asarray(rng.normal(size=(9, 2, 8)), jnp.float32),
+        jnp.arange(9, dtype=jnp.int32) + 3,
+    )
+    bits = kv_quant.to_bits(pages)
+    assert isinstance(bits, kv_quant.PoolBits) and bits.dtype == dtype and bits.shape == pages.shape
+    assert all(
+        np.dtype(leaf.dtype).kind == "u" or leaf.dtype == INT8 for leaf in jax.tree.leaves(bits)
+    )
+    new, slots = jnp.asarray(rng.normal(size=(3, 2, 8)), jnp.float32), jnp.asarray([0, 17, 9])
+    index = jnp.asarray([[4, 0], [2, 2]], jnp.int32)
+    want, got = (
+        kv_quant.write(pages, new, slots),
+        kv_quant.from_bits(kv_quant.write(bits, new, slots)),
+    )
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        assert g.dtype == w.dtype and np.asarray(g).tobytes() == np.asarray(w).tobytes()
+    np.testing.assert_array_equal(
+        kv_quant.take(kv_quant.to_bits(want), index), kv_quant.take(want, index)
+    )
+    copied = kv_quant.from_bits(jax.tree.map(lambda a: a.at[:, 1].set(a[:, 3]), bits))
+    np.testing.assert_array_equal(kv_quant.take(copied, 1), kv_quant.take(pages, 3))
+    assert kv_quant.to_bits(jnp.zeros((1, 2, 2, 2), jnp.float32)).dtype == np.float32  # as it is
 
 
 def quantized(case, dtype):
