@@ -123,8 +123,9 @@ def test_loaded_model_chat_fields(smollm2, smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def smol_llm(smollm2_gguf):
-    """Four sequence slots, one token bucket and one page bucket: two compiled programs for
-    the 30-layer model, shared by the tests below."""
+    """Four sequence slots and one page bucket, shared by the tests below. Decode steps run
+    the smallest token bucket: one bucket of 256 tokens compiled fewer programs, but its
+    every decode step computed 256 tokens (the module took 20 s longer)."""
     from jpaged import LLM
 
     return LLM(
@@ -132,7 +133,6 @@ def smol_llm(smollm2_gguf):
         max_num_seqs=4,
         max_model_len=256,
         max_num_batched_tokens=256,
-        min_token_bucket=256,
         min_page_bucket=16,
     )
 

@@ -45,7 +45,7 @@ def measured(smollm2_gguf):
             model=str(smollm2_gguf), quantization=method, kv_cache_dtype=kv_dtype,
             max_model_len=PERPLEXITY_TOKENS + 64,
             num_pages=(PERPLEXITY_TOKENS + 64) // 16 + 13, max_num_seqs=len(REAL_PROMPTS),
-            max_num_batched_tokens=512, min_token_bucket=512, min_page_bucket=16,
+            max_num_batched_tokens=512, min_page_bucket=16,
         )  # fmt: skip
         ids = english_token_ids(llm.get_tokenizer(), PERPLEXITY_TOKENS)
         # All twelve prompts in one generate call per engine.
