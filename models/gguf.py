@@ -332,7 +332,10 @@ def _quantize(
     spec,
     value: np.ndarray,
 ):
-    """A projection's stored form under --quantization (load_gguf_model's docstring)."""
+    """A projection's (or the embedding table's) stored form under --quantization
+    (load_gguf_model's docstring)."""
+    if name == "embed":
+        return _quantized_embedding(file, method, spec, value)
     if name not in quant.QUANTIZED_PARAMS:
         return value
     tensor_name = gguf_tensor_name(spec.hf_name, file.arch)
@@ -354,6 +357,22 @@ def _quantize(
     if method == "fp8" or kind in _FLOAT_TYPES or value.shape[axes[-1]] % GGML_BLOCK:
         return quant.quantize(value, axes, method, name=spec.hf_name)
     return quant.quantize(value, axes, "int8", group=GGML_BLOCK, name=spec.hf_name)
+
+
+def _quantized_embedding(file: GGUFFile, method: str, spec, value: np.ndarray):
+    """token_embd under --quantization int8: its blocks as stored (decode_blocks; scales per
+    block of each row, so a lookup and the tied LM head dequantize by rows, models/
+    quantization.py embed_rows and tied_logits), when its type keeps them without loss; a
+    float table (F32/F16/BF16, or a type outside LOSSLESS_GROUPS) and "fp8" keep value."""
+    tensor = file.tensors[gguf_tensor_name(spec.hf_name, file.arch)]
+    kind = tensor.tensor_type.name
+    if method != "int8" or kind not in LOSSLESS_GROUPS:
+        return value
+    q, scale, offset = decode_blocks(np.asarray(tensor.data), kind)
+    q = q.reshape(value.shape)
+    scale = scale.reshape(value.shape[0], -1)
+    offset = None if offset is None else offset.reshape(scale.shape)
+    return quant.QuantizedWeight(q, scale, LOSSLESS_GROUPS[kind], -1, offset)
 
 
 def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -600,8 +619,10 @@ def load_gguf_model(
         scales (and minima as offsets), float16 as stored for the 32-element types, float32
         for the K-quants, one form per param name across layers (block_forms); Q2_K / Q3_K
         (and a block type whose blocks do not fit the layout) re-quantized to int8 per
-        32-element block (float32 scales); F32/F16/BF16 per output channel. "fp8": float8_e4m3fn per output channel. The embedding table
-        (token_embd, also the tied LM head), output.weight and norms stay in dtype.
+        32-element block (float32 scales); F32/F16/BF16 per output channel. "fp8": float8_e4m3fn per output channel. The embedding
+        table (token_embd, also the tied LM head) keeps its blocks the same way under "int8"
+        (_quantized_embedding); a float one, and every one under "fp8", stays in dtype, as do
+        output.weight (an untied LM head) and the norms.
 
     Returns:
       LoadedModel with the tokenizer, chat template, BOS/EOS texts and sampling defaults the

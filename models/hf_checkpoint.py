@@ -439,8 +439,9 @@ def _stored(key: tuple, spec: TensorSpec, raw: Any, dtype: Any, quantize) -> Any
 
     if quantization.is_quantized(raw):  # already quantized in the checkpoint
         return quantization.hf_to_layout(raw, spec, key[-1])
-    if quantize is not None and key[0] == "layers":
-        value = quantize(key[2], spec, np.asarray(spec.to_layout(raw), dtype=np.float32))
+    if quantize is not None and (key[0] == "layers" or key == ("embed",)):
+        name = key[2] if key[0] == "layers" else "embed"  # quantize keeps what it does not take
+        value = quantize(name, spec, np.asarray(spec.to_layout(raw), dtype=np.float32))
         if quantization.is_quantized(value):
             return value
     # Cast on the host (ml_dtypes for bfloat16): jnp.asarray(x, dtype=...) would compile

@@ -225,7 +225,7 @@ def forward(
     act = _ACTIVATIONS[cfg.hidden_act]
     ropes = _rope_tables(cfg, positions, context_lens, query_start)
     kinds = _layer_kinds(cfg)
-    x = _embed(params["embed"], cfg, token_ids, tp_axis)  # [T, D]
+    x = _embed(params["embed"], cfg, token_ids, tp_axis, params["final_norm"].dtype)  # [T, D]
     if cfg.embed_scale:  # in the activation dtype, as transformers scales
         x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
     k_pages, v_pages = kv_pages
@@ -361,7 +361,7 @@ def compute_logits(
 ) -> jax.Array:
     """hidden [N, D] -> float32 logits [N, vocab] (gathered over tp_axis when vocab-split)."""
     if cfg.tie_word_embeddings or "lm_head" not in params:
-        logits = hidden @ params["embed"].T
+        logits = quantization.tied_logits(hidden, params["embed"])
     else:
         logits = hidden @ params["lm_head"]
     logits = logits.astype(jnp.float32)
@@ -405,14 +405,16 @@ def _reduce(x: jax.Array, tp_axis) -> jax.Array:
     return x if tp_axis is None else jax.lax.psum(x, tp_axis)
 
 
-def _embed(table: jax.Array, cfg: ModelConfig, token_ids: jax.Array, tp_axis) -> jax.Array:
-    """Embedding lookup; a vocab-split table [V / T, D] looks up its own ids and all-reduces."""
+def _embed(table, cfg: ModelConfig, token_ids: jax.Array, tp_axis, dtype) -> jax.Array:
+    """Embedding lookup in dtype (a quantized table: its rows dequantized); a vocab-split
+    table [V / T, D] looks up its own ids and all-reduces."""
     rows = table.shape[0]
     if tp_axis is None or rows == cfg.vocab_size:
-        return table[token_ids]
+        return quantization.embed_rows(table, token_ids, dtype)
     local = token_ids - jax.lax.axis_index(tp_axis) * rows
     mine = (local >= 0) & (local < rows)
-    x = jnp.where(mine[:, None], table[jnp.clip(local, 0, rows - 1)], 0)
+    found = quantization.embed_rows(table, jnp.clip(local, 0, rows - 1), dtype)
+    x = jnp.where(mine[:, None], found, 0)
     return jax.lax.psum(x, tp_axis)
 
 

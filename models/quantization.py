@@ -15,10 +15,12 @@ their integers as int8 (Q4_1 0..15, Q6_K -32..31, ...), the format's own block s
 for Q4_1 / Q5_1 / Q4_K / Q5_K, its block minimum as the offset.
 
 Which params are quantized: the projections of QUANTIZED_PARAMS (attention and MLP, dense
-and experts). The embedding table, the LM head, norms, biases and the MoE router stay in the
-activation dtype: on the CPU a step multiplies by the whole (tied) LM head, and an int8 one
-dequantized in the step costs SmolLM2 12x its float32 time (docs/benchmarks.md,
-"Quantized weights").
+and experts); and a GGUF file's block-quantized embedding table under --quantization int8
+(models/gguf.py), which is also the LM head when tied: embed_rows dequantizes only the
+looked-up rows, and tied_logits multiplies by the table a block of rows at a time on the CPU
+(dequantized whole in the step it cost SmolLM2 12x its float32 time). An untied LM head,
+a float checkpoint's embedding table, norms, biases and the MoE router stay in the
+activation dtype.
 
 The formulation (measured by scripts/bench_quant_matmul.py): on the CPU the weight is
 dequantized to the activation dtype in the step and multiplied there (XLA:CPU has no fast
@@ -246,6 +248,61 @@ def matmul(x: jax.Array, w: Any, *, native: bool | None = None) -> jax.Array:
     if not isinstance(w, QuantizedWeight):
         return x @ w
     return einsum("...k,kn->...n", x, w, native=native)
+
+
+def activation_dtype(params: Any) -> np.dtype:
+    """The dtype the model computes in: its first param that is not quantized (a GGUF load
+    under --quantization int8 has an int8 embedding table first)."""
+    for leaf in jax.tree_util.tree_leaves(params, is_leaf=is_quantized):
+        if not is_quantized(leaf):
+            return np.dtype(leaf.dtype)
+    raise ValueError("every param is quantized: no activation dtype to compute in")
+
+
+def embed_rows(table: Any, ids: jax.Array, dtype: Any) -> jax.Array:
+    """Rows ids of an embedding table [V, D] (plain, or a QuantizedWeight whose scales
+    follow its rows: per row or per block of a row), in dtype: only the gathered rows are
+    dequantized."""
+    if not isinstance(table, QuantizedWeight):
+        return table[ids]
+    return dequantize(table[ids], dtype)
+
+
+# Vocabulary rows dequantized at a time by tied_logits on the CPU: a block's float32 copy
+# (1,024 x 576 x 4 bytes for SmolLM2) stays in the cache for its matmul.
+VOCAB_BLOCK = 1024
+
+
+def tied_logits(x: jax.Array, table: Any) -> jax.Array:
+    """x [T, D] @ table [V, D]^T, the LM head of a tied embedding, in x's dtype.
+
+    A quantized table on the CPU: for one row, the whole table dequantized into the product
+    (XLA:CPU fuses the widening into its matrix-vector loop: the int8 bytes are read once);
+    for more rows, blocks of VOCAB_BLOCK rows (lax.map), each dequantized and multiplied
+    while in the cache. Dequantizing the whole table for T rows wrote and read a float32
+    copy of it (SmolLM2: 113 MB) every step, 2.5x float32's time at T = 32.
+    docs/benchmarks.md, "Quantized embedding", has the measurements. Elsewhere: the table
+    dequantized into one einsum (as grouped projections are)."""
+    if not isinstance(table, QuantizedWeight):
+        return x @ table.T
+    rows = table.q.shape[0]
+    if jax.default_backend() != "cpu" or x.shape[0] == 1 or rows < 2 * VOCAB_BLOCK:
+        return x @ dequantize(table, x.dtype).T
+    num, rest = divmod(rows, VOCAB_BLOCK)
+
+    def split(a):  # the first num * VOCAB_BLOCK rows as [num, VOCAB_BLOCK, ...]
+        return None if a is None else a[: num * VOCAB_BLOCK].reshape(num, VOCAB_BLOCK, *a.shape[1:])
+
+    def one(parts):
+        q, scale, offset = parts
+        w = QuantizedWeight(q, scale, table.group, table.group_axis, offset)
+        return x @ dequantize(w, x.dtype).T  # [T, VOCAB_BLOCK]
+
+    out = jax.lax.map(one, (split(table.q), split(table.scale), split(table.offset)))
+    out = out.transpose(1, 0, 2).reshape(x.shape[0], num * VOCAB_BLOCK)
+    if rest:  # the last rows, fewer than a block
+        out = jnp.concatenate([out, x @ dequantize(table[num * VOCAB_BLOCK :], x.dtype).T], axis=1)
+    return out
 
 
 def quantize_param(param: str, value: np.ndarray, method: str | None, **kwargs) -> Any:

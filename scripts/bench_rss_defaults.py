@@ -47,6 +47,7 @@ from jpaged.core.engine import LLMEngine
 from jpaged.entrypoints.engine_args import engine_config_from_args
 from jpaged.sample.sampling_params import SamplingParams
 from jpaged.worker.model_loading import load_for_config
+from models import quantization
 out["python"] = rss()
 config = engine_config_from_args(MODEL, max_num_seqs=SEQS)
 loaded = load_for_config(config)
@@ -54,7 +55,7 @@ out["weights"] = rss()
 out["weight_mib"] = sum(x.nbytes for x in jax.tree_util.tree_leaves(loaded.params)) / 2**20
 engine = LLMEngine(config, loaded=loaded)
 out["pool"] = rss()
-item = np.dtype(jax.tree_util.tree_leaves(loaded.params)[0].dtype).itemsize
+item = np.dtype(quantization.activation_dtype(loaded.params)).itemsize
 out["num_pages"] = engine.num_pages
 per_page = engine.model_config.kv_bytes_per_page(engine.config.cache.page_size, item)
 out["pool_mib"] = engine.num_pages * per_page / 2**20

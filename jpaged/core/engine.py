@@ -323,7 +323,7 @@ class LLMEngine:
         self.default_pooling = (
             sentence_transformers_pooling(path) if path.is_dir() else None
         ) or PoolingParams()
-        dtype = jax.tree_util.tree_leaves(loaded.params)[0].dtype
+        dtype = quantization.activation_dtype(loaded.params)
         itemsize = np.dtype(dtype).itemsize
         draft = self._load_draft(config, dtype)
         self.kv_dtype = kv_quant.storage_dtype(config.cache.kv_cache_dtype, dtype)

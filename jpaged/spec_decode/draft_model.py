@@ -35,6 +35,7 @@ from jpaged.worker.programs import PRELUDE_COPIES, PRELUDE_UPDATES
 from jpaged.worker.runner import ModelRunner
 from jpaged.worker.step_inputs import bucket, pad_rows
 from jpaged.worker.step_plan import StepPlan, build
+from models import quantization
 from models.loader import LoadedModel
 
 
@@ -53,7 +54,7 @@ class DraftModel:
         self.budget = config.scheduler.max_num_batched_tokens
         self.k = config.num_speculative_tokens
         self.eos_token_ids = list(eos_token_ids)
-        dtype = jax.tree_util.tree_leaves(loaded.params)[0].dtype
+        dtype = quantization.activation_dtype(loaded.params)
         self.runner = ModelRunner(config, loaded.config, loaded.params, num_pages, dtype)
         self.vocab_size = loaded.config.vocab_size
         self._computed: dict[int, tuple[int, tuple[int, ...]]] = {}  # seq_id -> (n, pages)

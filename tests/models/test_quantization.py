@@ -11,6 +11,7 @@ gguf 0.19's quants.quantize writes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 but not the K
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -106,6 +107,32 @@ def test_quantized_linear_equals_the_dequantized_weight(method, native):
     qw = jax.tree.map(jnp.asarray, quant.quantize(rng.normal(size=(32, 16)), (0,), method))
     want = jnp.matmul(x, quant.dequantize(qw), precision="highest")
     np.testing.assert_allclose(quant.matmul(x, qw, native=native), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group,offset", [(32, False), (32, True), (0, False)])
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_tied_logits_and_embedding_rows_equal_the_dequantized_table(monkeypatch, group, offset,
+                                                                    num_tokens):
+    """A quantized tied table (per block of a row, with GGUF's offsets, or per row): the LM
+    head's blocks of VOCAB_BLOCK rows (8 here: 5 blocks and 3 rows left over) and the
+    whole-table product for one token equal x @ dequantize(table).T; embed_rows dequantizes
+    the looked-up rows only, to the table's values exactly."""
+    monkeypatch.setattr(quant, "VOCAB_BLOCK", 8)
+    rng = np.random.default_rng(3)
+    w = quant.quantize(rng.normal(size=(43, 64)), (1,), "int8", group=group,
+                       scale_dtype=np.float16)
+    if offset:
+        w = dataclasses.replace(w, offset=rng.normal(size=w.scale.shape).astype(np.float16))
+    table = jax.tree.map(jnp.asarray, w)
+    dense = np.asarray(quant.dequantize(w))
+    x = rng.normal(size=(num_tokens, 64)).astype(np.float32)
+    got = jax.jit(quant.tied_logits)(jnp.asarray(x), table)
+    assert got.shape == (num_tokens, 43)
+    np.testing.assert_allclose(got, x @ dense.T, rtol=1e-5, atol=1e-5)
+    ids = jnp.asarray([42, 0, 7, 7])
+    np.testing.assert_array_equal(quant.embed_rows(table, ids, jnp.float32), dense[[42, 0, 7, 7]])
+    plain = jnp.asarray(dense)
+    np.testing.assert_array_equal(quant.embed_rows(plain, ids, jnp.float32), dense[[42, 0, 7, 7]])
 
 
 def _lowered(f, args, platform: str) -> tuple[str, list[str]]:
@@ -240,16 +267,21 @@ def test_gguf_q8_0_loads_as_int8_with_its_blocks(q8_gguf, stacked):
     for name in quant.QUANTIZED_PARAMS:
         if name in layer:
             np.testing.assert_array_equal(quant.dequantize(layer[name]), dense_layer[name])
-    for name in ("embed", "lm_head"):  # stay float32
-        np.testing.assert_array_equal(q8.params[name], dense.params[name])
+    # The embedding table keeps its blocks too (rows of 128: 4 blocks, float16 d each); the
+    # untied LM head (output.weight) stays float32.
+    embed = q8.params["embed"]
+    assert isinstance(embed, quant.QuantizedWeight) and (embed.group, embed.group_axis) == (32, -1)
+    assert (embed.q.dtype, embed.scale.dtype, embed.scale.shape) == (jnp.int8, jnp.float16, (2048, 4))
+    np.testing.assert_array_equal(quant.dequantize(embed), dense.params["embed"])
+    np.testing.assert_array_equal(q8.params["lm_head"], dense.params["lm_head"])
     # Resident bytes: the projections at 1 + 2/32 bytes per weight (+ float32 norms).
     projections = 8 * (128 * 128 * 2 + 128 * 64 * 2 + 3 * 128 * 512)
     norms = 8 * 2 * 128 * 4
     assert _layer_bytes(q8.params) == projections * (1 + 2 / 32) + norms
     assert _layer_bytes(dense.params) == projections * 4 + norms
     assert _layer_bytes(q8.params) <= 0.3 * _layer_bytes(dense.params)
-    embed = 2 * 2048 * 128 * 4 + 128 * 4  # embedding, LM head and final norm, float32
-    assert quant.weight_bytes(q8.params) == _layer_bytes(q8.params) + embed
+    rest = 2048 * 128 * (1 + 2 / 32) + 2048 * 128 * 4 + 128 * 4  # embedding, LM head, norm
+    assert quant.weight_bytes(q8.params) == _layer_bytes(q8.params) + rest
 
 
 def _int8_engine_matches_float32(path) -> tuple[dict, dict]:
@@ -277,7 +309,7 @@ def test_gguf_q8_0_logits_equal_the_dequantized_load(q8_gguf):
     step on the CPU) against the float32 load, to 1e-5; llm.stats() reports the bytes."""
     dense_stats, q8_stats = _int8_engine_matches_float32(q8_gguf)
     assert (dense_stats["quantization"], q8_stats["quantization"]) == (None, "int8")
-    assert q8_stats["weight_bytes"] == 2_097_152 + 2_097_664  # as the test above counts
+    assert q8_stats["weight_bytes"] == 2_097_152 + 1_327_616  # as the test above counts
     assert dense_stats["weight_bytes"] == 7_872_512 + 2_097_664
 
 

@@ -58,8 +58,9 @@ def measured(smollm2_gguf):
 
 def test_int8_weights_are_resident_as_int8(measured, smollm2_gguf):
     """Exact resident bytes: each projection (all Q4_1 in the file) 1 byte per weight plus a
-    float16 scale and a float16 offset per 32 (the file's d and m); the embedding (the file's
-    one Q8_0 tensor) and norms float32."""
+    float16 scale and a float16 offset per 32 (the file's d and m); the embedding, also the
+    tied LM head (the file's one Q8_0 tensor), 1 byte per weight and a float16 scale per 32;
+    the norms float32. At most 0.3x the float32 load (the issue's target)."""
     from gguf import GGUFReader
 
     f32, q8 = measured[None, "auto"][0], measured["int8", "auto"][0]
@@ -72,15 +73,18 @@ def test_int8_weights_are_resident_as_int8(measured, smollm2_gguf):
         if t.name.startswith("blk.") and t.name.split(".")[2] in _PROJECTIONS:
             kinds.add(kind)
             expected += n + n // 32 * (2 + 2)
+        elif t.name == "token_embd.weight":
+            assert kind == "Q8_0"
+            expected += n + n // 32 * 2
         else:
-            expected += 4 * n  # token_embd (the tied LM head) and norms, float32
+            expected += 4 * n  # norms, float32
     assert kinds == {"Q4_1"}
-    assert q8["weight_bytes"] == expected == 232_826_112
+    assert q8["weight_bytes"] == expected == 149_660_928
     assert f32["weight_bytes"] == 4 * sum(
         int(np.prod(t.shape)) for t in GGUFReader(smollm2_gguf).tensors
     )
-    # 233 MB against 538 MB: the 113 MB float32 embedding is most of what is left.
-    assert q8["weight_bytes"] < 0.44 * f32["weight_bytes"]
+    # 150 MB against 538 MB (0.28x; 0.43x while the embedding stayed float32).
+    assert q8["weight_bytes"] <= 0.3 * f32["weight_bytes"]
 
 
 def test_perplexity_within_3_percent_of_float32(measured):
