@@ -120,9 +120,16 @@ def engine_greedy(path, prompts, max_tokens: int, **engine_kwargs) -> list[list[
 def engine_greedy_and_stats(
     path, prompts, max_tokens: int, **engine_kwargs
 ) -> tuple[list[list[int]], dict]:
-    """engine_greedy's tokens and the engine's stats() after (num_preemptions, ...)."""
+    """engine_greedy's tokens and the engine's stats() after (num_preemptions, ...).
+
+    With max_num_batched_tokens given, every step runs in that one token bucket unless
+    min_token_bucket says otherwise: a tiny model's padded step takes milliseconds, each
+    further bucket seconds of compiling (tests/jpaged/core/test_paging_groups.py ran 165 s
+    with the default buckets, 110 s with one)."""
     from jpaged import LLM, SamplingParams
 
+    if "max_num_batched_tokens" in engine_kwargs:
+        engine_kwargs.setdefault("min_token_bucket", engine_kwargs["max_num_batched_tokens"])
     llm = LLM(str(path), **engine_kwargs)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     stats = llm.stats()

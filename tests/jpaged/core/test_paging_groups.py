@@ -368,7 +368,8 @@ def test_a_window_page_cached_after_another_prefix_is_a_miss(monkeypatch):
 # -- engines on tiny Gemma 2 and Gemma 3 --------------------------------------------------------
 VOCAB = 320
 WINDOW = 8  # pages of 4: a decoding window group holds at most ceil(8 / 4) + 1 = 3 pages
-ENGINE = {"page_size": 4, "max_num_seqs": 2, "max_model_len": 128, "num_pages": 72}
+ENGINE = {"page_size": 4, "max_num_seqs": 2, "max_model_len": 128, "num_pages": 72,
+          "max_num_batched_tokens": 64, "min_token_bucket": 64}
 
 
 @pytest.fixture(scope="module")

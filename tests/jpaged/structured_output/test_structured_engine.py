@@ -135,11 +135,14 @@ def test_grammar_checker():
 
 @pytest.fixture(scope="module")
 def wide_llm(demo_model_dir):
-    """The demo model with room for 64 sequences of up to 512 tokens."""
+    """The demo model with room for 64 sequences of up to 512 tokens, every step in one
+    bucket of 64 sequences and 128 tokens (the default buckets compiled a program for each
+    batch size the tests pass through)."""
     from jpaged import LLM
 
     return LLM(str(demo_model_dir), max_num_seqs=64, max_model_len=512,
-               max_num_batched_tokens=512, page_size=16, num_pages=1024)  # fmt: skip
+               max_num_batched_tokens=128, min_token_bucket=128, min_seq_bucket=64,
+               page_size=16, num_pages=1024)  # fmt: skip
 
 
 def test_32_sampled_requests_of_each_kind_hold_their_constraint_beside_free_ones(wide_llm):
