@@ -115,6 +115,9 @@ ONE_VERSION_MODULES = {
     "tests/jpaged/core/test_liveness.py": "every accepted request ends",
     "tests/jpaged/core/test_kv_cache_dtype.py": "quantized pages through the engine",
     "tests/parallel/test_quantized_tensor_parallel.py": "quantized weights' shard specs",
+    # The CPU attention reference (jnp): under 3.12 every engine test on the CPU runs it, and
+    # the kernels' interpret-mode tests compare against it.
+    "tests/pallas_kernels/test_reference.py": "the CPU reference, run by 3.12's engine tests",
 }  # fmt: skip
 
 
