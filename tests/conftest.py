@@ -122,20 +122,20 @@ ONE_VERSION_MODULES = {
 
 
 # The slowest modules, slowest first (each one's setup and calls, measured in a CI run on the
-# idle 2-core machine: the longest single durations 100-250 s). xdist gives each worker whole
+# idle 2-core machine, 2026-12-06: 85-176 s). xdist gives each worker whole
 # modules in the order of the collection (--no-loadscope-reorder in pyproject.toml), so these
 # start first and the many short modules fill in behind them: a slow module started last
 # would leave the other worker idle until it ends. Regenerate from JPAGED_MODULE_TIMES below.
 SLOW_MODULES_FIRST = (
-    "tests/models/test_gemma.py",
     "tests/models/test_quantization_smollm2.py",
+    "tests/models/test_gemma.py",
     "tests/jpaged/core/test_paging_groups.py",
-    "tests/parallel/test_tensor_parallel.py",
     "tests/server/test_tool_calling.py",
+    "tests/jpaged/core/test_allocator_properties.py",
     "tests/models/test_gguf_smollm2.py",
-    "tests/server/test_embeddings.py",
-    "tests/parallel/test_quantized_tensor_parallel.py",
-    "tests/jpaged/structured_output/test_structured_engine.py",
+    "tests/models/test_moe.py",
+    "tests/jpaged/spec_decode/test_speculative.py",
+    "tests/parallel/test_tensor_parallel.py",
 )
 
 
