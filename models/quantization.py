@@ -281,8 +281,8 @@ def tied_logits(x: jax.Array, table: Any) -> jax.Array:
     for more rows, blocks of VOCAB_BLOCK rows (lax.map), each dequantized and multiplied
     while in the cache. Dequantizing the whole table for T rows wrote and read a float32
     copy of it (SmolLM2: 113 MB) every step, 2.5x float32's time at T = 32.
-    docs/benchmarks.md, "Quantized embedding", has the measurements. Elsewhere: the table
-    dequantized into one einsum (as grouped projections are)."""
+    docs/benchmarks.md ("The embedding table kept int8 too") has the measurements.
+    Elsewhere: the table dequantized into one einsum (as grouped projections are)."""
     if not isinstance(table, QuantizedWeight):
         return x @ table.T
     rows = table.q.shape[0]

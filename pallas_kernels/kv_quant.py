@@ -138,8 +138,8 @@ def zeros(shape: tuple[int, ...], dtype, xp=jnp) -> jax.Array | QuantizedPages:
 
 # XLA:CPU has no float8 or bfloat16 gather or scatter: its float normalization wraps each
 # one in conversions of the whole operand to float16 and back, which for a pool array
-# converts every layer's pages at each read and write (measured: SmolLM2's fp8 decode steps
-# 6x slower than int8's, docs/memory.md). Pool arrays of those dtypes are therefore moved as
+# converts every layer's pages at each read and write (measured: SmolLM2 with fp8 pages at
+# 20.0 tokens/s against int8's 92.8, docs/benchmarks.md). Pool arrays of those dtypes are moved as
 # unsigned integers of the same width ("bits"); a bitcast between them changes no byte.
 _BITS = {1: jnp.uint8, 2: jnp.uint16}
 
@@ -165,8 +165,9 @@ class PoolBits:
     at its end): data and scales (None for an unquantized pool) as unsigned integers, dtype
     the data's own. take and write read and write it like the pool it stands for; copies by
     index (jax.tree.map over data and scales) are integer gathers and scatters. Bitcasting
-    the whole pool once at each end of the step costs two copies of it, against two float16
-    round trips per layer (docs/memory.md has the figures)."""
+    the whole pool once at each end of the step costs two copies of it, against float16
+    round trips of the whole pool in every layer (docs/benchmarks.md, "KV cache dtype on the
+    CPU", has the figures)."""
 
     def __init__(self, data: jax.Array, scales: jax.Array | None, dtype):
         self.data, self.scales, self.dtype = data, scales, np.dtype(dtype)
