@@ -55,10 +55,11 @@ GPU_KERNELS = ("triton", "mosaic")
 GPU_KERNEL_ENV = "JPAGED_GPU_KERNEL"
 
 
-def select_backend(q_shape, k_shape, *, interpret: bool, backend: str | None) -> str:
+def select_backend(q_shape, k_shape, dtype, *, interpret: bool, backend: str | None) -> str:
     """Which implementation runs: "gpu", "tpu" or "cpu" (the reference). Plain and quantized
-    pages (kv_quant.QuantizedPages, whose shape is its codes') follow the same rules: every
-    kernel reads both, so only a shape a kernel refuses falls back."""
+    pages (kv_quant.QuantizedPages, whose shape and dtype are its codes') follow the same
+    rules: every kernel reads both, so only a shape a kernel refuses falls back (on GPU the
+    dtype decides whether a pool's offsets fit, gpu_decode.offsets_fit)."""
     if backend is None:
         backend = jax.default_backend()
         if backend == "cpu" and interpret:
@@ -70,7 +71,7 @@ def select_backend(q_shape, k_shape, *, interpret: bool, backend: str | None) ->
     if backend == "gpu":
         from pallas_kernels import gpu_decode
 
-        return "gpu" if gpu_decode.supports(q_shape, k_shape) else "cpu"
+        return "gpu" if gpu_decode.supports(q_shape, k_shape, dtype) else "cpu"
     if backend == "tpu":
         from pallas_kernels import tpu_decode
 
@@ -118,7 +119,9 @@ def paged_decode_attention(
     GPU kernel ("triton" or "mosaic"; None: $JPAGED_GPU_KERNEL, else "triton").
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
-    which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend)
+    which = select_backend(
+        q.shape, k_pages.shape, k_pages.dtype, interpret=interpret, backend=backend
+    )
     if which == "gpu" and gpu_decode_kernel(q.shape, k_pages.shape, k_pages.dtype,
                                             gpu_kernel) == "mosaic":
         from pallas_kernels import mosaic_gpu_decode
@@ -165,7 +168,9 @@ def paged_prefill_attention(
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     args = (q, k_pages, v_pages, context_lens, page_table, query_start)
-    which = select_backend(q.shape, k_pages.shape, interpret=interpret, backend=backend)
+    which = select_backend(
+        q.shape, k_pages.shape, k_pages.dtype, interpret=interpret, backend=backend
+    )
     if which == "gpu":
         from pallas_kernels import gpu_prefill
 

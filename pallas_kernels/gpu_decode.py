@@ -24,9 +24,11 @@ their scales with the same page ids and dequantizes after the load (common.load_
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -44,21 +46,39 @@ from pallas_kernels.common import (
 from pallas_kernels.kv_quant import QuantizedPages
 from pallas_kernels.reference import MASK_VALUE
 
-# Pallas's Triton lowering computes element offsets in int32 (`tt.addptr` with i32 offsets),
-# so a pool of 2**31 elements or more would wrap around.
-MAX_POOL_ELEMENTS = 2**31 - 1
+# Pallas's Triton lowering computes a ref's element offsets in int64 when the whole array is
+# over 2**32 bytes and in int32 otherwise (jax/_src/pallas/triton/lowering.py,
+# _compute_offsets_from_indices, jax 0.10.2 and 0.11.2). int32 offsets reach 2**31 - 1, so an
+# array of more than 2**31 elements in at most 2**32 bytes would wrap around: only 1-byte
+# pools (int8 / fp8 codes) of 2-4 GiB per half. A larger pool, and every bfloat16 or float32
+# pool, is addressed correctly (tests/pallas_kernels/test_sm90_compile.py reads the offsets'
+# type in the lowered kernels). The pool holds every layer, so an accelerator's default pool
+# is far past 4 GiB.
+INT32_OFFSET_ELEMENTS = 2**31
+INT64_OFFSET_BYTES = 2**32
 
 
-def supports(q_shape, k_shape) -> bool:
-    """Shapes the Triton kernel takes (loaded tiles must be powers of two; int32 offsets)."""
+def offsets_fit(shape, dtype) -> bool:
+    """Whether the Triton lowering addresses every element of an array of this shape and
+    dtype (see INT32_OFFSET_ELEMENTS)."""
+    elements = math.prod(shape)
+    nbytes = elements * np.dtype(dtype).itemsize
+    return elements <= INT32_OFFSET_ELEMENTS or nbytes > INT64_OFFSET_BYTES
+
+
+def supports(q_shape, k_shape, dtype) -> bool:
+    """Shapes the Triton kernel takes: loaded tiles are powers of two, and every page of the
+    pool has an offset that fits the lowering's offset type (offsets_fit; a quantized pool's
+    bfloat16 scales, head_dim times fewer elements at 2 bytes, always fit). dtype: the pages'
+    (a QuantizedPages' codes)."""
     _, num_q_heads, head_dim = q_shape
-    num_kv_heads, num_pages, page_size, _ = k_shape
+    num_kv_heads, _, page_size, _ = k_shape
     return (
         num_q_heads % num_kv_heads == 0
         and tuning.is_pow2(head_dim)
         and head_dim >= 16
         and tuning.is_pow2(page_size)
-        and num_kv_heads * num_pages * page_size * head_dim <= MAX_POOL_ELEMENTS
+        and offsets_fit(k_shape, dtype)
     )
 
 

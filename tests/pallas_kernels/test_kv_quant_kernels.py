@@ -193,8 +193,12 @@ def test_kernels_on_quantized_pages_lower_for_cuda_and_tpu(dtype):
 
 
 def test_dispatch_sends_quantized_pages_to_the_kernels():
-    q, k = (4, 8, 128), quantized_pool(np.int8).shape
-    sel = pallas_kernels.select_backend
+    pool = quantized_pool(np.int8)
+    q, k = (4, 8, 128), pool.shape
+
+    def sel(q, k, **kw):
+        return pallas_kernels.select_backend(q, k, pool.dtype, **kw)
+
     assert [sel(q, k, interpret=False, backend=b) for b in ("gpu", "tpu", "cpu")] == [
         "gpu", "tpu", "cpu"]
     assert sel(q, k, interpret=True, backend=None) == "gpu"

@@ -101,7 +101,11 @@ def test_tpu_prefill_lowers_for_tpu():
 
 def test_dispatch_backends():
     q, k = (4, 8, 128), (2, 10, 16, 128)
-    sel = pallas_kernels.select_backend
+    f32 = jnp.dtype(jnp.float32)
+
+    def sel(q, k, dtype=f32, **kw):
+        return pallas_kernels.select_backend(q, k, dtype, **kw)
+
     assert sel(q, k, interpret=False, backend="gpu") == "gpu"
     assert sel(q, k, interpret=False, backend="cuda") == "gpu"
     assert sel(q, k, interpret=False, backend="tpu") == "tpu"
@@ -113,9 +117,14 @@ def test_dispatch_backends():
     assert sel((4, 8, 80), (2, 10, 16, 80), interpret=False, backend="gpu") == "cpu"
     assert sel((4, 8, 128), (2, 10, 12, 128), interpret=False, backend="gpu") == "cpu"
     assert sel((4, 8, 128), (2, 10, 12, 128), interpret=False, backend="tpu") == "cpu"
-    # Triton offsets are int32: a pool of 2**31 elements per layer (K or V) is refused.
-    assert sel((4, 8, 128), (8, 2**17 - 1, 16, 128), interpret=False, backend="gpu") == "gpu"
-    assert sel((4, 8, 128), (8, 2**17, 16, 128), interpret=False, backend="gpu") == "cpu"
+    # Triton offsets are int32 up to 4 GiB, int64 past it (test_sm90_compile.py reads them):
+    # only 1-byte pools of 2**31 to 2**32 elements are refused.
+    big = (8, 2**18, 16, 128)  # 2**32 elements: 16 GiB, 8 GiB, 4 GiB in 4, 2, 1 bytes
+    assert sel((4, 8, 128), big, interpret=False, backend="gpu") == "gpu"
+    assert sel((4, 8, 128), big, jnp.dtype(jnp.bfloat16), interpret=False, backend="gpu") == "gpu"
+    assert sel((4, 8, 128), big, jnp.dtype(jnp.int8), interpret=False, backend="gpu") == "cpu"
+    assert sel((4, 8, 128), (8, 2**17, 16, 128), jnp.dtype(jnp.int8), interpret=False,
+               backend="gpu") == "gpu"  # 2**31 elements
     with pytest.raises(ValueError, match="unknown backend"):
         sel(q, k, interpret=False, backend="metal")
 

@@ -9,7 +9,8 @@ thread and 65,536 per block. The configurations:
   max_model_len 2048, page size 16, bfloat16, tensor_parallel_size 1) for the
   Llama-3.2-1B and Llama-3.1-8B shapes: a decode kernel per (sequences, page columns)
   bucket and a prefill kernel per (tokens, sequences, page columns) bucket, over the pool
-  the default memory fraction gives on an H200;
+  the default memory fraction gives on an H200 (every layer's pages in one array, as the
+  kernels read it: tens of GiB, addressed with int64 offsets);
 - the grid of tests/pallas_kernels/test_on_gpu.py and bench_attention's shapes;
 - a few kernels on quantized pages (int8, fp8 e4m3, fp8 e5m2; kv_quant.QuantizedPages): the
   8B model's largest decode and prefill buckets over the pool its quantized pages give at
@@ -56,6 +57,7 @@ def default_engine() -> EngineConfig:
 
 
 def h200_num_pages(model: str, config: EngineConfig, kv_dtype=jnp.bfloat16) -> int:
+    """The pages the engine's default budget gives on an H200 (each one page of every layer)."""
     layers, _, hkv, head_dim, num_params = MODELS[model]
     page_bytes = kv_quant.bytes_per_page(  # K and V, scales included when quantized
         kv_dtype, num_layers=layers, num_kv_heads=hkv, page_size=config.cache.page_size,
@@ -64,11 +66,17 @@ def h200_num_pages(model: str, config: EngineConfig, kv_dtype=jnp.bfloat16) -> i
     return int(free * CacheConfig().kv_memory_fraction) // page_bytes + 1
 
 
+def h200_pool_pages(model: str, config: EngineConfig, kv_dtype=jnp.bfloat16) -> int:
+    """The pages axis of the pool the kernels read: every layer's pages in one array
+    (jpaged/worker/programs.py init_state: layers x num_pages)."""
+    return MODELS[model][0] * h200_num_pages(model, config, kv_dtype)
+
+
 def engine_configs(model: str) -> list[tuple[str, object, tuple]]:
     """(id, kernel, args) for every bucket of the default engine serving `model`."""
     config = default_engine()
     _, hq, hkv, head_dim, _ = MODELS[model]
-    pool = (hq, hkv, head_dim, config.cache.page_size, h200_num_pages(model, config), "bfloat16")
+    pool = (hq, hkv, head_dim, config.cache.page_size, h200_pool_pages(model, config), "bfloat16")
     out = []
     for s in config.seq_buckets:
         for p in config.page_buckets:
@@ -128,7 +136,7 @@ def quantized_configs() -> list[tuple[str, object, tuple]]:
     _, hq, hkv, head_dim, _ = MODELS["llama-3.1-8b"]
     out = []
     for name, dtype in QUANTIZED_DTYPES.items():
-        pages = h200_num_pages("llama-3.1-8b", config, jnp.dtype(dtype))
+        pages = h200_pool_pages("llama-3.1-8b", config, jnp.dtype(dtype))
         pool = (hq, hkv, head_dim, config.cache.page_size, pages, "bfloat16")
         out.append((f"llama-3.1-8b-decode-s32-p128-{name}", gpu_decode.paged_decode_attention,
                     quantize_specs(decode_specs(32, 128, *pool), dtype)))
@@ -209,20 +217,63 @@ def test_quantized_page_kernels_compile_for_sm90():
         assert infos[f"llama-3.1-8b-decode-s32-p128-{name}"]["shared"] < bf16["shared"]
 
 
-def test_quantized_pools_of_the_default_engine_on_an_h200_pick_the_kernel_or_not():
-    """The dispatcher's int32-offset rule (gpu_decode.MAX_POOL_ELEMENTS) on the pools an
-    H200 holds at the same memory: the 8B model's quantized pool (1.94x the bfloat16 pages)
-    still runs the Triton kernel, the 1B model's does not (over 2**31 elements per layer's K
-    or V) and falls back to the reference, as its bfloat16 pool does not."""
+def test_default_h200_pools_pick_the_triton_kernel_and_address_it_with_int64_offsets():
+    """The engine's default pool on an H200 holds every layer's pages in one array, tens of
+    GiB: bfloat16 and quantized pools of both models run the Triton kernels (they fell back to
+    the reference while any pool of 2**31 elements was refused), whose lowering addresses
+    them with int64 offsets."""
     config = default_engine()
-    for model, want in (("llama-3.1-8b", "gpu"), ("llama-3.2-1b", "cpu")):
-        _, hq, hkv, head_dim, _ = MODELS[model]
+    for model, (_, hq, hkv, head_dim, _) in MODELS.items():
         for dtype in ("bfloat16", *QUANTIZED_DTYPES.values()):
-            pages = h200_num_pages(model, config, jnp.dtype(dtype))
+            pages = h200_pool_pages(model, config, jnp.dtype(dtype))
             k_shape = (hkv, pages, config.cache.page_size, head_dim)
-            got = pallas_kernels.select_backend((32, hq, head_dim), k_shape, interpret=False,
-                                                backend="gpu")
-            assert got == ("gpu" if dtype == "bfloat16" else want), (model, dtype, pages)
+            assert pages * config.cache.page_size * hkv * head_dim > 2**34, (model, dtype)
+            got = pallas_kernels.select_backend((32, hq, head_dim), k_shape, jnp.dtype(dtype),
+                                                interpret=False, backend="gpu")
+            assert got == "gpu", (model, dtype, pages)
+    args = quantize_specs(decode_specs(32, 128, *_h200_pool("llama-3.1-8b")), "float8_e4m3fn")
+    assert _pool_offset_types(gpu_decode.paged_decode_attention, args) == {"i64"}
+
+
+def _h200_pool(model):
+    config = default_engine()
+    _, hq, hkv, head_dim, _ = MODELS[model]
+    return (hq, hkv, head_dim, config.cache.page_size, h200_pool_pages(model, config),
+            "bfloat16")
+
+
+def _pool_offset_types(kernel, args) -> set[str]:
+    """The integer types of the offsets the lowered decode kernel adds to the K/V pool
+    pointers (its only 3-D pointer tensors: [pages, page_size, head_dim] per block)."""
+    (call,) = triton_calls(lower_for_cuda(kernel, args, sm_scale=0.125))
+    dtype = args[1].dtype.name
+    pool_type = _TRITON_TYPES.get(dtype, {"bfloat16": "bf16", "float32": "f32"}.get(dtype))
+    pattern = r"tt\.addptr .*: tensor<(\d+x\d+x\d+)x!tt\.ptr<(\w+)>>, tensor<[0-9x]*(i\d+)>"
+    adds = re.findall(pattern, ttir_text(call))
+    assert len(adds) == 2, adds  # K and V
+    return {offset for _, ptr, offset in adds if ptr == pool_type}
+
+
+@pytest.mark.parametrize(("dtype", "pages", "lowered", "fits"), [
+    ("float8_e4m3fn", 2**17, "i32", True),  # 2**31 elements in 2 GiB: the largest int32 pool
+    ("float8_e4m3fn", 2**17 + 1, "i32", False),  # past 2**31 elements, under 4 GiB: refused
+    ("float8_e4m3fn", 2**18 + 1, "i64", True),  # past 4 GiB
+    ("bfloat16", 2**17, "i32", True),  # 2**31 elements in exactly 4 GiB
+    ("bfloat16", 2**17 + 1, "i64", True),
+])
+def test_the_offset_rule_follows_the_lowering(dtype, pages, lowered, fits):
+    """gpu_decode.offsets_fit against what Pallas's Triton lowering emits for a pool of
+    [8, pages, 16, 128] (int32 offsets up to 4 GiB, int64 past it): a pool is refused exactly
+    when its int32 offsets would wrap."""
+    k_shape = (8, pages, 16, 128)
+    assert gpu_decode.offsets_fit(k_shape, jnp.dtype(dtype)) == fits
+    assert pallas_kernels.select_backend((32, 32, 128), k_shape, jnp.dtype(dtype),
+                                         interpret=False, backend="gpu") == (
+        "gpu" if fits else "cpu")
+    specs = decode_specs(32, 128, 32, 8, 128, 16, pages, "bfloat16")
+    if dtype != "bfloat16":
+        specs = quantize_specs(specs, dtype)
+    assert _pool_offset_types(gpu_decode.paged_decode_attention, specs) == {lowered}
 
 
 def _engine_config(model, name):
