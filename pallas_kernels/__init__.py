@@ -32,6 +32,8 @@ quantized pages among them (it reads 16-bit pages only). Prefill always uses Tri
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import jax
@@ -39,6 +41,8 @@ import jax
 from pallas_kernels import reference
 from pallas_kernels.kv_quant import QuantizedPages
 from pallas_kernels.reference import MASK_VALUE
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "GPU_KERNELS",
@@ -71,12 +75,26 @@ def select_backend(q_shape, k_shape, dtype, *, interpret: bool, backend: str | N
     if backend == "gpu":
         from pallas_kernels import gpu_decode
 
-        return "gpu" if gpu_decode.supports(q_shape, k_shape, dtype) else "cpu"
+        if gpu_decode.supports(q_shape, k_shape, dtype):
+            return "gpu"
+        _warn_reference(backend, tuple(q_shape), tuple(k_shape), str(dtype))
+        return "cpu"
     if backend == "tpu":
         from pallas_kernels import tpu_decode
 
-        return "tpu" if tpu_decode.supports(q_shape, k_shape) else "cpu"
+        if tpu_decode.supports(q_shape, k_shape):
+            return "tpu"
+        _warn_reference(backend, tuple(q_shape), tuple(k_shape), str(dtype))
     return "cpu"
+
+
+@functools.cache
+def _warn_reference(backend: str, q_shape, k_shape, dtype: str) -> None:
+    """Once per shape: an accelerator runs the XLA reference attention (correct, much slower)."""
+    logger.warning(
+        "paged attention on %s runs the XLA reference, not a Pallas kernel: the kernels refuse "
+        "q %s over %s pages %s (docs/attention.md, Dispatch)", backend, q_shape, dtype, k_shape,
+    )
 
 
 def gpu_decode_kernel(q_shape, k_shape, dtype, gpu_kernel: str | None) -> str:

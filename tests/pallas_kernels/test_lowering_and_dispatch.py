@@ -99,7 +99,7 @@ def test_tpu_prefill_lowers_for_tpu():
     assert "tpu_custom_call" in text
 
 
-def test_dispatch_backends():
+def test_dispatch_backends(caplog):
     q, k = (4, 8, 128), (2, 10, 16, 128)
     f32 = jnp.dtype(jnp.float32)
 
@@ -123,6 +123,12 @@ def test_dispatch_backends():
     assert sel((4, 8, 128), big, interpret=False, backend="gpu") == "gpu"
     assert sel((4, 8, 128), big, jnp.dtype(jnp.bfloat16), interpret=False, backend="gpu") == "gpu"
     assert sel((4, 8, 128), big, jnp.dtype(jnp.int8), interpret=False, backend="gpu") == "cpu"
+    # A fallback on an accelerator is logged, once per shape.
+    assert sel((4, 8, 128), big, jnp.dtype(jnp.int8), interpret=False, backend="gpu") == "cpu"
+    assert [r.getMessage() for r in caplog.records if "int8" in r.getMessage()] == [
+        "paged attention on gpu runs the XLA reference, not a Pallas kernel: the kernels refuse "
+        "q (4, 8, 128) over int8 pages (8, 262144, 16, 128) (docs/attention.md, Dispatch)"
+    ]
     assert sel((4, 8, 128), (8, 2**17, 16, 128), jnp.dtype(jnp.int8), interpret=False,
                backend="gpu") == "gpu"  # 2**31 elements
     with pytest.raises(ValueError, match="unknown backend"):
