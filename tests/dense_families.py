@@ -75,7 +75,9 @@ def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[
 
 def paged_logits(loaded, chunks: list[int], token_ids: list[int], *, page=4, stacked=False):
     """One sequence through forward() in chunks (1: a decode step) over a shuffled page
-    table whose unused pages hold NaN; the logits of every position [len(token_ids), V]."""
+    table whose unused pages hold NaN; the logits of every position [len(token_ids), V].
+    Prefill chunks are padded to the longest one as the engine pads a step (padding tokens
+    write the null page, which the sequence's table never names), so one program serves them."""
     cfg = loaded.config
     params = stack_layers(loaded.params) if stacked else loaded.params
     num_pages = -(-len(token_ids) // page) + 8
@@ -86,21 +88,39 @@ def paged_logits(loaded, chunks: list[int], token_ids: list[int], *, page=4, sta
     out, start = [], 0
     for n in chunks:
         pos = np.arange(start, start + n)
+        tokens, positions, slots = padded_chunk(
+            token_ids[start : start + n], pos, table[0][pos // page] * page + pos % page,
+            1 if n == 1 else max(chunks),
+        )  # fmt: skip
         hidden, caches = _forward(
             params,
             cfg,
             caches,
-            jnp.asarray(token_ids[start : start + n], jnp.int32),
-            jnp.asarray(pos, jnp.int32),
-            jnp.asarray(table[0][pos // page] * page + pos % page, jnp.int32),
+            tokens,
+            positions,
+            slots,
             jnp.asarray([start + n], jnp.int32),
             jnp.asarray(table),
             jnp.asarray([0, n], jnp.int32),
             decode_only=n == 1,
         )
-        out.append(np.asarray(compute_logits(params, cfg, hidden)))
+        out.append(np.asarray(compute_logits(params, cfg, hidden[:n])))
         start += n
     return np.concatenate(out)
+
+
+def padded_chunk(token_ids, positions, slots, size: int):
+    """A chunk's token ids, positions and slots (int32[..., n]) padded to `size` tokens the
+    way jpaged/worker/step_inputs.py pads a step: token 0 at position 0 into slot 0 (the null
+    page) of every slot row."""
+    n = len(token_ids)
+    slots = np.asarray(slots, np.int32)
+    pad = [(0, 0)] * (slots.ndim - 1) + [(0, size - n)]
+    return (
+        jnp.asarray(np.pad(np.asarray(token_ids, np.int32), (0, size - n))),
+        jnp.asarray(np.pad(np.asarray(positions, np.int32), (0, size - n))),
+        jnp.asarray(np.pad(slots, pad)),
+    )
 
 
 def prompts_with_shared_prefix(vocab: int, lengths: list[int], *, prefix: int, seed: int = 0):

@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from checkpoints import ARCHS
+from dense_families import padded_chunk
 
 from models.llama import compute_logits, forward, stack_layers
 from models.loader import load_hf_model
@@ -36,19 +37,24 @@ def paged_logits(
     out, start = [], 0
     for n in chunks:
         pos = np.arange(start, start + n)
+        # Prefill chunks padded to the longest, as the engine pads (dense_families.paged_logits).
+        tokens, positions, slots = padded_chunk(
+            token_ids[start : start + n], pos, table[0][pos // PAGE] * PAGE + pos % PAGE,
+            1 if n == 1 else max(chunks),
+        )  # fmt: skip
         hidden, caches = _forward(
             params,
             cfg,
             caches,
-            jnp.asarray(token_ids[start : start + n], jnp.int32),
-            jnp.asarray(pos, jnp.int32),
-            jnp.asarray(table[0][pos // PAGE] * PAGE + pos % PAGE, jnp.int32),
+            tokens,
+            positions,
+            slots,
             jnp.asarray([start + n], jnp.int32),
             jnp.asarray(table),
             jnp.asarray([0, n], jnp.int32),
             decode_only=n == 1,
         )
-        out.append(np.asarray(compute_logits(params, cfg, hidden)))
+        out.append(np.asarray(compute_logits(params, cfg, hidden[:n])))
         start += n
     return np.concatenate(out)
 

@@ -406,6 +406,7 @@ def grouped_paged_logits(loaded, chunks, token_ids, *, stacked, page=4):
     logits of every position [len(token_ids), V]."""
     import jax
     import jax.numpy as jnp
+    from dense_families import padded_chunk
 
     from models.llama import compute_logits, forward, stack_layers
 
@@ -428,14 +429,17 @@ def grouped_paged_logits(loaded, chunks, token_ids, *, stacked, page=4):
         for g, w in enumerate(groups.windows):
             if w is not None:
                 live[g, 0, : max(start - w + 1, 0) // page] = NULL_PAGE
+        # Prefill chunks padded to the longest (one program), as dense_families.paged_logits.
+        tokens, positions, slots = padded_chunk(
+            token_ids[start : start + size], pos, tables[:, 0, pos // page] * page + pos % page,
+            1 if size == 1 else max(chunks),
+        )
         hidden, caches = run(
-            params, cfg, caches,
-            jnp.asarray(token_ids[start : start + size], jnp.int32), jnp.asarray(pos, jnp.int32),
-            jnp.asarray(tables[:, 0, pos // page] * page + pos % page, jnp.int32),
+            params, cfg, caches, tokens, positions, slots,
             jnp.asarray([start + size], jnp.int32), jnp.asarray(live),
             jnp.asarray([0, size], jnp.int32), kv_groups=groups, decode_only=size == 1,
         )  # fmt: skip
-        out.append(np.asarray(compute_logits(params, cfg, hidden)))
+        out.append(np.asarray(compute_logits(params, cfg, hidden[:size])))
         start += size
     return np.concatenate(out)
 
