@@ -23,8 +23,8 @@ that share's; rotated, every channel carries an even share and the errors of hea
 channels average out (tests/pallas_kernels/test_kv_quant.py: a large offset shared by 4 of
 64 channels, rms logit error int8 0.49 -> 0.17, e4m3 2.41 -> 1.22). Measured on SmolLM2
 (2,048 tokens, docs/memory.md), perplexity against the float32 cache: fp8 e4m3 +0.98% ->
-+0.00%, int8 +0.22% -> -0.04%, fp8 e5m2 +1.66% -> +1.30%. Values are not rotated: rotating
-them as well measured worse (e4m3 +0.28% against +0.00% for keys alone). The kernels see
+-0.00%, int8 +0.22% -> -0.05%, fp8 e5m2 +1.66% -> +1.30%. Values are not rotated: rotating
+them as well measured worse (e4m3 +0.28% against -0.00% for keys alone). The kernels see
 rotated queries and keys and need no change.
 
 Quantization: scale = bf16(amax / qmax); q = round-or-cast(clip(x / scale, -qmax, qmax))
