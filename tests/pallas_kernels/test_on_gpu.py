@@ -12,7 +12,10 @@ decode and prefill, the Mosaic GPU decode kernel, then float32 (full-precision d
 
 from __future__ import annotations
 
+import math
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from paged_cases import check, decode_case, prefill_case
@@ -51,6 +54,56 @@ def test_engine_greedy_tokens_same_with_kernels_and_reference(tmp_path):
         )
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens["pallas"] == tokens["reference"]
+
+
+def run_decode_at_the_pool_end(num_pages: int, dtype: str, **kwargs):
+    """Two sequences of 3 and 4 pages at the last 8 pages of a zero pool [2, num_pages, 16,
+    128] (int8: kv_quant.QuantizedPages), decoded by the dispatcher and by the reference;
+    returns the pool's bytes per half."""
+    from pallas_kernels import kv_quant
+
+    hkv, page_size, head_dim, group = 2, 16, 128, 4
+    rng = np.random.default_rng(0)
+    shape = (hkv, num_pages, page_size, head_dim)
+    last = np.arange(num_pages - 8, num_pages)
+    vals = [rng.normal(size=(hkv, 8, page_size, head_dim)).astype(np.float32) for _ in "kv"]
+    if dtype == "int8":
+        pools = [
+            jax.tree.map(lambda a, b: a.at[:, last].set(b), kv_quant.zeros(shape, np.int8),
+                         kv_quant.QuantizedPages(*kv_quant.quantize(jnp.asarray(x), np.int8)))
+            for x in vals
+        ]  # fmt: skip
+        q_dtype, nbytes = jnp.bfloat16, math.prod(shape)
+    else:
+        pools = [jnp.zeros(shape, dtype).at[:, last].set(x.astype(dtype)) for x in vals]
+        q_dtype, nbytes = jnp.dtype(dtype), math.prod(shape) * jnp.dtype(dtype).itemsize
+    q = jnp.asarray(rng.normal(size=(2, hkv * group, head_dim)), q_dtype)
+    table = jnp.asarray([[*last[:3], 0], last[3:7]], jnp.int32)
+    lengths = jnp.asarray([3 * page_size - 5, 4 * page_size], jnp.int32)
+    args = (q, *pools, lengths, table)
+    out = jax.jit(lambda *a: pallas_kernels.paged_decode_attention(*a, sm_scale=0.1, **kwargs))(
+        *args
+    )
+    check(out, reference.paged_decode_attention(*args, sm_scale=0.1))
+    return nbytes
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_decode_kernel_reads_pages_past_4_gib(dtype):
+    """A pool half over 4 GiB, as an accelerator's default pool is (one array of every
+    layer's pages): the Triton kernel, which Pallas addresses with int64 offsets there
+    (gpu_decode.offsets_fit; test_sm90_compile.py reads them), reads the pool's last pages as
+    the reference does. About 9 GiB of device memory for bfloat16, 4.5 GiB for int8."""
+    from pallas_kernels import gpu_decode
+
+    itemsize = 1 if dtype == "int8" else 2
+    num_pages = 2**32 // itemsize // (2 * 16 * 128) + 64
+    shape = (2, num_pages, 16, 128)
+    assert gpu_decode.offsets_fit(shape, jnp.dtype(dtype))
+    assert pallas_kernels.select_backend(
+        (2, 8, 128), shape, jnp.dtype(dtype), interpret=False, backend=None
+    ) == "gpu"
+    assert run_decode_at_the_pool_end(num_pages, dtype) > 2**32
 
 
 def edge_lengths(page_size, pages_per_seq):
