@@ -120,6 +120,9 @@ def test_stacked_host_arrays_are_placed_without_a_copy_on_cpu(checkpoint, monkey
         a = hf_checkpoint.aligned_empty(shape, dtype)
         assert (a.shape, a.dtype, a.flags.c_contiguous) == (shape, np.dtype(dtype), True)
         assert a.ctypes.data % hf_checkpoint.HOST_ALIGNMENT == 0
+        a[...] = 3
+        assert np.all(a == 3)
+    assert hf_checkpoint.aligned_empty((0, 4), np.float32).shape == (0, 4)  # no empty map
     placed_from = {}
     place = hf_checkpoint._place
 
