@@ -40,7 +40,8 @@ ENGINES = [(None, "auto"), ("int8", "auto"), (None, "int8"), (None, "fp8")]
 def measured(smollm2_gguf):
     """(quantization, kv_cache_dtype) -> (stats, perplexity, the most likely token at each
     position of the text, the greedy tokens of REAL_PROMPTS), one engine at a time (each
-    deleted before the next is built)."""
+    deleted before the next is built). The text is prefilled in one step: one program, where
+    512-token chunks compiled three (one per page bucket)."""
     from jpaged import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=NUM_GREEDY, ignore_eos=True)
@@ -50,7 +51,7 @@ def measured(smollm2_gguf):
             model=str(smollm2_gguf), quantization=method, kv_cache_dtype=kv_dtype,
             max_model_len=PERPLEXITY_TOKENS + 64,
             num_pages=(PERPLEXITY_TOKENS + 64) // 16 + 13, max_num_seqs=len(REAL_PROMPTS),
-            max_num_batched_tokens=512, min_page_bucket=16,
+            max_num_batched_tokens=PERPLEXITY_TOKENS + 64, min_page_bucket=16,
         )  # fmt: skip
         ids = english_token_ids(llm.get_tokenizer(), PERPLEXITY_TOKENS)
         # All twelve prompts in one generate call per engine.
