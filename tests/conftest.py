@@ -20,8 +20,8 @@ _ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1
 # Under jax 0.10 (Python 3.11 in CI) XLA:CPU also compiles fusions with its older emitters,
 # not the MLIR fusion emitters it uses by default: the suite mostly compiles, and measured on
 # the 2-core VM (2026-12-06) the 3.11 suite's XLA compile time fell from 1,477 s to 974 s
-# (1,493 s to 1,179 s in all), every test passing, while the programs run about 20% slower
-# (SmolLM2 decode). Users keep XLA's default. jax 0.11's XLA has no such flag (an unknown
+# (jax's backend-compile events summed over its workers), every test passing, while the
+# programs run about 20% slower (SmolLM2 decode). Users keep XLA's default. jax 0.11's XLA has no such flag (an unknown
 # XLA flag aborts the process), so the 3.12 stage compiles with the default emitters.
 _OLD_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
