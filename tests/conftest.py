@@ -11,6 +11,9 @@ import os
 import sys
 from pathlib import Path
 
+# What the caller asked for, before the CPU default: `-m gpu` / `-m tpu` runs select their
+# accelerator instead (pytest_configure below).
+_PLATFORMS_ASKED = os.environ.get("JAX_PLATFORMS")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_ENABLE_X64"] = "0"
 # One compute thread per process, for XLA and for torch (and the subprocesses tests start):
@@ -74,8 +77,8 @@ import jax
 
 jax.config.update("jax_enable_x64", False)
 
+from accelerators import ACCELERATORS, accelerator_of_run
 from checkpoints import ARCHS, make_tiny_checkpoint
-
 
 # Modules that one Python version proves, besides those marked `once` in their own file (the
 # real-SmolLM2 accuracy and end-to-end tests). .ci/run's Python 3.12 stage leaves them out;
@@ -148,6 +151,46 @@ SLOW_MODULES_FIRST = (
     "tests/jpaged/spec_decode/test_speculative.py",
     "tests/parallel/test_tensor_parallel.py",
 )
+
+
+def pytest_configure(config):
+    """A `-m gpu` (or `-m tpu`) run runs on that accelerator, in one process, or stops at once
+    with one line saying why: where the CPU default stayed, every such test would skip and
+    the run would pass having tested nothing."""
+    kind = accelerator_of_run(config.option.markexpr)
+    if kind is None:
+        return
+    platform, accepted = ACCELERATORS[kind]
+    asked = _PLATFORMS_ASKED
+    if asked and not set(asked.split(",")) & set(accepted):
+        pytest.exit(
+            f"-m {kind} selects the {kind.upper()} tests, but JAX_PLATFORMS={asked} keeps jax "
+            f"off the {kind.upper()}: unset it or name {'/'.join(accepted)}",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
+    platforms = asked or platform
+    os.environ["JAX_PLATFORMS"] = platforms  # subprocesses the tests start, too
+    jax.config.update("jax_platforms", platforms)
+    # One process holds the device: xdist's workers would each take most of its memory
+    # (jax preallocates 75% at first use). xdist's own configure runs after this one.
+    config.option.dist = "no"
+    config.option.numprocesses = None
+    config.option.tx = []
+    try:
+        found = jax.devices()[0].platform
+    except (RuntimeError, AssertionError) as e:  # jax 0.10 asserts when no plugin has it
+        text = str(e).strip()
+        reason = text.splitlines()[0] if text else f"no jax backend for {platforms!r}"
+        pytest.exit(
+            f"-m {kind} needs a {kind.upper()}, and this machine has none that jax can use "
+            f"(JAX_PLATFORMS={platforms}: {reason})",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
+    if found != kind:
+        pytest.exit(
+            f"-m {kind} needs a {kind.upper()}; jax found only {found!r} devices here",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
