@@ -1,0 +1,114 @@
+"""scripts/bench_throughput.py's report: a figure not measured in the run is labelled stored on
+its own line, so is a ratio formed from it, stored figures are never used on another card, and
+--hf-reserve keeps time for the transformers baseline while jpaged's phases run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_throughput.py"
+_spec = importlib.util.spec_from_file_location("bench_throughput", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_throughput"] = bench  # dataclasses look their module up
+_spec.loader.exec_module(bench)
+
+OURS = {
+    "tokens_per_s": 28274.0,
+    "num_compiled": 3,
+    "num_buckets": 3,
+    "warmup_s": 1.0,
+    "compile_s": 1.0,
+    "startup_s": 1.0,
+    "num_recompiles": 0,
+    "num_preemptions": 0,
+    "output_tokens": 16,
+    "expected_output_tokens": 16,
+}
+
+
+def _result(hardware: str, transformers: dict) -> dict:
+    return {
+        "phases": {"jpaged": "done"},
+        "jpaged": dict(OURS),
+        "jpaged_no_prefix_caching": None,
+        "transformers": transformers,
+        "startup": {},
+        "hardware": hardware,
+        "num_devices": 1,
+        "jax": "0.11.2",
+        "copy_bandwidth_gb_s": 3000.0,
+        "workload": "W1",
+    }
+
+
+def _report(result: dict, capsys) -> list[str]:
+    args = bench.parse_args(["--workload", "W1", "--preset", "llama-3.2-1b"])
+    args.max_num_seqs, args.max_num_batched_tokens = 128, 8192
+    bench.report(result, args)
+    return capsys.readouterr().out.splitlines()
+
+
+def test_stored_figures_on_an_h200_are_labelled_on_every_line(capsys):
+    result = _result("NVIDIA H200 (gpu)", {})
+    lines = _report(result, capsys)
+    stored = [line for line in lines if line.startswith("transformers ")]
+    assert len(stored) == 3
+    assert all(line.endswith(f"({bench.STORED_TRANSFORMERS_SOURCE})") for line in stored)
+    ratio = next(line for line in lines if line.startswith("ratio"))
+    assert ratio == (
+        "ratio jpaged / transformers' best: 2.00x, against a STORED figure "
+        f"({bench.STORED_TRANSFORMERS_SOURCE}); not a same-run comparison"
+    )
+    assert result["ratio_vs_transformers"] == {"value": 2.0, "transformers": "stored"}
+    assert result["transformers_stored"]["source"] == bench.STORED_TRANSFORMERS_SOURCE
+
+
+def test_stored_h200_figures_are_never_used_on_another_card(capsys):
+    result = _result("NVIDIA H100 80GB HBM3 (gpu)", {})
+    lines = _report(result, capsys)
+    assert not [line for line in lines if line.startswith(("transformers ", "ratio"))]
+    assert "ratio_vs_transformers" not in result and "transformers_stored" not in result
+
+
+def test_figures_measured_in_the_run_name_the_card_and_win_over_stored(capsys):
+    theirs = {"device": "NVIDIA H200", "padded_generate": 7000.0, "generate_batch": 14137.0}
+    result = _result("NVIDIA H200 (gpu)", theirs)
+    lines = _report(result, capsys)
+    assert [line for line in lines if line.startswith("transformers ")] == [
+        f"{'transformers padded_generate':<40}{7000.0:>16.1f}   (this run, NVIDIA H200)",
+        f"{'transformers generate_batch':<40}{14137.0:>16.1f}   (this run, NVIDIA H200)",
+    ]
+    assert "ratio jpaged / transformers' best (both this run): 2.00x" in lines
+    assert result["ratio_vs_transformers"]["transformers"] == "measured in this run"
+
+
+@pytest.mark.parametrize(
+    ("reserve", "skip", "expected_jpaged"),
+    [(120, False, 470.0), (120, True, 590.0), (0, False, 590.0)],
+)
+def test_hf_reserve_keeps_time_for_the_baseline(
+    monkeypatch, tmp_path, reserve, skip, expected_jpaged
+):
+    timeouts = {}
+
+    def fake_subprocess_json(cmd, timeout, partial=None):
+        phase = "transformers" if "bench_transformers_worker.py" in cmd[1] else "jpaged"
+        timeouts[phase] = timeout
+        return {}
+
+    now = [1000.0]
+    monkeypatch.setattr(bench, "_subprocess_json", fake_subprocess_json)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    argv = ["--workload", "W1", "--skip-startup", "--hf-reserve", str(reserve)]
+    args = bench.parse_args(argv + (["--skip-transformers"] if skip else []))
+    args.model = "unused"
+    result = {"phases": {}, "startup": {}, "transformers": {}}
+    bench.measure(args, tmp_path / "w.json", tmp_path, 1000.0 + 600.0, result)
+    # 600 s of budget less the report's 10 s, less the reserve while jpaged runs
+    assert timeouts["jpaged"] == pytest.approx(expected_jpaged)
+    if not skip:
+        assert timeouts["transformers"] == pytest.approx(590.0)
