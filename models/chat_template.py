@@ -9,9 +9,13 @@ add_generation_prompt, bos_token, eos_token, tools and documents (None), plus an
 
 Messages are validated first: a non-empty list of {"role", "content"} with role one of
 ROLES and content a string or a list of {"type": "text", "text": ...} parts (joined with
-newlines into one string); an assistant's tool_calls get their function arguments as
-objects (OpenAI sends JSON text; templates write them with tojson). Every error is a ValueError; a template's own error
-(raise_exception, a Jinja error) carries the template's message.
+newlines into one string); an assistant's content may be null or missing (a turn that only
+calls tools, as OpenAI's types allow) and renders as "", since most templates concatenate it;
+an assistant's tool_calls get their function arguments as objects (OpenAI sends JSON text;
+templates write them with tojson). Every error is a ValueError. Whatever a template raises
+(raise_exception, a Jinja error, a TypeError or KeyError from its expressions) is a
+ChatTemplateError carrying the template's own words and, where the template was reading a
+message when it failed, that message's index.
 
 BOS: a template that writes bos_token itself (Llama 3's does) must not get a second BOS from
 the tokenizer. `prompt_token_ids` encodes the rendered text without special tokens when it
@@ -56,10 +60,12 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         role = message.get("role")
         if role not in ROLES:
             raise ValueError(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}")
-        if "content" not in message:
+        if "content" not in message and role != "assistant":
             raise ValueError(f"{where}.content: missing")
         copy = dict(message)
-        copy["content"] = _content_text(message["content"], where, allow_none=role == "assistant")
+        copy["content"] = _content_text(
+            message.get("content"), where, allow_none=role == "assistant"
+        )
         if role == "assistant" and message.get("tool_calls") is not None:
             copy["tool_calls"] = _tool_calls(message["tool_calls"], where)
         checked.append(copy)
@@ -89,9 +95,11 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _content_text(content: Any, where: str, *, allow_none: bool) -> str | None:
-    if isinstance(content, str) or (content is None and allow_none):
-        return content  # an assistant message with only tool calls has no content
+def _content_text(content: Any, where: str, *, allow_none: bool) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and allow_none:
+        return ""  # an assistant turn that only calls tools: templates concatenate content
     if not isinstance(content, (list, tuple)):
         raise ValueError(f"{where}.content: must be a string or a list of text parts")  # noqa: TRY004
     texts = []
@@ -126,8 +134,9 @@ def render_chat(
       **extra: more template variables (tools, documents, enable_thinking, ...).
 
     Raises:
-      ValueError: invalid messages or arguments; "chat template error: <message>" when the
-        template raises or is not valid Jinja.
+      ValueError: invalid messages or arguments; "chat template error: line N: ..." when
+        the template is not valid Jinja.
+      ChatTemplateError: the template raised while rendering (a ValueError).
     """
     chat = validate_messages(messages)
     if add_generation_prompt and continue_final_message:
@@ -139,16 +148,25 @@ def render_chat(
             raise ValueError(f"messages[{len(chat) - 1}].content: empty, nothing to continue")
         chat[-1]["content"] = final + _CONTINUE_TAG
     variables = {"tools": None, "documents": None, **extra}
+    compiled = _compile(template)
+    seen: list[int | None] = [None]  # the index of the message the template read last
     try:
-        text = _compile(template).render(
-            messages=chat,
+        text = compiled.render(
+            messages=[_Message(m, i, seen) for i, m in enumerate(chat)],
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
             **variables,
         )
-    except jinja2.TemplateError as e:  # raise_exception's TemplateError, syntax, undefined ...
-        raise ValueError(f"chat template error: {e.message or type(e).__name__}") from None
+    except jinja2.TemplateError as e:  # raise_exception's TemplateError, undefined, sandbox
+        raise ChatTemplateError(e.message or type(e).__name__, seen[0]) from None
+    # A template is code from a checkpoint: whatever its expressions raise (None + str, a
+    # missing key, a bad filter argument) is the conversation's or the template's problem,
+    # never the server's.
+    except Exception as e:  # noqa: BLE001
+        line = _template_line(e.__traceback__)
+        where = f" (template line {line})" if line is not None else ""
+        raise ChatTemplateError(f"{type(e).__name__}: {e}{where}", seen[0]) from None
     if final is not None:
         tag = _CONTINUE_TAG.strip()
         if tag not in text:
@@ -162,6 +180,55 @@ def render_chat(
         # message's own trailing whitespace): cut and strip, as transformers does.
         text = text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
     return text
+
+
+class ChatTemplateError(ValueError):
+    """What a chat template raised, in its own words; message_index names the message the
+    template was reading when it failed (None before it read any). str(): "chat template
+    error: ...", after "messages[i]: " when the index is known."""
+
+    def __init__(self, detail: str, message_index: int | None = None) -> None:
+        self.detail = detail
+        self.message_index = message_index
+        where = f"messages[{message_index}]: " if message_index is not None else ""
+        super().__init__(f"{where}chat template error: {detail}")
+
+
+class _Message(dict):
+    """One message as the template sees it: a plain dict to the template (tojson, `in`,
+    iteration), which records in `seen` that the template read a field of message `index`,
+    so an error names the message being rendered."""
+
+    __slots__ = ("_index", "_seen")
+
+    def __init__(self, message: dict, index: int, seen: list) -> None:
+        super().__init__(message)
+        self._index = index
+        self._seen = seen
+
+    def __getitem__(self, key):
+        self._seen[0] = self._index
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._seen[0] = self._index
+        return super().get(key, default)
+
+
+# Jinja names an object's type in its errors ("'dict object' has no attribute 'x'") by its
+# class's module and name: a message stays a 'dict object' there.
+_Message.__module__, _Message.__name__, _Message.__qualname__ = "builtins", "dict", "dict"
+
+
+def _template_line(tb) -> int | None:
+    """The template line an exception came from (Jinja rewrites tracebacks so that the
+    template's frames carry its own line numbers), or None."""
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
 
 
 @functools.lru_cache(maxsize=16)

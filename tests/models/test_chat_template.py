@@ -16,7 +16,12 @@ import shutil
 import pytest
 import transformers
 
-from models.chat_template import prompt_token_ids, render_chat, validate_messages
+from models.chat_template import (
+    ChatTemplateError,
+    prompt_token_ids,
+    render_chat,
+    validate_messages,
+)
 from models.gguf import GGUFFile
 from models.loader import load_hf_model
 
@@ -225,13 +230,80 @@ def test_invalid_messages(messages, message):
         render_chat(QWEN_TEMPLATE, messages)
 
 
-def test_template_that_raises():
+def test_template_that_raises_names_the_message_it_was_reading():
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
-    with pytest.raises(
-        ValueError,
-        match=r"^chat template error: Conversation roles must alternate user/assistant/user",
-    ):
+    with pytest.raises(ChatTemplateError) as info:
         render_chat(LLAMA3_TEMPLATE, messages)
+    assert str(info.value) == (
+        "messages[1]: chat template error: Conversation roles must alternate "
+        "user/assistant/user/assistant/..."
+    )
+    assert (info.value.message_index, isinstance(info.value, ValueError)) == (1, True)
+
+
+@pytest.mark.parametrize(
+    ("template", "message", "index"),
+    [
+        # A Python error inside the template's expressions: its type, words and line.
+        (
+            "{% for m in messages %}\n{{ m.content + m.count }}{% endfor %}",
+            ('messages[1]: chat template error: TypeError: can only concatenate str (not "int") '
+            "to str (template line 2)"),
+            1,
+        ),
+        (
+            "{{ 1 // (messages | length - 2) }}",
+            ("chat template error: ZeroDivisionError: integer division or modulo by zero "
+            "(template line 1)"),
+            None,
+        ),
+        (
+            "{{ messages[0].content }}{{ messages[1].nope.deeper }}",
+            "messages[1]: chat template error: 'dict object' has no attribute 'nope'",
+            1,
+        ),
+    ],
+)
+def test_any_template_exception_is_a_chat_template_error(template, message, index):
+    messages = [{"role": "user", "content": "a", "count": "1"}, {"role": "assistant",
+                "content": "b", "count": 2}]  # fmt: skip
+    with pytest.raises(ChatTemplateError) as info:
+        render_chat(template, messages)
+    assert (str(info.value), info.value.message_index) == (message, index)
+
+
+# The turn after a tool call, as agent frameworks send it: the assistant message that made
+# the call has "content": null (the openai client) or no content at all (others).
+TOOL_TURN = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+    {"role": "assistant", "content": "It is 21 C."},
+    {"role": "user", "content": "And in Rome?"},
+    {"role": "assistant", "tool_calls": [{"id": "call_2", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+    {"role": "tool", "tool_call_id": "call_2", "content": "25 C"},
+]  # fmt: skip
+
+
+def test_null_and_missing_assistant_content_render_as_empty(smollm2_template):
+    """SmolLM2's own template concatenates message['content']: a tool-calling turn renders
+    as an empty assistant turn instead of a TypeError."""
+    text = render_chat(smollm2_template, TOOL_TURN, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n21 C<|im_end|>\n"
+        "<|im_start|>assistant\nIt is 21 C.<|im_end|>\n<|im_start|>user\nAnd in Rome?<|im_end|>\n"
+        "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n25 C<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    checked = validate_messages(TOOL_TURN)
+    assert [m["content"] for m in checked] == ["Weather in Paris?", "", "21 C", "It is 21 C.",
+                                               "And in Rome?", "", "25 C"]  # fmt: skip
+    assert checked[5]["tool_calls"][0]["function"]["arguments"] == {"city": "Rome"}
+    assert "content" not in TOOL_TURN[5]  # the caller's messages are not changed
 
 
 @pytest.mark.parametrize(
