@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared device session (one H200, ~15 minutes of device time in all, at most 10 minutes
+# One prepared device session (one H100 or H200, ~15 minutes of device time in all, at most 10 minutes
 # per command). Runs the steps named on the command line, in the order given, each under a
 # timeout computed from the time actually left, and stops starting new ones when the deadline
 # is near. Needs no network, and no install of the project: the repo root goes on PYTHONPATH.
@@ -11,7 +11,8 @@
 # default deadline of 560 s the steps that do not fit are skipped and say so in session.log.
 #
 # Steps, in order of value:
-#   tests      JAX_PLATFORMS=cuda python -m pytest -m gpu tests/pallas_kernels/test_on_gpu.py
+#   tests      python -m pytest -m gpu tests/pallas_kernels/test_on_gpu.py (README's command;
+#              on a machine without a GPU it stops at once with one line, exit 4)
 #              (in order of value inside: the engine's greedy tokens through the kernels
 #              first, bf16 kernels, the Mosaic GPU decode kernel, then f32)
 #   attention  scripts/bench_attention.py (copy bandwidth; our decode kernels, Triton and
@@ -20,8 +21,11 @@
 #   W3         bench_throughput W3 on llama-3.2-1b (prefix caching on/off), no start-up runs
 #   W2         bench_throughput W2 on llama-3.2-1b scaled by W2_SCALE (default 4), no start-up
 #   W1-8b      bench_throughput W1 on the llama-3.1-8b preset (only if asked for)
-# Each benchmark measures jpaged first and transformers last (second priority), each phase
-# in its own process with the time left (--time-budget).
+# Each benchmark measures jpaged first and transformers last, each phase in its own process
+# with the time left (--time-budget); HF_RESERVE seconds (default 90) are kept for
+# transformers (--hf-reserve), so its baseline is measured on the card this call has (an
+# H100's figures are not an H200's). The card's name opens session.log, ends it, and goes
+# into every line of results.jsonl ("card").
 #
 # Output goes to $OUT (default ./gpu-out): session.log (environment, tests, the summary), one
 # <step>.log per step, <step>.json rewritten by the benchmark after every phase (what a kill
@@ -54,6 +58,7 @@ PRESET=${PRESET:-llama-3.2-1b}
 EXTRA_ARGS=${EXTRA_ARGS:-}
 ATTENTION_ARGS=${ATTENTION_ARGS:-}
 KILL_GRACE_S=${KILL_GRACE_S:-60}
+HF_RESERVE=${HF_RESERVE:-90}
 mkdir -p "$OUT" "$BENCH_ROOT"
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export JPAGED_CACHE_DIR=$BENCH_ROOT/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -78,6 +83,15 @@ if [[ -z ${PY:-} ]] || ! "$PY" -c 'import jax, jaxlib' 2>>"$LOG"; then
   exit 2
 fi
 
+# The card: nvidia-smi's name for GPU 0, else jax's device kind (no GPU: the CPU's).
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+if [[ -z $CARD ]]; then
+  CARD=$("$PY" -c 'import jax; d = jax.devices()[0]; print(f"{d.device_kind} ({d.platform})")' 2>/dev/null)
+fi
+CARD=${CARD:-unknown}
+export CARD
+say "card: $CARD"
+
 # run_step NAME MIN MAX CMD...: runs CMD under a timeout of min(MAX, time left - grace - 10);
 # skipped when that is less than MIN. {BUDGET} in CMD becomes the timeout less 5 seconds.
 run_step() {
@@ -94,15 +108,23 @@ run_step() {
   timeout --signal=INT --kill-after="$KILL_GRACE_S" "$budget" "${args[@]}" >"$OUT/$name.log" 2>&1
   local rc=$?
   say "END $name rc=$rc$( ((rc == 124)) && echo ' (timed out)')"
+  # Each result goes out with the step and the card; a step killed before it could print
+  # leaves what it had saved, marked partial.
   if grep -q '^RESULT_JSON ' "$OUT/$name.log"; then
-    grep -h '^RESULT_JSON ' "$OUT/$name.log" | tail -n 1 | sed 's/^RESULT_JSON //' >>"$OUT/results.jsonl"
-  elif [[ -s $OUT/$name.json ]]; then  # killed before it could print: what it had saved
-    "$PY" -c 'import json, sys; r = json.load(open(sys.argv[1])); r["partial"] = True; print(json.dumps(r))' \
-      "$OUT/$name.json" >>"$OUT/results.jsonl"
+    grep -h '^RESULT_JSON ' "$OUT/$name.log" | tail -n 1 | sed 's/^RESULT_JSON //' |
+      "$PY" -c "$STAMP" "$name" "" >>"$OUT/results.jsonl"
+  elif [[ -s $OUT/$name.json ]]; then
+    "$PY" -c "$STAMP" "$name" partial <"$OUT/$name.json" >>"$OUT/results.jsonl"
   fi
   # The human-readable summary: everything printed but the JSON line and progress bars.
   grep -v -e '^RESULT_JSON ' -e 'it/s\]' "$OUT/$name.log" | tail -n 30 >>"$LOG"
 }
+
+# STAMP STEP [partial]: stdin's JSON with "step", "card" (and "partial": true) added.
+STAMP='import json, os, sys
+r = json.load(sys.stdin)
+r.update(step=sys.argv[1], card=os.environ["CARD"], **({"partial": True} if sys.argv[2] else {}))
+print(json.dumps(r))'
 
 bench() {  # bench NAME MIN MAX ARGS...: scripts/bench_throughput.py with the session's settings
   local name=$1 min=$2 max=$3
@@ -110,7 +132,7 @@ bench() {  # bench NAME MIN MAX ARGS...: scripts/bench_throughput.py with the se
   # shellcheck disable=SC2086  # EXTRA_ARGS is a list of flags
   run_step "$name" "$min" "$max" "$PY" scripts/bench_throughput.py \
     --checkpoint-dir "$BENCH_ROOT/checkpoints" --time-budget '{BUDGET}' \
-    --json-out "$OUT/$name.json" "$@" $EXTRA_ARGS
+    --json-out "$OUT/$name.json" --hf-reserve "$HF_RESERVE" "$@" $EXTRA_ARGS
 }
 
 {
@@ -137,9 +159,10 @@ EOF
 for step in "$@"; do
   case $step in
     tests)
-      # tests/conftest.py defaults JAX_PLATFORMS to cpu, where the GPU-marked tests skip.
-      # addopts is cleared: it asks for pytest-xdist workers, which the device may not have.
-      run_step tests 60 240 env JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" "$PY" -m pytest -q \
+      # README's command: tests/conftest.py runs `-m gpu` on the GPU, in one process, or
+      # stops with one line where there is none. addopts is cleared: it asks for
+      # pytest-xdist workers, which the device may not have installed.
+      run_step tests 60 240 "$PY" -m pytest -q \
         -o addopts= -m gpu -p no:cacheprovider -rfEs --durations=10 \
         tests/pallas_kernels/test_on_gpu.py
       ;;
@@ -155,4 +178,4 @@ for step in "$@"; do
     *) say "unknown step $step (tests, attention, W1, W3, W2, W1-8b)" ;;
   esac
 done
-say "gpu_session: done"
+say "gpu_session: done on $CARD"
