@@ -40,6 +40,18 @@ output tokens/s of "tools" and "plain", and per-request decode time (TPOT) of ea
 
     python scripts/bench_serving.py --protocol http --workload tools --launch \
         "--model smollm2 --max-num-seqs 64" --num-requests 64 --concurrency 64 --output-len 48
+
+An agent's tool loop (--tool-loop, the same as --workload tool-loop; HTTP): --num-requests
+sessions, at most --concurrency at once, each of --turns streamed chat turns on one growing
+history, as an agent framework sends them: every turn but the last under tool_choice
+"required" (one call; the history then gains the assistant's message with null content and
+its tool_calls, and the tool's result), the last under "auto" with no server flag. Reports
+turns/s, and per turn index the time to first token, the turn's latency and its prompt
+tokens against those the prefix cache held (usage.prompt_tokens_details.cached_tokens): from
+the second turn on, the whole first turn's prompt should be cached.
+
+    python scripts/bench_serving.py --tool-loop --launch "--max-num-seqs 4" \
+        --num-requests 8 --concurrency 4 --turns 3 --output-len 48
 """
 
 from __future__ import annotations
@@ -212,6 +224,7 @@ async def http_stream(client: SSEClient, path: str, body: dict, timeout: float,
     """One streamed call's timeline (each chunk's token ids counted); on_choice(choice) sees
     every choice of every chunk."""
     timeline = Timeline()
+    usage: dict = {}
 
     async def stream() -> str:
         status, events = await client.post_events(path, body)
@@ -224,6 +237,8 @@ async def http_stream(client: SSEClient, path: str, body: dict, timeout: float,
                 code = "stream error"
                 continue
             timeline.got(sum(len(c.get("token_ids") or ()) for c in chunk["choices"]))
+            if chunk.get("usage"):
+                usage.update(chunk["usage"])
             for c in chunk["choices"] if on_choice is not None else ():
                 on_choice(c)
         return code
@@ -232,7 +247,7 @@ async def http_stream(client: SSEClient, path: str, body: dict, timeout: float,
         code = await asyncio.wait_for(stream(), timeout)
     except (OSError, ValueError, asyncio.IncompleteReadError, TimeoutError) as e:
         code = type(e).__name__
-    return timeline.result(code)
+    return {**timeline.result(code), "usage": usage}
 
 
 # ---- the tools workload -------------------------------------------------------------------
@@ -265,15 +280,17 @@ async def http_chat(client: SSEClient, body: dict, timeout: float) -> dict:
     """A streamed chat call: its timeline and the tool calls its deltas add up to."""
     body = {**body, "stream": True, "return_token_ids": True}
     calls: dict[int, dict] = {}
+    content: list[str] = []
 
     def read(choice: dict) -> None:
+        content.append(choice["delta"].get("content") or "")
         for d in choice["delta"].get("tool_calls") or ():
             call = calls.setdefault(d["index"], {"name": None, "arguments": ""})
             call["name"] = d["function"].get("name") or call["name"]
             call["arguments"] += d["function"].get("arguments") or ""
 
     result = await http_stream(client, "/v1/chat/completions", body, timeout, read)
-    return {**result, "calls": list(calls.values())}
+    return {**result, "calls": list(calls.values()), "content": "".join(content)}
 
 
 def valid_call(call: dict, want_name: str | None) -> bool:
@@ -383,6 +400,102 @@ async def run_tools(args, client: SSEClient, seed: int) -> dict:
     for phase in (summary["tools"], summary["plain"], by_kind["tool"], by_kind["plain"]):
         errors.update(phase["errors"])
     return {**summary, "errors": dict(errors)}
+
+
+# ---- the tool-loop workload ---------------------------------------------------------------
+
+
+async def run_tool_loop(args, client: SSEClient, seed: int) -> dict:
+    """--num-requests sessions of --turns turns each (module docstring)."""
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def session(i: int) -> list[dict]:
+        place = rng.choice(PLACES)
+        messages = [
+            {"role": "system", "content": "You are a weather assistant. Use the tools."},
+            {"role": "user", "content": f"What is the weather in {place}, and the time?"},
+        ]
+        turns = []
+        async with sem:
+            for t in range(args.turns):
+                last = t == args.turns - 1
+                body = {
+                    "messages": messages,
+                    "tools": TOOLS,
+                    "tool_choice": "auto" if last else "required",
+                    "parallel_tool_calls": False,
+                    "max_tokens": args.output_len[1],
+                    "temperature": 0.0,
+                    "stream_options": {"include_usage": True},
+                }
+                r = await http_chat(client, body, args.timeout)
+                turns.append({**r, "turn": t})
+                if r["code"] != "OK" or last:
+                    break
+                if not r["calls"]:
+                    r["code"] = "no tool call under required"
+                    break
+                call = r["calls"][0]
+                call_id = f"call_{i}_{t}"
+                messages = [
+                    *messages,
+                    {"role": "assistant", "content": None, "tool_calls": [{"id": call_id,
+                     "type": "function", "function": call}]},
+                    {"role": "tool", "tool_call_id": call_id, "content": f"sunny in {place}"},
+                ]  # fmt: skip
+        return turns
+
+    t0 = time.perf_counter()
+    sessions = await asyncio.gather(*(session(i) for i in range(args.num_requests)))
+    duration = time.perf_counter() - t0
+    every = [turn for turns in sessions for turn in turns]
+    errors = collections.Counter(t["code"] for t in every if t["code"] != "OK")
+    per_turn = []
+    for t in range(args.turns):
+        ok = [x for x in every if x["turn"] == t and x["code"] == "OK"]
+        prompt = sum(x["usage"].get("prompt_tokens", 0) for x in ok)
+        cached = sum(
+            (x["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for x in ok
+        )
+        per_turn.append({
+            "turn": t,
+            "turns": len(ok),
+            "ttft_s": percentiles([x["first"] - x["start"] for x in ok if x["first"]]),
+            "latency_s": percentiles([x["end"] - x["start"] for x in ok]),
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+        })  # fmt: skip
+    ok_turns = sum(1 for x in every if x["code"] == "OK")
+    return {
+        "workload": "tool-loop",
+        "sessions": args.num_requests,
+        "duration_s": duration,
+        "turns_ok": ok_turns,
+        "turns_per_s": ok_turns / duration,
+        "per_turn": per_turn,
+        "errors": dict(errors),
+    }
+
+
+def summarize_tool_loop(runs: list[dict]) -> None:
+    for r in runs:
+        if r["warmup"]:
+            continue
+        print(
+            f"tool loop: {r['sessions']} sessions, {r['turns_ok']} turns in "
+            f"{r['duration_s']:.2f}s ({r['turns_per_s']:.2f} turns/s); errors {r['errors']}",
+            file=sys.stderr,
+        )
+        for t in r["per_turn"]:
+            share = t["cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0
+            print(
+                f"  turn {t['turn'] + 1}: {t['turns']} ok, TTFT p50 {fmt(t['ttft_s']['p50'])} "
+                f"p99 {fmt(t['ttft_s']['p99'])}, latency p50 {fmt(t['latency_s']['p50'])}; "
+                f"prompt tokens {t['prompt_tokens']}, cached {t['cached_tokens']} "
+                f"({share:.0%})",
+                file=sys.stderr,
+            )
 
 
 async def run_once(args, send, vocab: int, seed: int, *, with_long: bool = True) -> dict:
@@ -499,6 +612,8 @@ async def bench(args, server_pid: int | None) -> list[dict]:
             for with_long in modes:
                 if args.workload == "tools":
                     result = await run_tools(args, http, args.seed + i)
+                elif args.workload == "tool-loop":
+                    result = await run_tool_loop(args, http, args.seed + i)
                 else:
                     result = await run_once(args, send, vocab, args.seed + i, with_long=with_long)
                 stats = await wait_idle(stub, metadata)
@@ -516,6 +631,8 @@ async def bench(args, server_pid: int | None) -> list[dict]:
             summarize(runs)
         if args.workload == "tools":
             summarize_tools(runs)
+        if args.workload == "tool-loop":
+            summarize_tool_loop(runs)
     if http is not None:
         await http.aclose()
     return runs
@@ -641,10 +758,19 @@ def main() -> int:
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     p.add_argument(
         "--workload",
-        choices=("completions", "tools"),
+        choices=("completions", "tools", "tool-loop"),
         default="completions",
-        help="tools: chat with tool calls beside plain chat (module docstring; --protocol http)",
+        help="tools: chat with tool calls beside plain chat; tool-loop: an agent's turns "
+        "(module docstring; both over HTTP)",
     )
+    p.add_argument(
+        "--tool-loop",
+        dest="workload",
+        action="store_const",
+        const="tool-loop",
+        help="--workload tool-loop (implies --protocol http)",
+    )
+    p.add_argument("--turns", type=int, default=3, help="turns per tool-loop session")
     p.add_argument("--port", type=int, default=50051, help="the server's gRPC port")
     p.add_argument(
         "--http-port", type=int, default=8000, help="the server's HTTP port (--protocol http)"
@@ -684,6 +810,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write all runs here")
     args = p.parse_args()
+    if args.workload == "tool-loop":
+        args.protocol = "http"
     if args.workload == "tools" and args.protocol != "http":
         p.error("--workload tools needs --protocol http")
     proc = launch(args) if args.launch is not None else None
