@@ -67,6 +67,7 @@ class Server:
             chat_template=options.chat_template,
             tool_call_parser=options.tool_call_parser,
             enable_auto_tool_choice=options.enable_auto_tool_choice,
+            responses_store_size=options.responses_store_size,
             state=lambda: self.state,
         )
         self.state = "warming_up"  # then "serving", then "draining"

@@ -3,6 +3,8 @@
 Routes: GET /v1/models, /v1/models/{id}; POST /v1/embeddings (server/openai_embeddings.py),
 /v1/completions, /v1/chat/completions
 (streamed as server-sent events when stream=true; tools and tool_choice: server/tool_calls.py);
+POST /v1/responses, GET and DELETE /v1/responses/{id} (the Responses API, run as a chat:
+server/responses_api.py);
 POST /tokenize, /detokenize (vLLM's); GET /health (200 serving, 503 while warming up or
 draining); GET /metrics (the server's Prometheus registry). With an API key, /v1/*,
 /tokenize and /detokenize need `Authorization: Bearer KEY` (server/auth.py).
@@ -75,6 +77,7 @@ class OpenAIServer:
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
+        responses_store_size: int = 1024,
         state: Callable[[], str] = lambda: "serving",
     ) -> None:
         self._loop = loop
@@ -90,6 +93,7 @@ class OpenAIServer:
         self._vocab_size = int(loop.engine.model_config.vocab_size)
         self._max_model_len = int(loop.engine.max_model_len)
         self._created = int(time.time())
+        self._responses_store_size = responses_store_size
         self.app = self._make_app()
 
     def _make_app(self) -> FastAPI:
@@ -100,6 +104,11 @@ class OpenAIServer:
         v1.add_api_route("/completions", self.completions, methods=["POST"])
         v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
         v1.add_api_route("/embeddings", self.embeddings, methods=["POST"])
+        # imported here: responses_api builds on this module's call flow
+        from server.responses_api import ResponsesAPI
+
+        self.responses = ResponsesAPI(self, store_size=self._responses_store_size)
+        self.responses.add_routes(v1)
         app.include_router(v1)
         app.add_api_route(
             "/tokenize", self.tokenize, methods=["POST"], dependencies=[Depends(self._check_key)]

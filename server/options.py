@@ -29,6 +29,8 @@ class ServerOptions:
     # tool_choice "auto": the format tool calls are parsed from (server/tool_parsers.py)
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # /v1/responses: how many ended responses previous_response_id can continue (an LRU)
+    responses_store_size: int = 1024
     # SamplingParams fields for requests that leave them unset (the serve command's flags).
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
 
@@ -54,6 +56,10 @@ class ServerOptions:
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        if self.responses_store_size < 0:
+            raise ValueError(
+                f"responses_store_size must be >= 0, got {self.responses_store_size}"
+            )
 
     @classmethod
     def from_args(
@@ -71,6 +77,7 @@ class ServerOptions:
             chat_template=read_chat_template(args.chat_template),
             tool_call_parser=args.tool_call_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
+            responses_store_size=args.responses_store_size,
             sampling_defaults=dict(sampling_defaults or {}),
         )
 
@@ -154,6 +161,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="parse tool calls out of the model's text for tool_choice 'auto' (and requests "
         "with tools and no tool_choice); needs --tool-call-parser",
+    )
+    g.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1024,
+        help="/v1/responses: how many ended responses are kept in memory for "
+        "previous_response_id and GET /v1/responses/{id}, the least recently used dropped "
+        "first (0: none; default: 1024)",
     )
     g.add_argument(
         "--max-waiting",
