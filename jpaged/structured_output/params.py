@@ -13,16 +13,24 @@ whitespace_pattern (each gap between JSON tokens matches it) or disable_any_whit
 (True: compact JSON, none at all; False: any run of JSON whitespace, vLLM's default); an
 engine-wide default comes from EngineConfig.structured_outputs_config and reaches
 grammar_for() through the manager.
+
+A constraint with a ReasoningPrefix (a reasoning model's `<think>...</think>`) lets the model
+write any text up to and including the first end tag, then a little whitespace, and
+constrains only what follows. The grammar itself carries the prefix (reasoning_grammar), so
+the manager and the engine run it like any other: the tags may span any tokens, a token may
+hold the end of the reasoning and the start of the body, and the output cannot end before
+the constrained part is complete.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json as jsonlib
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import llguidance
 import llguidance.numpy
@@ -70,6 +78,69 @@ def json_options(disable_any_whitespace: bool | None, whitespace_pattern: str | 
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ReasoningPrefix:
+    """Free text a reasoning model writes before its constrained output.
+
+    opened: True when the prompt already opened the reasoning (DeepSeek-R1's and
+    Qwen3-Thinking's templates end the generation prompt with `<think>`): the output is any
+    text up to and including the first `end`. False: the output either opens it itself, its
+    first characters being `start`, and then runs to the first `end` as well, or it is the
+    constrained part from its first character.
+
+    Between `end` and the constrained part come at most MAX_GAP whitespace characters (the
+    models write "\n\n" there); a reader takes the text after `end` without its leading
+    whitespace as the content (server/reasoning_parsers.py).
+    """
+
+    start: str = "<think>"
+    end: str = "</think>"
+    opened: bool = True
+
+    MAX_GAP: ClassVar[int] = 4
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"reasoning {name} must be a non-empty string, got {value!r}")
+        if type(self.opened) is not bool:
+            raise ValueError(f"reasoning opened must be a bool, got {self.opened!r}")
+
+
+def reasoning_grammar(body: str, prefix: ReasoningPrefix) -> str:
+    """The llguidance grammar of prefix, then what body allows.
+
+    Args:
+      body: an llguidance grammar as params make them (Lark text, or a TopLevelGrammar's
+        JSON text with the start grammar first).
+      prefix: the reasoning before it.
+    Returns:
+      A TopLevelGrammar's JSON text: a Lark start rule, then body's grammars, its first one
+      named (and referenced by that name) when it was not.
+
+    The reasoning is one lazy lexeme that ends at the first `end` (so never contains it):
+    while it lasts, a mask allows nearly every token and llguidance computes it in a few
+    microseconds.
+    """
+    if body.lstrip().startswith("{"):
+        top = jsonlib.loads(body)
+    else:
+        top = {"grammars": [{"lark_grammar": body}]}
+    first, *rest = top["grammars"]
+    first = {**first, "name": first.get("name") or "body"}
+    ref = "@" + first["name"]
+    end = jsonlib.dumps(prefix.end, ensure_ascii=False)  # Lark strings take JSON's escapes
+    if prefix.opened:
+        start = f"start: reasoning GAP {ref}"
+    else:
+        opening = jsonlib.dumps(prefix.start, ensure_ascii=False)
+        start = f"start: {opening} reasoning GAP {ref} | {ref}"
+    lark = f"{start}\nreasoning[lazy]: /(?s:.*)/ {end}\nGAP: /[ \\t\\r\\n]{{0,{prefix.MAX_GAP}}}/\n"
+    grammars = [{"lark_grammar": lark}, first, *rest]
+    return jsonlib.dumps({"grammars": grammars, "max_tokens": top.get("max_tokens")})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StructuredOutputsParams:
     """One constraint on a request's output; field names and meanings follow vLLM.
 
@@ -85,6 +156,11 @@ class StructuredOutputsParams:
       whitespace_pattern: a regex (llguidance's syntax) each gap between JSON tokens
         matches, e.g. "" (none) or "[ ]?" (at most one space); it may match only JSON
         whitespace. Overrides disable_any_whitespace=False; with True it is an error.
+
+    reasoning (not a constructor argument: with_reasoning sets it, so no request field
+    reaches it): text the model writes freely before the constrained output (a
+    ReasoningPrefix, a reasoning model's `<think>...</think>`), or None: the constraint
+    holds from the output's first token.
     """
 
     json: dict[str, Any] | str | None = None
@@ -94,11 +170,14 @@ class StructuredOutputsParams:
     json_object: bool = False
     disable_any_whitespace: bool | None = None
     whitespace_pattern: str | None = None
+    reasoning: ReasoningPrefix | None = dataclasses.field(init=False, default=None)
     # The llguidance grammar the constraint compiles to, with this request's whitespace (the
     # canonical layout when it sets none); set by __post_init__.
     ll_grammar: str = dataclasses.field(init=False, repr=False, compare=False, default="")
     # The parsed JSON schema (json and json_object), for grammar_for.
     _schema: dict | None = dataclasses.field(init=False, repr=False, compare=False, default=None)
+    # The grammar without the reasoning prefix (with_reasoning's), for a later with_reasoning.
+    _body: str = dataclasses.field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self) -> None:
         if type(self.json_object) is not bool:  # bool has no subclasses; 0 and 1 are not bools
@@ -122,6 +201,28 @@ class StructuredOutputsParams:
         self._check_whitespace(given[0])
         object.__setattr__(self, "ll_grammar", self._compile(given[0]))
 
+    def with_reasoning(self, prefix: ReasoningPrefix | None) -> StructuredOutputsParams:
+        """This constraint after prefix: a copy whose grammar lets the model reason first
+        (None: the constraint itself, from the first token). The body is not compiled again.
+
+        Raises:
+          ValueError: prefix is not a ReasoningPrefix (or None).
+        """
+        if prefix is not None and not isinstance(prefix, ReasoningPrefix):
+            raise ValueError(f"reasoning must be a ReasoningPrefix, got {type(prefix).__name__}")
+        if prefix == self.reasoning:
+            return self
+        out = copy.copy(self)
+        body = self.ll_grammar if self.reasoning is None else self._body
+        grammar = body if prefix is None else reasoning_grammar(body, prefix)
+        error = llguidance.LLMatcher.validate_grammar(grammar) if prefix is not None else None
+        if error:
+            raise ValueError(f"structured_outputs: invalid reasoning prefix: {one_line(error)}")
+        object.__setattr__(out, "reasoning", prefix)
+        object.__setattr__(out, "ll_grammar", grammar)
+        object.__setattr__(out, "_body", body)
+        return out
+
     @property
     def kind(self) -> str:
         """Which field holds the constraint: one of KINDS."""
@@ -138,7 +239,8 @@ class StructuredOutputsParams:
         whitespace of its own, which takes the engine's default."""
         if self._schema is None or self.sets_whitespace or default_disable_any_whitespace is None:
             return self.ll_grammar
-        return _json_grammar(self._schema, json_options(default_disable_any_whitespace, None))
+        grammar = _json_grammar(self._schema, json_options(default_disable_any_whitespace, None))
+        return grammar if self.reasoning is None else reasoning_grammar(grammar, self.reasoning)
 
     def _given(self) -> list[str]:
         return [
