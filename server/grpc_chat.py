@@ -11,6 +11,7 @@ Assembler does (tool_parsers.ToolCallStream) into content and ToolCallDelta mess
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 
@@ -69,10 +70,11 @@ def chat_request(request: pb.ChatRequest) -> ChatCompletionRequest:
     return req
 
 
-def plan(req: ChatCompletionRequest, *, parser_name: str | None, auto_enabled: bool) -> ToolPlan:
-    """tool_calls.plan_tools, its refusals as ValueErrors."""
+def plan(req: ChatCompletionRequest, *, parser_name: str | None, template: str | None) -> ToolPlan:
+    """tool_calls.plan_tools, its refusals as ValueErrors. template: the one the chat renders
+    with (the request's, the server's or the model's)."""
     try:
-        return plan_tools(req, parser_name=parser_name, auto_enabled=auto_enabled)
+        return plan_tools(req, parser_name=parser_name, template=template)
     except APIError as e:
         raise ValueError(e.message) from None
 
@@ -89,18 +91,21 @@ def with_tool_constraint(params: SamplingParams, tools: ToolPlan) -> SamplingPar
     return params.clone(structured_outputs=tools.constraint)
 
 
-def prompt_preparer(
+async def prompt_preparer(
     req: ChatCompletionRequest,
     server_template: str | None,
     tools: ToolPlan,
     params: SamplingParams,
     *,
     max_tokens_set: bool,
+    engine,
 ) -> Callable[[object], tuple[list[int], SamplingParams]]:
-    """EngineLoop.submit's prepare: the chat rendered as /v1/chat/completions renders it and
-    max_tokens fitted as Generate fits it (a max_tokens the client set must fit with the
-    prompt, a default one stops at max_model_len)."""
-    render = chat_renderer(req, server_template, tools=tools.tools)
+    """EngineLoop.submit's prepare: the chat rendered as /v1/chat/completions renders it
+    (here, in a worker thread: a conversation that cannot be rendered is a ValueError before
+    it reaches the engine thread) and max_tokens fitted there as Generate fits it (a
+    max_tokens the client set must fit with the prompt, a default one stops at
+    max_model_len)."""
+    render = chat_renderer(req, server_template, tools=tools.tools, prompt=tools.prompt)
     prompt_plan = PromptPlan(
         render,
         params if max_tokens_set else params.clone(max_tokens=None),
@@ -108,6 +113,10 @@ def prompt_preparer(
         where="messages",
         max_tokens_field="sampling.max_tokens",
     )
+    try:
+        await asyncio.to_thread(prompt_plan.render_now, engine)
+    except APIError as e:
+        raise ValueError(e.message) from None
 
     def prepare(engine) -> tuple[list[int], SamplingParams]:
         try:

@@ -5,7 +5,7 @@ Routes: GET /v1/models, /v1/models/{id}; POST /v1/embeddings (server/openai_embe
 (streamed as server-sent events when stream=true; tools and tool_choice: server/tool_calls.py);
 POST /v1/responses, GET and DELETE /v1/responses/{id} (the Responses API, run as a chat:
 server/responses_api.py);
-POST /tokenize, /detokenize (vLLM's); GET /health (200 serving, 503 while warming up or
+POST /tokenize, /detokenize, GET /tokenizer_info (vLLM's); GET /health (200 serving, 503 while warming up or
 draining); GET /metrics (the server's Prometheus registry). With an API key, /v1/*,
 /tokenize and /detokenize need `Authorization: Bearer KEY` (server/auth.py).
 
@@ -55,7 +55,10 @@ from server.openai_protocol import (
     TokenizeRequest,
 )
 from server.openai_responses import DONE, Assembler, sse
-from server.tool_calls import plan_tools
+from server.prompt_scores import PromptScores
+from server.tokenizer_info import tokenizer_config
+from server.tool_calls import ToolPlan, plan_tools
+from server.tool_prompts import tool_prompt
 
 logger = logging.getLogger("jpaged.server")
 
@@ -117,6 +120,12 @@ class OpenAIServer:
             "/detokenize",
             self.detokenize,
             methods=["POST"],
+            dependencies=[Depends(self._check_key)],
+        )
+        app.add_api_route(
+            "/tokenizer_info",
+            self.tokenizer_info,
+            methods=["GET"],
             dependencies=[Depends(self._check_key)],
         )
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -195,10 +204,10 @@ class OpenAIServer:
         if isinstance(body, TokenizeChatRequest):
             proto.check_template_kwargs(body)
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            render = proto.chat_renderer(body, self._chat_template, tools=tools)
-
-            def run(engine) -> list[int]:
-                return render(engine)[1]
+            prompt = tool_prompt(self._template(body), tools, self._tool_call_parser)
+            render = proto.chat_renderer(body, self._chat_template, tools=tools, prompt=prompt)
+            # rendered as a chat is, in a worker thread (a template's error is a 400 there)
+            ids = (await asyncio.to_thread(render, self._loop.engine))[1]
         else:
             prompt, special = body.prompt, body.add_special_tokens
 
@@ -209,19 +218,28 @@ class OpenAIServer:
                     return list(engine.tokenizer.encode(prompt))
                 return list(engine.tokenizer.encode(prompt, add_special_tokens=False))
 
+            try:
+                ids = await self._loop.call(run)
+            except ValueError as e:
+                raise _as_api_error(e) from None
+
         def strs(engine) -> list[str]:
             backend = getattr(engine.tokenizer, "backend", None)
             if backend is None:
                 return [engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
             return [backend.id_to_token(t) for t in ids]
 
-        try:
-            ids = await self._loop.call(run)
-        except ValueError as e:  # a malformed conversation, a template error
-            raise _as_api_error(e) from None
         token_strs = await self._loop.call(strs) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self._max_model_len, "tokens": ids,
                 "token_strs": token_strs}  # fmt: skip
+
+    async def tokenizer_info(self) -> dict:
+        """vLLM's /tokenizer_info: the tokenizer's configuration, as its tokenizer_config.json
+        names it (server/tokenizer_info.py)."""
+        info = tokenizer_config(self._loop.engine, self._chat_template, self._max_model_len)
+        if info is None:
+            raise APIError(404, "the model has no tokenizer", code="not_found")
+        return info
 
     async def detokenize(self, request: Request) -> dict:
         """vLLM's /detokenize: token ids -> text (special tokens kept)."""
@@ -277,16 +295,34 @@ class OpenAIServer:
         rid = _request_id(request, "chatcmpl")
         try:
             self._check_model(body.model)
-            tools = plan_tools(
-                body, parser_name=self._tool_call_parser, auto_enabled=self._auto_tools
-            )
-            params = self._params(body, tool_constraint=tools.constraint)
-            render = proto.chat_renderer(body, self._chat_template, tools=tools.tools)
-            plans = [self._plan(render, params, body, "messages")]
+            tools, plans = await self._chat_plans(body)
         except APIError as e:
             self._reject(rid, e)
             raise
         return await self._run("chat", rid, body, plans, request, tool_plan=tools)
+
+    async def _chat_plans(
+        self, body: ChatCompletionRequest
+    ) -> tuple[ToolPlan, list[proto.PromptPlan]]:
+        """A chat's tool plan and its prompt plan, the prompt rendered and tokenized in a
+        worker thread: a conversation that cannot be rendered is an APIError(400) here and
+        never reaches the engine thread. Raises APIError naming the field."""
+        tools = plan_tools(body, parser_name=self._tool_call_parser, template=self._template(body))
+        params = self._params(body, tool_constraint=tools.constraint)
+        render = proto.chat_renderer(
+            body, self._chat_template, tools=tools.tools, prompt=tools.prompt
+        )
+        plan = self._plan(render, params, body, "messages")
+        await asyncio.to_thread(plan.render_now, self._loop.engine)
+        return tools, [plan]
+
+    def _template(self, body) -> str | None:
+        """The chat template a request renders with: its own, the server's, the model's."""
+        return (
+            body.chat_template
+            or self._chat_template
+            or getattr(self._loop.engine, "chat_template", None)
+        )
 
     def _params(self, body, tool_constraint=None):
         return proto.to_sampling_params(
@@ -313,7 +349,8 @@ class OpenAIServer:
         handles = await self._submit(rid, body, plans)
         echo = [p.prompt_text for p in plans] if getattr(body, "echo", False) else None
         options = body.stream_options or proto.StreamOptions()
-        asm = Assembler(
+        assembler = PromptScores if proto.scores_prompt_only(body) else Assembler
+        asm = assembler(
             kind,
             rid,
             self._model_name,

@@ -10,24 +10,32 @@ naming the field.
 from __future__ import annotations
 
 import base64
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server import embeddings as core
+from server import openai_fields
 from server.engine_loop import EngineLoop
 from server.openai_protocol import APIError
 
 
 class EmbeddingRequest(BaseModel):
+    """OpenAI's fields (user is one it defines and this server does not use: dropped with a
+    log line, server/openai_fields.py), then vLLM's."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unused_openai_fields(cls, data: Any) -> Any:
+        return openai_fields.drop_unused(data, "embeddings", cls.model_fields)
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
-    user: str | None = None
     # vLLM's extra: the pooled vector as it is, or L2-normalised (the model's default).
     normalize: bool | None = None
 

@@ -13,10 +13,16 @@ three places, and every refusal is an APIError in OpenAI's shape, `param` naming
      structured_outputs and guided_*: at most one; a bad schema, regex or grammar is refused
      here, before anything streams), the server's n limit, stream_options without stream.
      echo with logprobs asks the engine for prompt_logprobs.
-  3. On the engine thread (PromptPlan.prepare): the prompt's tokens, and max_tokens fitted to
-     max_model_len; prompt + max_tokens past it is a 400 context_length_exceeded stating both
-     numbers. Unset max_tokens means "up to max_model_len - prompt" (as vLLM), capped by
-     the server's or the model's default max_tokens where one is set.
+  3. The prompt: a chat is rendered and tokenized in a worker thread before the request is
+     submitted (PromptPlan.render_now), so a conversation its template cannot render (a
+     template's error, whatever it raised) is a 400 naming the message and never reaches
+     the engine thread; a text prompt is tokenized on the engine thread. There
+     (PromptPlan.prepare) max_tokens is fitted to max_model_len; prompt + max_tokens past
+     it is a 400 context_length_exceeded stating both numbers. Unset max_tokens means "up
+     to max_model_len - prompt" (as vLLM), capped by the server's or the model's default
+     max_tokens where one is set. A completion with echo and max_tokens 0 scores its
+     prompt: it runs with max_tokens 1 and its one token is left out of the answer
+     (scores_prompt_only).
 """
 
 from __future__ import annotations
@@ -24,13 +30,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jpaged.sample.sampling_params import SamplingParams
 from jpaged.structured_output import KINDS as CONSTRAINT_KINDS
 from jpaged.structured_output import StructuredOutputsParams
+from models.chat_template import ChatTemplateError
+from server import openai_fields
+from server.tool_prompts import ToolPrompt
 
 MAX_LOGIT_BIAS = 100.0
 
@@ -81,13 +90,14 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+    include_obfuscation: bool | None = None  # OpenAI's; accepted, nothing is obfuscated here
 
 
 class JsonSchemaFormat(_Strict):
-    """OpenAI's response_format.json_schema. name is accepted (it names the format, nothing
-    else here); strict is accepted either way (the output always follows the schema here);
-    description, which OpenAI shows the model, is refused (structured_outputs_of): the
-    model never sees it here, so a client relying on it should put it in the prompt."""
+    """OpenAI's response_format.json_schema. name and description are accepted and not
+    shown to the model (OpenAI shows it the description; here the schema alone governs the
+    output, so a client that relies on the description should say it in the prompt);
+    strict is accepted either way (the output always follows the schema here)."""
 
     name: str | None = None
     description: str | None = None
@@ -101,7 +111,16 @@ class ResponseFormat(_Strict):
 
 
 class _SamplingRequest(_Strict):
-    """The fields completions and chat completions share (OpenAI's, then vLLM's extras)."""
+    """The fields completions and chat completions share (OpenAI's, then vLLM's extras).
+    Fields OpenAI defines for the endpoint that are not declared here are dropped before
+    validation, with one log line per field name (server/openai_fields.py)."""
+
+    openai_endpoint: ClassVar[str]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unused_openai_fields(cls, data: Any) -> Any:
+        return openai_fields.drop_unused(data, cls.openai_endpoint, cls.model_fields)
 
     model: str | None = None
     n: int | None = None
@@ -113,7 +132,6 @@ class _SamplingRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # accepted, not used
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -151,6 +169,7 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
+    openai_endpoint: ClassVar[str] = "completions"
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
@@ -202,6 +221,7 @@ class NamedToolChoice(_Strict):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    openai_endpoint: ClassVar[str] = "chat.completions"
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDefinition] | None = None
     # None: "auto" when tools are given and the server parses tool calls, else "none"
@@ -309,19 +329,25 @@ def to_sampling_params(
         given["prompt_logprobs"] = req.prompt_logprobs
     if req.logit_bias:
         given["logit_bias"] = {int(k): v for k, v in req.logit_bias.items() if v}
-    constraint = structured_outputs_of(req)
+    constraint = structured_outputs_of(req)  # checked even when the tools' grammar wins
     if tool_constraint is not None:
-        if constraint is not None:
+        # OpenAI's behaviour: a forced tool call governs its turn, and response_format the
+        # turn that answers in text (an agent with an output type sends both). vLLM's
+        # explicit constraints have no such turn: they and a forced call conflict.
+        fmt = req.response_format
+        if constraint is not None and (fmt is None or fmt.type == "text"):
             raise APIError(
                 400,
                 "tool_choice required or a named function decodes under the tools' schemas: "
-                "it cannot be combined with response_format, structured_outputs or guided_*",
+                "it cannot be combined with structured_outputs or guided_*",
                 param="tool_choice",
             )
         constraint = tool_constraint
     if constraint is not None:
         given["structured_outputs"] = constraint
     max_tokens, _ = req.requested_max_tokens()
+    if scores_prompt_only(req):
+        max_tokens = 1  # the engine samples at least one token; the answer leaves it out
     kwargs = {**defaults, **given, "max_tokens": max_tokens}
     try:
         params = SamplingParams(**kwargs)
@@ -410,13 +436,6 @@ def structured_outputs_of(req: _SamplingRequest) -> StructuredOutputsParams | No
                 "response_format.json_schema: field required for type json_schema",
                 param="response_format.json_schema",
             )
-        if fmt.json_schema.description is not None:
-            raise APIError(
-                400,
-                "response_format.json_schema.description is not supported: this server "
-                "does not show it to the model; say it in the prompt",
-                param="response_format.json_schema.description",
-            )
         given.append(("response_format.json_schema.schema", {"json": fmt.json_schema.schema_}))
     options: dict[str, Any] = {}
     option_fields: dict[str, str] = {}  # option -> the request field that set it
@@ -489,6 +508,12 @@ _CONSTRAINT_FIELDS = frozenset(
 )
 
 
+def scores_prompt_only(req: _SamplingRequest) -> bool:
+    """A completion with echo and max_tokens 0: the prompt, scored, and no new token (what
+    legacy clients such as HELM send for log-likelihoods)."""
+    return isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0
+
+
 def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
     """The completion request's prompts (one engine request each)."""
     p = req.prompt
@@ -506,10 +531,12 @@ def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
 
 
 class PromptPlan:
-    """How one prompt becomes token ids and its max_tokens, on the engine thread.
+    """How one prompt becomes token ids and its max_tokens.
 
-    render(engine) -> token ids (tokenizing text, rendering a chat); `prompt_text` is the
-    prompt's text afterwards (for echo). prepare(engine) is EngineLoop.submit's `prepare`.
+    render(engine) -> (prompt text, token ids) (tokenizing text, rendering a chat);
+    render_now(engine) runs it in the calling thread ahead of submission (a chat, from a
+    worker thread), else prepare(engine), EngineLoop.submit's `prepare` on the engine
+    thread, runs it there. `prompt_text` is the prompt's text once rendered (for echo).
     """
 
     def __init__(
@@ -527,9 +554,17 @@ class PromptPlan:
         self.where = where  # "prompt" or "messages", as OpenAI names them in errors
         self.max_tokens_field = max_tokens_field
         self.prompt_text: str | None = None
+        self._ids: list[int] | None = None
+
+    def render_now(self, engine) -> None:
+        """Renders the prompt here (only reading the engine's tokenizer and template, which
+        are safe to share between threads); raises render's APIError."""
+        self.prompt_text, self._ids = self._render(engine)
 
     def prepare(self, engine) -> tuple[list[int], SamplingParams]:
-        self.prompt_text, ids = self._render(engine)
+        if self._ids is None:
+            self.render_now(engine)
+        ids = self._ids
         max_tokens = fit_max_tokens(
             len(ids),
             self.params.max_tokens,
@@ -571,9 +606,19 @@ def completion_renderer(prompt: str | list[int], *, echo: bool):
 
 
 def chat_renderer(
-    req: ChatCompletionRequest, server_template: str | None, tools: list[dict] | None = None
+    req: ChatCompletionRequest | TokenizeChatRequest,
+    server_template: str | None,
+    tools: list[dict] | None = None,
+    prompt: ToolPrompt | None = None,
 ):
-    """tools: the chat template's `tools` variable (set when the request gives tools)."""
+    """render(engine) -> (prompt text, token ids) of the request's conversation.
+
+    tools: the chat template's `tools` variable (set when the request gives tools); prompt:
+    what the conversation gets for its template (ToolPlan.prompt: tools, past calls and
+    results the template does not render; None: nothing). render raises APIError(400) for
+    a conversation that cannot be rendered, naming the client's message where the template
+    was reading one (messages[i]) and quoting the template's own words.
+    """
     messages = [m.to_dict() for m in req.messages]
     template = req.chat_template or server_template
     extra = dict(req.chat_template_kwargs or {})
@@ -581,13 +626,24 @@ def chat_renderer(
         extra["tools"] = tools
 
     def render(engine) -> tuple[str, list[int]]:
-        text, ids = engine.chat_prompt(
-            messages,
-            chat_template=template,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            **extra,
-        )
+        origins: list[int | None] = list(range(len(messages)))
+        try:
+            chat = messages
+            if prompt is not None:
+                chat, origins = prompt.messages(messages)
+            text, ids = engine.chat_prompt(
+                chat,
+                chat_template=template,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                **extra,
+            )
+        except ChatTemplateError as e:
+            i = None if e.message_index is None else origins[e.message_index]
+            where = "messages" if i is None else f"messages[{i}]"
+            raise APIError(400, f"{where}: chat template error: {e.detail}", param=where) from None
+        except ValueError as e:  # a malformed conversation, no template, no tokenizer
+            raise invalid(str(e)) from None
         return text, list(ids)
 
     return render

@@ -11,6 +11,8 @@ import pathlib
 
 # server/tool_parsers.py's PARSERS (named here so that the command line imports no more)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+# server/reasoning_parsers.py's PARSERS (named here for the same reason)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,9 +28,13 @@ class ServerOptions:
     max_n: int = 64
     api_key: str | None = None  # required on every API call when set
     chat_template: str | None = None  # Jinja text; None: the model's own
-    # tool_choice "auto": the format tool calls are parsed from (server/tool_parsers.py)
+    # The format tool calls are parsed from (server/tool_parsers.py); None: the one the chat
+    # template's own tool syntax names (server/tool_prompts.py).
     tool_call_parser: str | None = None
-    enable_auto_tool_choice: bool = False
+    enable_auto_tool_choice: bool = False  # vLLM's flag, accepted: "auto" needs no flag here
+    # The format a reasoning model's output is split by into reasoning and content
+    # (server/reasoning_parsers.py); None: all of it is content.
+    reasoning_parser: str | None = None
     # /v1/responses: how many ended responses previous_response_id can continue (an LRU)
     responses_store_size: int = 1024
     # SamplingParams fields for requests that leave them unset (the serve command's flags).
@@ -54,8 +60,11 @@ class ServerOptions:
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
                 f"{self.tool_call_parser!r}"
             )
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                f"{self.reasoning_parser!r}"
+            )
         if self.responses_store_size < 0:
             raise ValueError(
                 f"responses_store_size must be >= 0, got {self.responses_store_size}"
@@ -77,6 +86,7 @@ class ServerOptions:
             chat_template=read_chat_template(args.chat_template),
             tool_call_parser=args.tool_call_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
+            reasoning_parser=args.reasoning_parser,
             responses_store_size=args.responses_store_size,
             sampling_defaults=dict(sampling_defaults or {}),
         )
@@ -154,13 +164,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the format the model writes tool calls in, read for tool_choice 'auto': hermes "
         "(<tool_call> JSON: Qwen 2.5/3, Hermes), llama3_json (Llama 3.1/3.2 JSON), mistral "
-        "([TOOL_CALLS] array) (default: none)",
+        "([TOOL_CALLS] array) (default: the one the chat template's own tool syntax names, "
+        "else hermes)",
     )
     g.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
-        help="parse tool calls out of the model's text for tool_choice 'auto' (and requests "
-        "with tools and no tool_choice); needs --tool-call-parser",
+        help="accepted for vLLM's command lines and not needed: tool_choice 'auto' always "
+        "works here",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split a reasoning model's <think>...</think> from its answer: message.reasoning "
+        "(and reasoning_content) apart from message.content, reasoning deltas when streamed; "
+        "tool calls and structured outputs apply after the reasoning. qwen3 (reasoning when "
+        "the output or the prompt opens <think>), deepseek_r1 (reasoning until </think>) "
+        "(default: none)",
     )
     g.add_argument(
         "--responses-store-size",

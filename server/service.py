@@ -109,14 +109,14 @@ class GenerationService:
             wire.raise_if_invalid(request)
             self._check_request_id(request)
             req = grpc_chat.chat_request(request)
-            tools = grpc_chat.plan(
-                req, parser_name=self._tool_call_parser, auto_enabled=self._auto_tools
-            )
+            engine = self._loop.engine
+            template = req.chat_template or self._chat_template or engine.chat_template
+            tools = grpc_chat.plan(req, parser_name=self._tool_call_parser, template=template)
             params = grpc_chat.with_tool_constraint(self._sampling(request.sampling), tools)
             salt = _salt(request)
-            prepare = grpc_chat.prompt_preparer(
+            prepare = await grpc_chat.prompt_preparer(
                 req, self._chat_template, tools, params,
-                max_tokens_set=request.sampling.HasField("max_tokens"),
+                max_tokens_set=request.sampling.HasField("max_tokens"), engine=engine,
             )  # fmt: skip
         except ValueError as e:
             await self._reject(

@@ -3,16 +3,22 @@ engine decodes and how each choice's text is read back (ToolPlan).
 
   tool_choice  the prompt            decoding                      the text is read by
   "none"       tools in the template  free                         nobody: it is content
-  "auto"       tools in the template  free                         --tool-call-parser
+  "auto"       tools in the template  free                         the template's parser
   "required"   tools in the template  [{"name", "parameters"}, ...]  RequiredParser
   named        tools in the template  that function's parameters   NamedParser
 
-"required" and named choice decode under a JSON schema built from the tools' own (the
-structured-output machinery), so their arguments always validate. Unset, tool_choice is
-"auto" when the request gives tools and the server parses tool calls
-(--enable-auto-tool-choice), else "none". finish_reason becomes "tool_calls" when a choice
-that stopped on its own made calls under "auto" or "required"; a named choice keeps "stop"
-(as vLLM). Every refusal is an APIError(400) naming the field.
+"Tools in the template": the template's `tools` variable, and, for a template that renders
+no tools (or no past calls or results), what server/tool_prompts.py adds to the
+conversation in the syntax of the parser that reads the answer. That parser is the one the
+template's own tool syntax names (hermes, llama3_json, mistral), or --tool-call-parser.
+"auto" needs no flag: the model answers in text or calls tools. "required" and named choice
+decode under a JSON schema built from the tools' own (the structured-output machinery), so
+their arguments always validate; they take the turn over from a response_format (as
+OpenAI's API does: the format applies to the turn that answers in text). Unset, tool_choice
+is "auto" when the request gives tools, else "none" (OpenAI's defaults).
+--enable-auto-tool-choice is accepted and changes nothing. finish_reason becomes
+"tool_calls" when a choice that stopped on its own made calls under "auto" or "required"; a
+named choice keeps "stop" (as vLLM). Every refusal is an APIError(400) naming the field.
 """
 
 from __future__ import annotations
@@ -34,8 +40,10 @@ from server.tool_parsers import (
     mistral_call_id,
     openai_call_id,
 )
+from server.tool_prompts import ToolPrompt, tool_prompt
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
+_NOTHING_ADDED = ToolPrompt("hermes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +54,8 @@ class ToolPlan:
     parser: Callable[[], ToolParser] | None  # None: the text is content
     max_calls: int | None = None  # parallel_tool_calls=false: 1
     new_id: Callable[[], str] = openai_call_id
+    # what the conversation gets for its template (tools, past calls and results)
+    prompt: ToolPrompt = _NOTHING_ADDED
 
     def stream(self) -> ToolCallStream | None:
         """A reader for one choice's text, or None when its text is plain content."""
@@ -63,36 +73,43 @@ NO_TOOLS = ToolPlan("none", None, None, None)
 
 
 def plan_tools(
-    req: ChatCompletionRequest, *, parser_name: str | None, auto_enabled: bool
+    req: ChatCompletionRequest,
+    *,
+    parser_name: str | None = None,
+    template: str | None = None,
+    auto_enabled: bool | None = None,
 ) -> ToolPlan:
-    """The request's ToolPlan. parser_name: --tool-call-parser; auto_enabled:
-    --enable-auto-tool-choice."""
+    """The request's ToolPlan.
+
+    Args:
+      parser_name: --tool-call-parser (None: the template's own syntax).
+      template: the chat template the conversation renders with (the request's, the
+        server's or the model's); None: unknown, so nothing is added to the conversation
+        and "auto" reads hermes calls (or parser_name's).
+      auto_enabled: --enable-auto-tool-choice, accepted and not needed ("auto" always works).
+    """
+    del auto_enabled
     check_tool_messages(req)
     tools = req.tools or []
     schemas = _schemas(tools)
     choice = req.tool_choice
     if choice is None:
-        choice = "auto" if tools and auto_enabled and parser_name else "none"
+        choice = "auto" if tools else "none"
     if choice != "none" and not tools:
         shown = f'"{choice}"' if isinstance(choice, str) else "a named function"
         raise APIError(400, f"tool_choice {shown} needs tools: the request has none",
                        param="tool_choice")  # fmt: skip
     rendered = [t.model_dump(exclude_none=True) for t in tools] if req.tools else None
+    prompt = tool_prompt(template, rendered, parser_name)
     max_calls = None if req.parallel_tool_calls else 1
+    plan = functools.partial(ToolPlan, tools=rendered, prompt=prompt)
     if choice == "none":
-        return ToolPlan("none", rendered, None, None)
+        return plan(choice="none", constraint=None, parser=None)
     if choice == "auto":
-        if not (auto_enabled and parser_name):
-            raise APIError(
-                400,
-                'tool_choice "auto" needs a server started with --enable-auto-tool-choice '
-                'and --tool-call-parser; use "required" or a named function, which this '
-                "server decodes under the tools' schemas",
-                param="tool_choice",
-            )
-        parser = PARSERS[parser_name]
+        parser = PARSERS[prompt.syntax]
         new_id = mistral_call_id if parser is MistralParser else openai_call_id
-        return ToolPlan("auto", rendered, None, parser, max_calls, new_id)
+        return plan(choice="auto", constraint=None, parser=parser, max_calls=max_calls,
+                    new_id=new_id)  # fmt: skip
     if choice == "required":
         items = [_call_schema(t.function.name, schemas[i]) for i, t in enumerate(tools)]
         schema = {
@@ -103,7 +120,8 @@ def plan_tools(
         if max_calls is not None:
             schema["maxItems"] = max_calls
         constraint = _constraint(schema, "tools")
-        return ToolPlan("required", rendered, constraint, RequiredParser, max_calls)
+        return plan(choice="required", constraint=constraint, parser=RequiredParser,
+                    max_calls=max_calls)  # fmt: skip
     name = choice.function.name
     names = [t.function.name for t in tools]
     if name not in names:
@@ -114,7 +132,8 @@ def plan_tools(
             param="tool_choice.function.name",
         )
     constraint = _constraint(schemas[names.index(name)], "tools")
-    return ToolPlan("named", rendered, constraint, functools.partial(NamedParser, name), 1)
+    return plan(choice="named", constraint=constraint,
+                parser=functools.partial(NamedParser, name), max_calls=1)  # fmt: skip
 
 
 def check_tool_messages(req: ChatCompletionRequest) -> None:

@@ -209,11 +209,17 @@ class FakeEngine:
         continue_final_message: bool = False,
         **extra,
     ) -> tuple[str, list[int]]:
-        """Renders "role: content" pairs (the fake model's chat template); the options are
-        accepted as the real engine's and ignored."""
-        from models.chat_template import validate_messages
+        """Renders with the real renderer, as the real engine does: chat_template when given
+        (a request's, the server's), else the fake model's ("role: content" pairs)."""
+        from models.chat_template import render_chat
 
-        text = " ".join(f"{m['role']}: {m['content']}" for m in validate_messages(messages))
+        text = render_chat(
+            chat_template or self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            **extra,
+        )
         return text, self.tokenizer.encode(text)
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:

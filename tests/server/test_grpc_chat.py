@@ -1,7 +1,8 @@
 """The gRPC Chat RPC on the fake engine: tool_choice auto read by the hermes parser from a
 scripted text (exact content and calls, streamed as OpenAI's deltas, the same as the HTTP
-API's answer), parallel_tool_calls, none, the server's flags, and bad inputs, each an
-INVALID_ARGUMENT naming the field with the server serving on. (SmolLM2's named and
+API's answer), parallel_tool_calls, none, "auto" without flags, the tools and the tool
+history added to a template that renders none of them (as HTTP adds them), and bad inputs,
+each an INVALID_ARGUMENT naming the field with the server serving on. (SmolLM2's named and
 required calls: test_tool_calling.py.)"""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fake_engine import EOS_TOKEN_ID, FakeEngine
 from serving_helpers import collect_chat
 
 from server.proto.jpaged.v1 import generation_pb2 as pb
+from server.tool_prompts import tool_prompt
 
 # What every choice of the scripted engine says, one piece per token, then EOS.
 SCRIPT = [
@@ -54,9 +56,15 @@ class ScriptedEngine(FakeEngine):
             c.finish_reason = "length"
 
 
+# The fake template renders no tools, so the tools ride in a system message: room for it.
+MAX_MODEL_LEN = 512
+
+
 @pytest.fixture
 def tool_server(make_server):
-    return make_server(ScriptedEngine(), tool_call_parser="hermes", enable_auto_tool_choice=True)
+    # vLLM's flags are accepted (and not needed: test_auto_needs_no_flags)
+    return make_server(ScriptedEngine(max_model_len=MAX_MODEL_LEN), tool_call_parser="hermes",
+                       enable_auto_tool_choice=True)  # fmt: skip
 
 
 def chat(messages=ASK, tools=TOOLS, **fields) -> pb.ChatRequest:
@@ -68,6 +76,11 @@ def chat(messages=ASK, tools=TOOLS, **fields) -> pb.ChatRequest:
 
 def mode(m) -> pb.ToolChoice:
     return pb.ToolChoice(mode=m)
+
+
+def tools_text(tools: list[dict]) -> str:
+    """The system text the tools ride in for the fake template (server/tool_prompts.py)."""
+    return tool_prompt(FakeEngine().chat_template, tools, None).tools_text
 
 
 def test_auto_reads_the_calls_out_of_the_text(tool_server):
@@ -134,12 +147,26 @@ def test_a_history_with_calls_and_results_reaches_the_template(tool_server):
         pb.ChatMessage(role="tool", tool_call_id="call_1", content="21 degrees"),
     ]  # fmt: skip
     got = collect_chat(tool_server.stub, chat(messages=history))
-    text, ids = tool_server.engine.chat_prompt(
-        [{"role": "user", "content": ASK[0].content},
-         {"role": "assistant", "content": None}, {"role": "tool", "content": "21 degrees"}]
-    )  # fmt: skip
-    assert text == "user: Weather and time in Paris? assistant: None tool: 21 degrees"
-    assert got.usage.prompt_tokens == len(ids)
+    # The fake template renders no tools, calls or results: they come as HTTP adds them.
+    body = {"messages": [{"role": "user", "content": ASK[0].content},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "call_1", "type": "function", "function": {
+                                 "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather",
+                       "description": "Weather in a city", "parameters": WEATHER}},
+                      {"type": "function", "function": {"name": "get_time",
+                       "parameters": TIME}}]}  # fmt: skip
+    r = httpx.post(tool_server.http_url + "/tokenize", json=body, timeout=30)
+    ids = r.json()["tokens"]
+    _, want = tool_server.engine.chat_prompt([
+        {"role": "system", "content": tools_text(body["tools"])},
+        {"role": "user", "content": ASK[0].content},
+        {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
+                                         '{"city": "Paris"}}\n</tool_call>'},
+        {"role": "user", "content": "<tool_response>\n21 degrees\n</tool_response>"},
+    ])  # fmt: skip
+    assert ids == want and got.usage.prompt_tokens == len(want)
 
 
 NAMED_UNKNOWN = pb.ToolChoice(function=pb.FunctionName(name="get_date"))
@@ -222,11 +249,11 @@ BAD = [
         "messages[1].tool_calls[0].function.arguments: not valid JSON",
     ),
     (
-        chat(sampling={"max_tokens": 100}),
+        chat(sampling={"max_tokens": 500}),  # the prompt: 88 tokens with the tools' message
         (
-            "This model's maximum context length is 64 tokens. However, you requested 106 tokens "
-            "(6 in the messages, 100 in the completion). Please reduce the length of the "
-            "messages or completion."
+            "This model's maximum context length is 512 tokens. However, you requested 588 "
+            "tokens (88 in the messages, 500 in the completion). Please reduce the length of "
+            "the messages or completion."
         ),
     ),
 ]
@@ -242,15 +269,12 @@ def test_bad_inputs_are_invalid_argument_naming_the_field(tool_server):
         assert got.finish_reason == {0: pb.FINISH_REASON_TOOL_CALLS}
 
 
-def test_auto_needs_the_server_flags(make_server):
-    server = make_server(ScriptedEngine())
-    with pytest.raises(grpc.RpcError) as err:
-        list(server.stub.Chat(chat(tool_choice=mode(pb.TOOL_CHOICE_MODE_AUTO)), timeout=30))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details().startswith(
-        'tool_choice "auto" needs a server started with --enable-auto-tool-choice'
-    )
-    # unset with tools on such a server: none, the text is content
-    got = collect_chat(server.stub, chat())
-    assert got.content == {0: "".join(SCRIPT)} and got.calls == {0: []}
-    assert got.finish_reason == {0: pb.FINISH_REASON_STOP}
+def test_auto_needs_no_flags(make_server):
+    """No --tool-call-parser: the fake template names no tool syntax, so hermes reads the
+    calls; unset tool_choice with tools is auto (OpenAI's default)."""
+    server = make_server(ScriptedEngine(max_model_len=MAX_MODEL_LEN))
+    for choice in (None, mode(pb.TOOL_CHOICE_MODE_AUTO)):
+        got = collect_chat(server.stub, chat(tool_choice=choice))
+        assert got.content == {0: "I will look."}
+        assert [(c["name"], c["arguments"]) for c in got.final_calls[0]] == CALLS
+        assert got.finish_reason == {0: pb.FINISH_REASON_TOOL_CALLS}

@@ -87,7 +87,7 @@ CASES = [
         "max_tokens",
         'max_tokens: must be an integer, got "many"',
     ),
-    ("unknown field", COMP, {"prompt": "t1", "best_of": 3}, 400, "best_of", "unknown field"),
+    ("unknown field", COMP, {"prompt": "t1", "beam_width": 3}, 400, "beam_width", "unknown field"),
     (
         "a tool that is not a function",
         CHAT,

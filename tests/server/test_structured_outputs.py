@@ -197,16 +197,6 @@ def test_grpc_whitespace_fields_are_honoured(served, whitespace_bias):
             "set whitespace_pattern once",
         ),
         (
-            {
-                "response_format": {
-                    **FORMAT,
-                    "json_schema": {**FORMAT["json_schema"], "description": "a thing"},
-                }
-            },
-            "response_format.json_schema.description",
-            "response_format.json_schema.description is not supported",
-        ),
-        (
             {"response_format": {"type": "text", "json_schema": FORMAT["json_schema"]}},
             "response_format.json_schema",
             "response_format.json_schema is only read with type json_schema, not text",

@@ -237,3 +237,14 @@ MISTRAL_TEMPLATE = r"""{%- if messages[0]["role"] == "system" %}
     {%- endif %}
 {%- endfor %}
 """
+
+# SmolLM2-135M-Instruct's own template (the built-in model's; test_tool_calling holds it to
+# the GGUF's): it writes every message as a turn, ignores `tools` and `tool_calls`, and
+# concatenates message['content'].
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
