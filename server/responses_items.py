@@ -11,8 +11,10 @@ shapes. Every refusal is an APIError(400) whose param is the path of what was wr
 
 Out: OutputItems reads a model's text (through a tool plan's ToolCallStream) into output
 items: a message item with one output_text part for content, a function_call item per call,
-in the order the text has them; each item is done before the next is added. Every step
-returns the stream events that record it, each holding its own copy of what it shows.
+in the order the text has them; each item is done before the next is added. (Text after a
+call, which models seldom write, is a later message item when streamed; a non-streamed
+answer reads the text once, so its content comes first.) Every step returns the stream
+events that record it, each holding its own copy of what it shows.
 """
 
 from __future__ import annotations

@@ -679,3 +679,25 @@ def test_a_client_that_goes_away_aborts_its_request(make_server):
         httpx.post(s.http_url + "/v1/responses", json={**body, "stream": False}, timeout=0.5)
     s.wait_until(lambda st: st.num_running == 0 and st.pages_used == 0, timeout=10)
     assert len(s.server.openai.responses.store) == 0  # neither was kept
+
+
+def test_the_drain_ends_a_stream_with_response_failed(make_server):
+    s = make_server(Engine(step_delay_s=0.01, max_model_len=4096, num_pages=4096))
+    body = {"input": "t5", "max_output_tokens": 3000, "stream": True, "temperature": 0}
+    events, drain = [], None
+    with httpx.stream("POST", s.http_url + "/v1/responses", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+                if events[-1]["type"] == "response.output_text.delta" and drain is None:
+                    drain = s.drain_soon(0.0)  # no grace: the request is aborted
+    assert drain.result(30) is True
+    assert kinds(events)[-4:] == ["output_text.done", "content_part.done", "output_item.done",
+                                  "failed"]  # fmt: skip
+    final = events[-1]["response"]
+    assert final["status"] == "failed" and final["output"][0]["status"] == "incomplete"
+    assert final["error"] == {
+        "code": "server_error",
+        "message": "the request was aborted: the server is shutting down",
+    }
+    EVENT.validate_python(events[-1])
