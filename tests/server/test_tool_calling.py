@@ -2,11 +2,14 @@
 
 A named tool_choice and "required" decode under the tools' schemas, so their arguments
 validate (jsonschema), streamed and not, and the streamed fragments concatenate to the
-non-streamed arguments for the same seed. tool_choice "auto" reads the model's text with
---tool-call-parser hermes: its output is pinned here with a regex constraint (SmolLM2 has no
-tool-calling template of its own), so the exact content and calls are known. The tools reach
-the chat template (Qwen 2.5's, sent as the request's chat_template) and a multi-turn history
-with a tool call and its result renders as /tokenize and LLM.chat render it.
+non-streamed arguments for the same seed. The server has no tool flags: tool_choice "auto"
+reads the model's text with the hermes parser (SmolLM2's template names no tool syntax, so
+the tools reach it as a hermes system message); its output is pinned here with a regex
+constraint, so the exact content and calls are known. A two-turn tool loop on SmolLM2's own
+template (the assistant turn's content null, then missing) answers without an error. The
+tools reach a template that renders them (Qwen 2.5's, sent as the request's chat_template)
+and a multi-turn history with a tool call and its result renders as /tokenize and LLM.chat
+render it. /tokenizer_info describes SmolLM2's tokenizer.
 
 The gRPC Chat RPC gives the same calls as HTTP for the same seed, and renders the same
 history with the tools.
@@ -22,7 +25,7 @@ import httpx
 import jsonschema
 import pytest
 from serving_helpers import RunningServer, collect_chat, openai_client
-from tool_templates import QWEN25_TEMPLATE
+from tool_templates import QWEN25_TEMPLATE, SMOLLM2_TEMPLATE
 
 from jpaged import LLM
 from models.chat_template import render_chat
@@ -73,10 +76,7 @@ def server(llm):
     # Compiled here, outside RunningServer's 60 s start-up limit; the server's own warm-up
     # then finds every program compiled.
     llm.llm_engine.warm_up(64, up_to=512)
-    s = RunningServer(
-        llm.llm_engine, model_name="smollm2", tool_call_parser="hermes",
-        enable_auto_tool_choice=True,
-    )  # fmt: skip
+    s = RunningServer(llm.llm_engine, model_name="smollm2")  # no tool flags: none are needed
     yield s
     s.close()
 
@@ -179,6 +179,52 @@ def test_auto_reads_hermes_calls_out_of_the_text(client):
     calls, content, finish = streamed_calls(client, seed=0, tool_choice="auto", extra_body=extra)
     assert (content, finish) == ("Let me check.", "tool_calls")  # no markup leaked
     assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call["arguments"])]
+
+
+def test_a_two_turn_tool_loop_on_smollm2s_own_template(server, client, llm):
+    """What every agent framework sends: a required call, then the turn with its result
+    (the assistant message's content null, or missing), with "auto". The protocol holds:
+    no error, and any call the model makes names a tool and validates."""
+    assert llm.llm_engine.chat_template == SMOLLM2_TEMPLATE
+    (first,) = ask(client, tool_choice="required", seed=0, parallel_tool_calls=False).choices
+    (call,) = plain(first.message)
+    jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+    made = {"id": call["id"], "type": "function",
+            "function": {"name": call["name"], "arguments": call["arguments"]}}  # fmt: skip
+    result = {"role": "tool", "tool_call_id": call["id"], "content": '{"answer": 21}'}
+    null = {"role": "assistant", "content": None, "tool_calls": [made]}
+    missing = {"role": "assistant", "tool_calls": [made]}
+    for assistant, stream in ((null, False), (null, True), (missing, False)):
+        body = {"model": "smollm2", "messages": [*ASK, assistant, result], "tools": TOOLS,
+                "tool_choice": "auto", "max_tokens": 24, "seed": 0, "stream": stream}  # fmt: skip
+        r = httpx.post(server.http_url + "/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        if stream:
+            assert r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
+            continue
+        (choice,) = r.json()["choices"]
+        for c in choice["message"].get("tool_calls") or ():
+            assert c["function"]["name"] in SCHEMAS
+            json.loads(c["function"]["arguments"])
+        assert choice["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+def r_json(response: httpx.Response) -> dict:
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_tokenizer_info_describes_smollm2s_tokenizer(server, llm):
+    info = r_json(httpx.get(server.http_url + "/tokenizer_info", timeout=60))
+    engine = llm.llm_engine
+    assert info["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert (info["bos_token"], info["eos_token"]) == (engine.bos_token, engine.eos_token)
+    assert (info["add_bos_token"], info["add_eos_token"]) == (False, False)
+    assert info["model_max_length"] == 512 and info["chat_template"] == SMOLLM2_TEMPLATE
+    decoder = info["added_tokens_decoder"]
+    assert decoder["0"]["content"] == "<|endoftext|>" and decoder["0"]["special"] is True
+    assert decoder["2"]["content"] == "<|im_end|>"
+    assert set(decoder) == {str(t) for t in engine.tokenizer.backend.get_added_tokens_decoder()}
 
 
 def test_tool_choice_none_leaves_the_text_as_content(client):
