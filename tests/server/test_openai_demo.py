@@ -388,6 +388,23 @@ def test_echo_with_logprobs_carries_the_prompts_logprobs(served, llm, refs):
         assert [x.token_id for x in e.top_logprobs] == [t for t, _ in best]
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(served, llm, refs):
+    """HELM's prompt scoring: the prompt's own logprobs, as the offline engine gives them,
+    and no new token."""
+    want = refs["echo"]
+    prompt = want.prompt_token_ids
+    r = client(served).completions.create(model=NAME, prompt="The weather was", max_tokens=0,
+                                          echo=True, logprobs=2, temperature=0)  # fmt: skip
+    (choice,) = r.choices
+    assert (choice.text, choice.finish_reason) == ("The weather was", "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 0)
+    lp = choice.logprobs
+    assert lp.tokens == [token_text(llm, t) for t in prompt]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i, (t, position) in enumerate(zip(prompt[1:], want.prompt_logprobs[1:], strict=True), 1):
+        assert math.isclose(lp.token_logprobs[i], position[t], abs_tol=1e-5)
+
+
 @pytest.fixture
 def in_process(llm):
     """The offline LLM's engine served in this process, where a test can reach into it."""
