@@ -68,6 +68,7 @@ class Server:
             tool_call_parser=options.tool_call_parser,
             enable_auto_tool_choice=options.enable_auto_tool_choice,
             responses_store_size=options.responses_store_size,
+            reasoning_parser=options.reasoning_parser,
             state=lambda: self.state,
         )
         self.state = "warming_up"  # then "serving", then "draining"

@@ -56,6 +56,7 @@ from server.openai_protocol import (
 )
 from server.openai_responses import DONE, Assembler, sse
 from server.prompt_scores import PromptScores
+from server.reasoning_parsers import Reasoning, ReasoningPromptPlan, get_parser
 from server.tokenizer_info import tokenizer_config
 from server.tool_calls import ToolPlan, plan_tools
 from server.tool_prompts import tool_prompt
@@ -81,6 +82,7 @@ class OpenAIServer:
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
         responses_store_size: int = 1024,
+        reasoning_parser: str | None = None,
         state: Callable[[], str] = lambda: "serving",
     ) -> None:
         self._loop = loop
@@ -97,6 +99,8 @@ class OpenAIServer:
         self._max_model_len = int(loop.engine.max_model_len)
         self._created = int(time.time())
         self._responses_store_size = responses_store_size
+        # --reasoning-parser: chats' (and responses') text split into reasoning and content
+        self._reasoning = None if reasoning_parser is None else get_parser(reasoning_parser)
         self.app = self._make_app()
 
     def _make_app(self) -> FastAPI:
@@ -334,13 +338,20 @@ class OpenAIServer:
         )
 
     def _plan(self, render, params, body, where: str) -> proto.PromptPlan:
-        return proto.PromptPlan(
-            render,
-            params,
-            default_max_tokens=self._defaults.get("max_tokens"),
-            where=where,
-            max_tokens_field=body.requested_max_tokens()[1],
-        )
+        kwargs = {
+            "default_max_tokens": self._defaults.get("max_tokens"),
+            "where": where,
+            "max_tokens_field": body.requested_max_tokens()[1],
+        }
+        if where == "messages" and self._reasoning is not None:  # a chat of a reasoning model
+            return ReasoningPromptPlan(render, params, parser=self._reasoning, **kwargs)
+        return proto.PromptPlan(render, params, **kwargs)
+
+    @staticmethod
+    def _reasoning_of(plan: proto.PromptPlan) -> Reasoning | None:
+        """How a rendered chat's output splits into reasoning and content (None: a server
+        without --reasoning-parser, or not a chat)."""
+        return plan.reasoning if isinstance(plan, ReasoningPromptPlan) else None
 
     async def _run(
         self, kind: str, rid: str, body, plans: list[proto.PromptPlan], request, tool_plan=None
@@ -362,6 +373,7 @@ class OpenAIServer:
             include_usage=options.include_usage,
             continuous_usage=options.continuous_usage_stats,
             tool_plan=tool_plan,
+            reasoning=self._reasoning_of(plans[0]),
         )
         call = _Call(asm, start)
         headers = {"x-request-id": rid}

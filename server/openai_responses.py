@@ -12,6 +12,10 @@ come with the first token), so the echoed tokens carry them as OpenAI's do: the 
 token's logprob and top_logprobs are null. A chat with tools (a ToolPlan) reads each choice's
 text through its own ToolCallStream: content and tool-call deltas (one chunk each) while
 streaming, message.content and message.tool_calls at the end, finish_reason as the plan says.
+A chat on a server with a reasoning parser first splits each choice's text by its own
+ReasoningStream (server/reasoning_parsers.py): the reasoning goes out as `reasoning` (and the
+older `reasoning_content`) deltas and message fields, and only the content reaches the tool
+calls' reader.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from server.engine_loop import ChoiceState, RequestHandle
 from server.tool_parsers import ToolCallStream
 
 if TYPE_CHECKING:
+    from server.reasoning_parsers import Reasoning, ReasoningStream
     from server.tool_calls import ToolPlan
 
 DONE = b"data: [DONE]\n\n"
@@ -78,6 +83,7 @@ class Assembler:
         include_usage: bool = False,
         continuous_usage: bool = False,
         tool_plan: ToolPlan | None = None,
+        reasoning: Reasoning | None = None,  # chat on a server with --reasoning-parser
     ) -> None:
         self.kind = kind
         self.request_id = request_id
@@ -106,6 +112,10 @@ class Assembler:
                 if stream is not None:
                     self._tools[cur.index] = stream
         self._echo_logprobs = kind == "completion" and num_logprobs is not None
+        # chat with a reasoning parser: each choice's text split before anything reads it
+        self._reasoning: dict[int, ReasoningStream] | None = None
+        if reasoning is not None and kind == "chat":
+            self._reasoning = {cur.index: reasoning.stream() for cur in self._cursors}
 
     @property
     def done(self) -> bool:
@@ -188,8 +198,10 @@ class Assembler:
         for d in deltas:
             if self.kind != "chat":
                 parts = [{"text": d.text}]
+            elif self._reasoning is not None:
+                parts = self._reasoning_deltas(d)
             elif d.index in self._tools:
-                parts = self._tool_deltas(d)
+                parts = self._tool_deltas(d, d.text)
             else:
                 parts = [{"delta": {"content": d.text} if d.text else {}}]
             last = {"logprobs": self._logprobs(d, texts), "finish_reason": self._finish(d)}
@@ -204,16 +216,34 @@ class Assembler:
                 out.append(sse(self._chunk([choice])))
         return b"".join(out)
 
-    def _tool_deltas(self, d: Delta) -> list[dict]:
-        """A choice's content and tool-call deltas, one chunk each (at least one chunk when
-        the delta carries a finish, logprobs or token ids)."""
-        content, calls = self._tools[d.index].feed(d.text, final=d.finish_reason is not None)
+    def _tool_deltas(self, d: Delta, text: str) -> list[dict]:
+        """A choice's content and tool-call deltas from text (its delta's content), one chunk
+        each (at least one chunk when the delta carries a finish, logprobs or token ids)."""
+        content, calls = self._tools[d.index].feed(text, final=d.finish_reason is not None)
         parts = [{"delta": {"content": content}}] if content else []
         parts += [{"delta": {"tool_calls": [call]}} for call in calls]
+        return parts or self._bare(d)
+
+    def _reasoning_deltas(self, d: Delta) -> list[dict]:
+        """A reasoning delta, then the content's (or its tool calls'), one chunk each; no
+        chunk while the text is held back (a tag may be starting) unless the delta carries a
+        finish, logprobs or token ids."""
+        reasoning, content = self._reasoning[d.index].feed(
+            d.text, final=d.finish_reason is not None
+        )
+        parts = []
+        if reasoning:
+            parts.append({"delta": {"reasoning": reasoning, "reasoning_content": reasoning}})
+        if d.index in self._tools:
+            return parts + [p for p in self._tool_deltas(d, content) if p["delta"] or not parts]
+        if content:
+            parts.append({"delta": {"content": content}})
+        return parts or self._bare(d)
+
+    def _bare(self, d: Delta) -> list[dict]:
+        """One empty delta when d carries something else a client needs, else none."""
         carries = d.finish_reason is not None or self.num_logprobs is not None
-        if not parts and (carries or self.return_token_ids):
-            parts = [{"delta": {}}]
-        return parts
+        return [{"delta": {}}] if carries or self.return_token_ids else []
 
     def _finish(self, d: Delta) -> str | None:
         stream = self._tools.get(d.index)
@@ -246,15 +276,8 @@ class Assembler:
         for d in sorted(deltas, key=lambda d: d.index):
             if self.kind != "chat":
                 choice = {"index": d.index, "text": d.text}
-            elif d.index in self._tools:
-                stream = self._tools[d.index]
-                stream.feed(d.text, final=True)
-                message = {"role": "assistant", "content": stream.content}
-                if stream.calls:
-                    message["tool_calls"] = stream.calls
-                choice = {"index": d.index, "message": message}
             else:
-                choice = {"index": d.index, "message": {"role": "assistant", "content": d.text}}
+                choice = {"index": d.index, "message": self._message(d)}
             choice.update(
                 logprobs=self._logprobs(d, texts),
                 finish_reason=self._finish(d),
@@ -278,6 +301,29 @@ class Assembler:
                 for t, p in zip(handle.prompt_token_ids or (), handle.prompt_logprobs or ())
             ]
         return body
+
+    def _message(self, d: Delta) -> dict:
+        """A chat choice's message from its whole text: the reasoning (with a reasoning
+        parser), the content, the tool calls (with a tool plan that reads them)."""
+        text, reasoning = d.text, None
+        if self._reasoning is not None:
+            stream = self._reasoning[d.index]
+            stream.feed(d.text, final=True)
+            reasoning, text = stream.reasoning, stream.content
+        calls = None
+        content: str | None = text
+        if d.index in self._tools:
+            tools = self._tools[d.index]
+            tools.feed(text, final=True)
+            content, calls = tools.content, tools.calls
+        if reasoning is not None and not content:
+            content = None  # the output ended with its reasoning (vLLM's)
+        message = {"role": "assistant", "content": content}
+        if self._reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        return message
 
     def usage(self) -> dict:
         prompt = sum(h.num_prompt_tokens for h in self.handles)

@@ -181,15 +181,16 @@ def _tag_prefix_len(text: str, tag: str) -> int:
 
 
 class ReasoningPromptPlan(PromptPlan):
-    """A chat's PromptPlan that, once the prompt is rendered, knows the request's Reasoning
-    and puts its constraint (if any) after the reasoning."""
+    """A chat's PromptPlan that, once its prompt is rendered (render_now, which prepare
+    calls when nothing rendered it before), knows the request's Reasoning and has its
+    constraint, if any, start after the reasoning."""
 
     def __init__(self, *args, parser: ReasoningParser, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._parser = parser
-        self.reasoning: Reasoning | None = None  # set by prepare
+        self.reasoning: Reasoning | None = None  # set by render_now
 
-    def prepare(self, engine) -> tuple[list[int], SamplingParams]:
-        ids, params = super().prepare(engine)
+    def render_now(self, engine) -> None:
+        super().render_now(engine)
         self.reasoning = self._parser.for_prompt(self.prompt_text)
-        return ids, self.reasoning.constrain(params)
+        self.params = self.reasoning.constrain(self.params)

@@ -1,15 +1,23 @@
-"""--reasoning-parser's readers (server/reasoning_parsers.py) on whole texts and on every way
-a text can arrive in deltas: exact reasoning and content, tags split anywhere, no tags,
-reasoning that never closes; and the prompt that decides whether qwen3's output starts
-inside the reasoning. (The server's answers: test_reasoning_serving.py.)"""
+"""--reasoning-parser: its readers (server/reasoning_parsers.py) on whole texts and on every
+way a text can arrive in deltas (exact reasoning and content, tags split anywhere, no tags,
+reasoning that never closes, the prompt that decides whether qwen3's output starts inside
+the reasoning); then the HTTP API on a scripted fake engine, streamed and not: reasoning
+apart from content, tool calls read from the content only, constraints handed to the engine
+behind the reasoning prefix the prompt calls for. (A real Qwen3 model under the grammar:
+test_reasoning_qwen3.py.)"""
 
 from __future__ import annotations
 
 import itertools
+import json
 
+import httpx
 import pytest
+from fake_engine import EOS_TOKEN_ID, FakeEngine
+from serving_helpers import sse_events
 
 from jpaged.structured_output.params import ReasoningPrefix
+from server.options import REASONING_PARSERS, ServerOptions
 from server.reasoning_parsers import PARSERS, get_parser, split_reasoning
 
 R1 = get_parser("deepseek_r1")
@@ -129,9 +137,211 @@ def test_which_prompts_open_the_reasoning():
 
 
 def test_unknown_parser_names_the_choices():
-    assert sorted(PARSERS) == ["deepseek_r1", "qwen3"]
+    assert sorted(PARSERS) == ["deepseek_r1", "qwen3"] == sorted(REASONING_PARSERS)
     with pytest.raises(ValueError) as e:
         get_parser("qwen")
     assert str(e.value) == "reasoning_parser must be one of deepseek_r1, qwen3, got 'qwen'"
     with pytest.raises(ValueError, match="got 'r1'"):
         split_reasoning("x", "r1")
+    with pytest.raises(ValueError) as e:
+        ServerOptions(reasoning_parser="qwen")
+    assert str(e.value) == "reasoning_parser must be one of deepseek_r1, qwen3, got 'qwen'"
+
+
+# ---- the HTTP API on a scripted fake engine -------------------------------------------------
+
+
+class ScriptedEngine(FakeEngine):
+    """The fake engine; a request added while `scripts` holds one says it, one piece per
+    token, then EOS (or stops at max_tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_model_len=512)
+        self.scripts: list[list[str]] = []
+        self._said: dict[str, list[str]] = {}
+
+    def add_request(self, request_id, prompt, params, **kwargs) -> None:
+        super().add_request(request_id, prompt, params, **kwargs)
+        self._said[request_id] = self.scripts.pop(0)
+
+    def _append_token(self, r, c) -> None:
+        script = self._said[r.request_id]
+        i = len(c.token_ids)
+        c.token_ids.append(10 + i if i < len(script) else EOS_TOKEN_ID)
+        if self._pages_for(len(r.prompt_ids) + len(c.token_ids)) > len(c.page_ids):
+            self._take_pages(c, 1)
+        if i == len(script):
+            c.finish_reason = "stop"
+            return
+        c.text += script[i]
+        if r.params.max_tokens is not None and len(c.token_ids) >= r.params.max_tokens:
+            c.finish_reason = "length"
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+# A template whose generation prompt opens the reasoning, as Qwen3-Thinking's does
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: <think>\n{% endif %}"
+)
+# qwen3 writing <think> itself, its tags split across tokens, then a hermes tool call
+CALLING = [
+    "<th",
+    "ink>Let me",
+    " check.</th",
+    "ink>\n\n",
+    "<tool_call>\n",
+    '{"name": "get_weather", ',
+    '"arguments": {"city": "Paris"}}',
+    "\n</tool_call>",
+]
+
+
+def post(server, body: dict) -> httpx.Response:
+    return httpx.post(server.http_url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def answer(server, script: list[str], **body) -> dict:
+    server.engine.scripts.append(script)
+    r = post(server, {"messages": ASK, "max_tokens": 50, **body})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    return choice
+
+
+def stream(server, script: list[str], **body) -> list[tuple[dict, str | None]]:
+    """The streamed chunks' choices after the role chunk, each as (delta, finish_reason).
+    (How many tokens a chunk holds depends on timing: the engine may step several times
+    between two reads.)"""
+    server.engine.scripts.append(script)
+    body = {"messages": ASK, "max_tokens": 50, **body, "stream": True}
+    with httpx.stream("POST", server.http_url + "/v1/chat/completions", json=body) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    (role, *rest) = [e["choices"][0] for e in events[:-1]]
+    assert role["delta"] == {"role": "assistant", "content": ""}
+    return [(c["delta"], c["finish_reason"]) for c in rest]
+
+
+def merged(chunks) -> tuple[str, str, list[tuple[str, str]], str | None]:
+    """A stream's reasoning, content, calls (name, arguments) and last finish_reason; checks
+    that every reasoning delta comes before any content or call, that the two reasoning
+    fields agree, and that the finish comes last."""
+    reasoning, content, calls, kinds = "", "", [], []
+    for delta, _ in chunks:
+        assert delta.get("reasoning") == delta.get("reasoning_content")
+        reasoning += delta.get("reasoning") or ""
+        content += delta.get("content") or ""
+        for call in delta.get("tool_calls", ()):
+            if "id" in call:
+                assert call["type"] == "function" and call["function"]["arguments"] == ""
+                calls.append([call["function"]["name"], ""])
+            else:
+                calls[call["index"]][1] += call["function"]["arguments"]
+        kinds += ["reasoning"] if "reasoning" in delta else []
+        kinds += ["answer"] if "content" in delta or "tool_calls" in delta else []
+    assert kinds == sorted(kinds, reverse=True)  # "reasoning"s, then "answer"s
+    assert all(f is None for _, f in chunks[:-1])
+    return reasoning, content, [tuple(c) for c in calls], chunks[-1][1]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    from serving_helpers import RunningServer
+
+    made = {
+        name: RunningServer(ScriptedEngine(), reasoning_parser=name, tool_call_parser="hermes")
+        for name in ("qwen3", "deepseek_r1")
+    }
+    made["none"] = RunningServer(ScriptedEngine(), tool_call_parser="hermes")
+    yield made
+    for s in made.values():
+        s.close()
+
+
+def test_reasoning_apart_from_the_content_and_tool_calls_from_the_content(servers):
+    qwen3 = servers["qwen3"]
+    choice = answer(qwen3, CALLING, tools=TOOLS, tool_choice="auto")
+    message = choice["message"]
+    assert message["reasoning"] == message["reasoning_content"] == "Let me check."
+    assert message["content"] is None
+    ((call),) = message["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert choice["finish_reason"] == "tool_calls"
+    # streamed: reasoning deltas, the tags' pieces never sent, then the call
+    chunks = stream(qwen3, CALLING, tools=TOOLS, tool_choice="auto")
+    assert merged(chunks) == (
+        "Let me check.", "", [("get_weather", '{"city": "Paris"}')], "tool_calls"
+    )  # fmt: skip
+    # a tool call written inside the reasoning is reasoning, not a call
+    inside = ["<think><tool_call>", '{"name": "get_weather", "arguments": {}}', "</tool_call>"]
+    message = answer(qwen3, inside, tools=TOOLS, tool_choice="auto")["message"]
+    assert message["reasoning"] == "".join(inside)[len("<think>") :]
+    assert message["content"] is None and "tool_calls" not in message
+
+
+def test_plain_answers_and_cut_off_reasoning(servers):
+    r1 = servers["deepseek_r1"]
+    script = ["Two and", " two.</think>", "\n\nThe answer", " is 4."]
+    message = answer(r1, script)["message"]
+    assert message == {"role": "assistant", "content": "The answer is 4.",
+                       "reasoning": "Two and two.", "reasoning_content": "Two and two."}  # fmt: skip
+    assert merged(stream(r1, script)) == ("Two and two.", "The answer is 4.", [], "stop")
+    # cut off by max_tokens inside the reasoning: all of it is reasoning, content null
+    choice = answer(r1, ["Two and", " two </th", "ink>x"], max_tokens=2)
+    assert choice["message"]["reasoning"] == "Two and two </th"
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "length"
+    assert merged(stream(r1, ["Two and", " two </th", "ink>x"], max_tokens=2)) == (
+        "Two and two </th", "", [], "length"
+    )  # fmt: skip
+    # qwen3, no <think> in the output or the prompt: all content, reasoning null
+    message = answer(servers["qwen3"], ["Paris is", " sunny."])["message"]
+    assert message["content"] == "Paris is sunny." and message["reasoning"] is None
+    # qwen3 after a template that opens <think>: the output starts inside the reasoning
+    choice = answer(servers["qwen3"], ["Sun", "ny?</think>", "Sunny."],
+                    chat_template=THINKING_TEMPLATE)  # fmt: skip
+    assert (choice["message"]["reasoning"], choice["message"]["content"]) == ("Sunny?", "Sunny.")
+    # a server without --reasoning-parser: the text as it came, no reasoning fields
+    message = answer(servers["none"], script)["message"]
+    assert message == {"role": "assistant", "content": "".join(script)}
+
+
+def test_constraints_reach_the_engine_behind_the_reasoning(servers):
+    """The engine gets the request's constraint with the reasoning prefix its prompt calls
+    for (the fake engine does not decode under it; test_reasoning_qwen3.py's model does), and
+    the forced call is read from the content after the reasoning."""
+    qwen3, r1 = servers["qwen3"], servers["deepseek_r1"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    cases = [
+        (qwen3, {}, ReasoningPrefix(opened=False)),
+        (qwen3, {"chat_template": THINKING_TEMPLATE}, ReasoningPrefix(opened=True)),
+        (r1, {}, ReasoningPrefix(opened=True)),
+    ]
+    for server, extra, prefix in cases:
+        before = set(server.engine.received)
+        choice = answer(server, ["<think>hm</think>", '{"city": "Rome"}'], response_format=fmt,
+                        **extra)  # fmt: skip
+        (rid,) = set(server.engine.received) - before
+        constraint = server.engine.received[rid][0].structured_outputs
+        assert constraint.reasoning == prefix and constraint.json == WEATHER
+        assert json.loads(constraint.ll_grammar)["grammars"][1]["name"] == "json_schema"
+        assert choice["message"]["content"] == '{"city": "Rome"}'
+        assert choice["message"]["reasoning"] == "hm"
+    # tool_choice required: the tools' grammar after the reasoning, the call from the content
+    required = [
+        "Call it.</think>\n",
+        '[{"name": "get_weather", ',
+        '"parameters": {"city": "Oslo"}}]',
+    ]
+    choice = answer(r1, required, tools=TOOLS, tool_choice="required")
+    assert choice["message"]["reasoning"] == "Call it." and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    rid = list(r1.engine.received)[-1]  # the latest request
+    assert r1.engine.received[rid][0].structured_outputs.reasoning == ReasoningPrefix()
+    # without --reasoning-parser the constraint holds from the first token
+    answer(servers["none"], ['{"city": "Rome"}'], response_format=fmt)
+    rid = list(servers["none"].engine.received)[-1]
+    assert servers["none"].engine.received[rid][0].structured_outputs.reasoning is None
