@@ -145,6 +145,7 @@ SLOW_MODULES_FIRST = (
     "tests/models/test_gemma.py",
     "tests/jpaged/core/test_paging_groups.py",
     "tests/server/test_tool_calling.py",
+    "tests/server/test_agent_clients.py",
     "tests/jpaged/core/test_allocator_properties.py",
     "tests/models/test_gguf_smollm2.py",
     "tests/models/test_moe.py",
