@@ -29,11 +29,11 @@ from serving_helpers import RunningServer
 os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-import openai  # noqa: E402
-import pydantic  # noqa: E402
+import openai
+import pydantic
 
-from jpaged import LLM  # noqa: E402
-from models.demo import SMOLLM2_DIR, cache_root, ensure_smollm2  # noqa: E402
+from jpaged import LLM
+from models.demo import SMOLLM2_DIR, cache_root, ensure_smollm2
 
 # Host-side protocol: one Python version proves it (the libraries' own pins differ between
 # versions; CI's 3.11 stage installs them from the test extra).
