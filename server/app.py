@@ -30,6 +30,7 @@ from server.engine_loop import EngineLoop
 from server.metrics import Metrics
 from server.openai_api import HttpServer, OpenAIServer
 from server.options import ServerOptions, add_server_args, port_arg, read_chat_template  # noqa: F401
+from server.responses_api import ResponsesAPI
 from server.service import SERVICE_NAME, GenerationService, add_to_server
 
 logger = logging.getLogger("jpaged.server")
@@ -67,10 +68,12 @@ class Server:
             chat_template=options.chat_template,
             tool_call_parser=options.tool_call_parser,
             enable_auto_tool_choice=options.enable_auto_tool_choice,
-            responses_store_size=options.responses_store_size,
             reasoning_parser=options.reasoning_parser,
             state=lambda: self.state,
         )
+        # /v1/responses: the chat pipeline under OpenAI's Responses shapes, its store here
+        self.responses = ResponsesAPI(self.openai, store_size=options.responses_store_size)
+        self.openai.add_v1_routes(self.responses.add_routes)
         self.state = "warming_up"  # then "serving", then "draining"
         self.health = health.aio.HealthServicer()
         self.grpc_server: grpc.aio.Server | None = None

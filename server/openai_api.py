@@ -81,7 +81,6 @@ class OpenAIServer:
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
-        responses_store_size: int = 1024,
         reasoning_parser: str | None = None,
         state: Callable[[], str] = lambda: "serving",
     ) -> None:
@@ -98,10 +97,17 @@ class OpenAIServer:
         self._vocab_size = int(loop.engine.model_config.vocab_size)
         self._max_model_len = int(loop.engine.max_model_len)
         self._created = int(time.time())
-        self._responses_store_size = responses_store_size
         # --reasoning-parser: chats' (and responses') text split into reasoning and content
         self._reasoning = None if reasoning_parser is None else get_parser(reasoning_parser)
         self.app = self._make_app()
+
+    def add_v1_routes(self, add: Callable[[APIRouter], None]) -> None:
+        """Routes another module serves under /v1, behind the same API key: the Responses
+        API (server/responses_api.py builds on this module's call flow, so server/app.py,
+        above both, adds it)."""
+        router = APIRouter(prefix="/v1", dependencies=[Depends(self._check_key)])
+        add(router)
+        self.app.include_router(router)
 
     def _make_app(self) -> FastAPI:
         app = FastAPI(title="jpaged", docs_url=None, redoc_url=None, openapi_url=None)
@@ -111,11 +117,6 @@ class OpenAIServer:
         v1.add_api_route("/completions", self.completions, methods=["POST"])
         v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
         v1.add_api_route("/embeddings", self.embeddings, methods=["POST"])
-        # imported here: responses_api builds on this module's call flow
-        from server.responses_api import ResponsesAPI
-
-        self.responses = ResponsesAPI(self, store_size=self._responses_store_size)
-        self.responses.add_routes(v1)
         app.include_router(v1)
         app.add_api_route(
             "/tokenize", self.tokenize, methods=["POST"], dependencies=[Depends(self._check_key)]

@@ -480,7 +480,7 @@ def test_the_store_is_an_lru_of_its_size(make_server):
     # continuing one uses it too: three goes when four comes
     create(s, input="t4", previous_response_id=one, max_output_tokens=1)
     assert [post_get(s, i).status_code for i in (one, three)] == [200, 404]
-    assert len(s.server.openai.responses.store) == 2
+    assert len(s.server.responses.store) == 2
     none = make_server(Engine(), responses_store_size=0)
     got = create(none, input="t1", max_output_tokens=1)
     assert post_get(none, got["id"]).status_code == 404
@@ -678,7 +678,7 @@ def test_a_client_that_goes_away_aborts_its_request(make_server):
     with pytest.raises(httpx.ReadTimeout):  # and a non-streamed one
         httpx.post(s.http_url + "/v1/responses", json={**body, "stream": False}, timeout=0.5)
     s.wait_until(lambda st: st.num_running == 0 and st.pages_used == 0, timeout=10)
-    assert len(s.server.openai.responses.store) == 0  # neither was kept
+    assert len(s.server.responses.store) == 0  # neither was kept
 
 
 def test_the_drain_ends_a_stream_with_response_failed(make_server):
