@@ -8,13 +8,16 @@ OpenAIServer then plans it as a chat (tools by plan_tools, server/tool_calls.py;
 rendered before anything reaches the engine thread) and submits, collects and finishes its
 one engine request as a chat's, so aborts, drain, metrics and the prefix cache behave the
 same. The tool plan's ToolCallStream reads the model's text into output items: a message
-item for content, a function_call item per call, in text order. Every refusal is a one-line
-4xx naming the Responses field (input[2].call_id, text.format.schema, max_output_tokens),
+item for content, a function_call item per call, in text order. With --reasoning-parser the
+reasoning is split off first (as a chat's) into a reasoning item before them; its tokens are
+not counted apart (usage.output_tokens_details.reasoning_tokens stays 0: the deltas' token
+ids do not say where the reasoning ends). Every refusal is a one-line 4xx naming the Responses field (input[2].call_id, text.format.schema, max_output_tokens),
 never the chat field the pipeline checked.
 
 Streamed, a response is OpenAI's semantic events, sequence_number counting from 0:
 response.created, response.in_progress, per item output_item.added, then content_part.added,
-output_text.delta..., output_text.done, content_part.done (a message) or
+output_text.delta..., output_text.done, content_part.done (a message; a reasoning item the
+same with reasoning_text.delta..., reasoning_text.done) or
 function_call_arguments.delta..., .done (a call), then output_item.done; last comes exactly
 one of response.completed, response.incomplete (cut at max_output_tokens or the context) or
 response.failed (an engine error, or the drain aborting it).
@@ -282,9 +285,10 @@ class ResponsesAPI:
         except APIError as e:
             raise conv.renamed(e) from None
         call = _Call(Assembler("chat", rid, srv._model_name, handles), start)
+        reasoning = srv._reasoning_of(plans[0])  # known once _submit rendered the prompt
         run = _Run(
             call,
-            OutputItems(tools.stream()),
+            OutputItems(tools.stream(), reasoning.stream() if reasoning is not None else None),
             self._response(rid, body, plans[0].params),
             conv,
             body.store is not False,

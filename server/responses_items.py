@@ -13,8 +13,13 @@ Out: OutputItems reads a model's text (through a tool plan's ToolCallStream) int
 items: a message item with one output_text part for content, a function_call item per call,
 in the order the text has them; each item is done before the next is added. (Text after a
 call, which models seldom write, is a later message item when streamed; a non-streamed
-answer reads the text once, so its content comes first.) Every step returns the stream
-events that record it, each holding its own copy of what it shows.
+answer reads the text once, so its content comes first.) On a server with a reasoning parser
+the text is first split by the request's ReasoningStream (server/reasoning_parsers.py): the
+reasoning, when not empty, is a reasoning item with one reasoning_text part, first, and only
+the content reaches the ToolCallStream (a call written inside the reasoning stays reasoning,
+as in a chat). Streamed or not, the text goes through the same feed(), so both give the same
+items. Every step returns the stream events that record it, each holding its own copy of
+what it shows.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import secrets
 from typing import Any
 
 from server.openai_protocol import APIError
+from server.reasoning_parsers import ReasoningStream
 from server.tool_parsers import ToolCallStream
 
 
@@ -242,18 +248,27 @@ class OutputItems:
     finish() return the stream events (sequence numbers come later) that record each step;
     every event holds its own copy of what it shows."""
 
-    def __init__(self, stream: ToolCallStream | None) -> None:
+    def __init__(
+        self, stream: ToolCallStream | None, reasoning: ReasoningStream | None = None
+    ) -> None:
         self._stream = stream  # None: the text is all content
+        self._reasoning = reasoning  # None: no reasoning parser, the text is all content
         self.items: list[dict] = []
         self._open: dict | None = None  # the item being written: the last one
         self._calls: dict[int, int] = {}  # the stream's call index -> output index
 
     def feed(self, text: str, final: bool) -> list[dict]:
+        events = []
+        if self._reasoning is not None:
+            thought, text = self._reasoning.feed(text, final)
+            if thought:
+                events += self._text("reasoning", thought)
         if self._stream is None:
             content, calls = text, []
         else:
             content, calls = self._stream.feed(text, final)
-        events = self._content(content) if content else []
+        if content:
+            events += self._text("message", content)
         for call in calls:
             if "id" in call:  # a new call: its name, no arguments yet
                 events += self._close("completed")
@@ -272,23 +287,35 @@ class OutputItems:
     def finish(self, status: str) -> list[dict]:
         """Closes the last item with status (completed, incomplete); a response with no
         output gets one empty message, as OpenAI's."""
-        events = [] if self.items else self._content("")
+        events = [] if self.items else self._text("message", "")
         return events + self._close(status)
 
-    def _content(self, text: str) -> list[dict]:
+    def _text(self, kind: str, text: str) -> list[dict]:
+        """text added to the open item of kind (message or reasoning), opening one first
+        (with its one part) when the open item is another."""
         events = []
-        if self._open is None or self._open["type"] != "message":
+        if self._open is None or self._open["type"] != kind:
             events += self._close("completed")
-            events += self._add({"id": new_id("msg"), "type": "message", "status": "in_progress",
-                                 "content": [], "role": "assistant"})  # fmt: skip
-            part = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
+            if kind == "message":
+                item = {"id": new_id("msg"), "type": "message", "status": "in_progress",
+                        "content": [], "role": "assistant"}  # fmt: skip
+                part = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
+            else:
+                item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [],
+                        "status": "in_progress"}  # fmt: skip
+                part = {"type": "reasoning_text", "text": ""}
+            events += self._add(item)
             self._open["content"].append(part)
             events.append({"type": "response.content_part.added", **self._where(),
                            "part": copy.deepcopy(part)})  # fmt: skip
         if text:
             self._open["content"][0]["text"] += text
-            events.append({"type": "response.output_text.delta", **self._where(), "delta": text,
-                           "logprobs": []})  # fmt: skip
+            if kind == "message":
+                events.append({"type": "response.output_text.delta", **self._where(),
+                               "delta": text, "logprobs": []})  # fmt: skip
+            else:
+                events.append({"type": "response.reasoning_text.delta", **self._where(),
+                               "delta": text})  # fmt: skip
         return events
 
     def _where(self) -> dict:
@@ -307,14 +334,16 @@ class OutputItems:
             return []
         self._open = None
         item["status"] = status
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            done = ({"type": "response.output_text.done", "logprobs": []}
+                    if item["type"] == "message"
+                    else {"type": "response.reasoning_text.done"})  # fmt: skip
             events = [
-                {"type": "response.output_text.done", **where, "text": part["text"],
-                 "logprobs": []},
+                {**done, **where, "text": part["text"]},
                 {"type": "response.content_part.done", **where, "part": copy.deepcopy(part)},
-            ]  # fmt: skip
+            ]
         else:
             events = [{"type": "response.function_call_arguments.done", "item_id": item["id"],
                        "output_index": index, "name": item["name"],

@@ -4,7 +4,8 @@ parser from a scripted text (streamed and not), the conversation each turn rende
 exact prompt the engine got: previous_response_id, instructions, items sent back), the
 store (store: false, LRU eviction at its size, GET, DELETE, 404s), bad inputs as 400s naming
 the Responses field, ignored fields, an engine error as response.failed, a client that goes
-away aborting its request."""
+away aborting its request; with --reasoning-parser, the reasoning as a reasoning item before
+the message and calls (streamed and not), a call inside the reasoning left there."""
 
 from __future__ import annotations
 
@@ -147,7 +148,7 @@ def fixed(response: dict) -> dict:
     """response with its ids and times checked and blanked."""
     assert re.fullmatch(r"resp_[0-9a-f]{48}", response["id"])
     for item in response["output"]:
-        assert re.fullmatch(r"(msg|fc)_[0-9a-f]{48}", item["id"])
+        assert re.fullmatch(r"(msg|fc|rs)_[0-9a-f]{48}", item["id"])
     assert isinstance(response["created_at"], int)
     out = json.loads(json.dumps(response))
     out["id"] = out["created_at"] = "-"
@@ -270,6 +271,92 @@ def test_the_streamed_events(server):
         final = stream.get_final_response()
     assert types[0] == "response.created" and types[-1] == "response.completed"
     assert final.output_text == "It is sunny." and final.status == "completed"
+
+
+# deepseek_r1's output starts inside the reasoning; a call written there stays reasoning
+THINKING = ["Let me", " think.", "</think>", "\n\n", *ANSWER]
+THINKING_CALLS = ["Call it? <tool_call>\n", '{"name": "get_time", "arguments": {}}',
+                  "\n</tool_call>", "</think>", "\n\n", *CALLING[1:]]  # fmt: skip
+
+
+def reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"id": "-", "type": "reasoning", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}  # fmt: skip
+
+
+@pytest.fixture
+def reasoning_server(make_server):
+    return make_server(Engine(), reasoning_parser="deepseek_r1", tool_call_parser="hermes",
+                       enable_auto_tool_choice=True)  # fmt: skip
+
+
+def test_reasoning_is_an_item_before_the_message(reasoning_server):
+    reasoning_server.engine.scripts.append(THINKING)
+    got = create(reasoning_server, input="hi")
+    assert fixed(got) == {**BASE, "id": "-", "created_at": "-", "completed_at": "-",
+                          "status": "completed",
+                          "output": [reasoning_item("Let me think."), message("It is sunny.")],
+                          "usage": usage(2, 7)}  # fmt: skip  # 6 pieces and EOS
+    # the stored conversation leaves the reasoning out, as chat templates do
+    reasoning_server.engine.scripts.append(ANSWER)
+    create(reasoning_server, input="and?", previous_response_id=got["id"])
+    assert reasoning_server.engine.prompts[-1] == "user: hi\nassistant: It is sunny.\nuser: and?\n"
+
+
+def test_reasoning_streamed(reasoning_server):
+    reasoning_server.engine.scripts.append(THINKING)
+    events = streamed(reasoning_server, input="hi")
+    assert kinds(events) == [
+        "created", "in_progress",
+        "output_item.added", "content_part.added", "reasoning_text.delta",
+        "reasoning_text.done", "content_part.done", "output_item.done",
+        "output_item.added", "content_part.added", "output_text.delta",
+        "output_text.done", "content_part.done", "output_item.done",
+        "completed",
+    ]  # fmt: skip
+    final = events[-1]["response"]
+    assert fixed(final)["output"] == [reasoning_item("Let me think."), message("It is sunny.")]
+    item = final["output"][0]
+    assert events[2]["item"] == {**item, "content": [], "status": "in_progress"}
+    part = {"type": "reasoning_text", "text": ""}
+    assert events[3]["part"] == part
+    where = {"item_id": item["id"], "output_index": 0, "content_index": 0}
+    deltas = [e for e in events if e["type"] == "response.reasoning_text.delta"]
+    assert all({k: e[k] for k in where} == where for e in deltas)
+    assert "".join(e["delta"] for e in deltas) == "Let me think."
+    done = [e for e in events if e.get("output_index") == 0 and e["type"].endswith(".done")]
+    seq = [e.pop("sequence_number") for e in done]
+    assert seq == sorted(seq)
+    assert done == [
+        {"type": "response.reasoning_text.done", **where, "text": "Let me think."},
+        {"type": "response.content_part.done", **where, "part": {**part, "text": "Let me think."}},
+        {"type": "response.output_item.done", "output_index": 0, "item": item},
+    ]
+    texts = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(texts) == "It is sunny."
+    # the openai client's own stream accumulates the same response
+    reasoning_server.engine.scripts.append(THINKING)
+    with openai_client(reasoning_server).responses.stream(model="fake", input="hi") as stream:
+        got = stream.get_final_response()
+    assert [i.type for i in got.output] == ["reasoning", "message"]
+    assert got.output[0].content[0].text == "Let me think." and got.output_text == "It is sunny."
+
+
+def test_a_call_inside_the_reasoning_stays_reasoning(reasoning_server):
+    thought = 'Call it? <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    calls = [function_call("get_weather", '{"city": "Paris"}'),
+             function_call("get_time", '{"zone": "CET"}')]  # fmt: skip
+    reasoning_server.engine.scripts.append(THINKING_CALLS)
+    got = create(reasoning_server, input="Weather?", tools=TOOLS)
+    assert fixed(got)["output"] == [reasoning_item(thought), *calls]
+    reasoning_server.engine.scripts.append(THINKING_CALLS)
+    events = streamed(reasoning_server, input="Weather?", tools=TOOLS)
+    assert fixed(events[-1]["response"])["output"] == [reasoning_item(thought), *calls]
+    assert kinds(events)[2:9] == [
+        "output_item.added", "content_part.added", "reasoning_text.delta",
+        "reasoning_text.done", "content_part.done", "output_item.done", "output_item.added",
+    ]  # fmt: skip
+    assert events[8]["item"]["type"] == "function_call"
 
 
 def post_get(server, response_id: str) -> httpx.Response:
