@@ -10,6 +10,10 @@ embedding scale, soft-capping, GELU, a local rope base, partial rotary, linear a
 scaling. Phi-3's fused qkv_proj and gate_up_proj are split into wq/wk/wv, w_gate/w_up when
 loaded. Qwen3MoeForCausalLM, MixtralForCausalLM and OlmoeForCausalLM replace every layer's
 MLP by experts (models/moe.py); OLMoE adds q/k norms over the whole projection and clip_qkv.
+Glm4MoeForCausalLM (GLM-4.5/4.6) keeps a dense MLP in its first num_dense_layers layers and
+gives the others DeepSeek-V3's experts: sigmoid scores, a score-correction bias that only
+chooses, top-k within the best groups, a routed scaling factor, and shared experts; its
+attention has partial rotary (0.5 by default), q/k/v bias and an optional per-head q/k norm.
 
 Params layout (a pytree of arrays; every loader and initializer produces exactly this):
   embed:      [vocab, hidden]
@@ -24,6 +28,13 @@ Params layout (a pytree of arrays; every loader and initializer produces exactly
     w_gate, w_up [hidden, intermediate], w_down [intermediate, hidden]   (dense layers)
     router [hidden, E], w_gate_exps / w_up_exps [E, hidden, moe_intermediate],
     w_down_exps [E, moe_intermediate, hidden]     (num_experts = E > 0, instead of w_gate...)
+    router_bias [E]                                      (router_bias: the choice's bias)
+    w_gate_shared / w_up_shared [hidden, Fs], w_down_shared [Fs, hidden]
+                  (num_shared_experts, Fs = moe_intermediate * num_shared_experts)
+  Expert layers may follow num_dense_layers dense ones (GLM-4.5): layer i < num_dense_layers
+  has w_gate/w_up/w_down and no expert params, the others the reverse. Stacked, each name is
+  stacked over the layers that have it: w_gate [num_dense_layers, ...], router
+  [num_layers - num_dense_layers, ...], the rest [num_layers, ...] (models/llama.py layer_at).
   final_norm: [hidden]
   lm_head:    [hidden, vocab]                                    (absent when tied)
 """
@@ -45,7 +56,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
+    "Glm4MoeForCausalLM",
 )
+# Expert layers' router scores: softmax over all experts (Qwen3-MoE, Mixtral, OLMoE) or an
+# independent sigmoid per expert (DeepSeek-V3, GLM-4.5).
+MOE_SCORINGS = ("softmax", "sigmoid")
 # Activations of the gated MLP (hidden_act / hidden_activation).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -125,6 +140,21 @@ class ModelConfig:
     # Experts split over the tensor-parallel devices (E / T each, all tokens) instead of
     # their intermediate dim (--enable-expert-parallel); a layout, not a model, setting.
     expert_parallel: bool = False
+    # DeepSeek-V3-style routing (GLM-4.5), models/moe.py route_grouped: the scores of
+    # moe_scoring; router_bias (e_score_correction_bias) added to them to choose the experts
+    # only; experts in num_expert_groups groups, of which the topk_groups with the highest
+    # sum of their best two biased scores are eligible; the chosen unbiased scores times
+    # routed_scaling_factor (after the renormalisation of norm_topk_prob).
+    moe_scoring: str = "softmax"
+    router_bias: bool = False
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    # Shared experts run on every token beside the routed ones: one gated MLP of
+    # moe_intermediate_size * num_shared_experts.
+    num_shared_experts: int = 0
+    # The first layers keep a dense MLP of intermediate_size (first_k_dense_replace).
+    num_dense_layers: int = 0
     qk_norm_full: bool = False  # q/k RMSNorm over the whole projection (OLMoE), not per head
     clip_qkv: float | None = None  # q, k, v clamped to [-it, it] (OLMoE)
 
@@ -186,6 +216,7 @@ class ModelConfig:
                     f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
                     f"num_experts ({self.num_experts})"
                 )
+            self._check_routing()
         elif self.expert_parallel:
             raise ValueError(f"expert parallelism needs experts; {self.architecture} has none")
         rs = self.rope_scaling
@@ -196,6 +227,50 @@ class ModelConfig:
                         f"rope_scaling {name} has {len(getattr(rs, name))} entries, expected "
                         f"{self.rotary_dim // 2} (rotary dims / 2)"
                     )
+
+    def _check_routing(self) -> None:
+        """The DeepSeek-style routing fields (module docstring) are consistent."""
+        if self.moe_scoring not in MOE_SCORINGS:
+            raise ValueError(
+                f"expert scoring {self.moe_scoring!r} is not supported; supported: "
+                f"{', '.join(MOE_SCORINGS)}"
+            )
+        groups, topk = self.num_expert_groups, self.topk_groups
+        if not (isinstance(groups, int) and groups >= 1 and self.num_experts % groups == 0):
+            raise ValueError(
+                f"n_group ({groups!r}) must be a positive integer dividing the "
+                f"{self.num_experts} experts"
+            )
+        if groups > 1 and self.num_experts // groups < 2:
+            raise ValueError(
+                f"n_group ({groups}) leaves fewer than 2 experts per group (a group's score "
+                "is the sum of its best two)"
+            )
+        if not (isinstance(topk, int) and 1 <= topk <= groups):
+            raise ValueError(f"topk_group ({topk!r}) must be in [1, n_group ({groups})]")
+        if topk * (self.num_experts // groups) < self.num_experts_per_tok:
+            raise ValueError(
+                f"topk_group ({topk}) groups of {self.num_experts // groups} experts hold "
+                f"fewer than num_experts_per_tok ({self.num_experts_per_tok})"
+            )
+        for name in ("num_shared_experts", "num_dense_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.num_dense_layers > self.num_layers:
+            raise ValueError(
+                f"first_k_dense_replace ({self.num_dense_layers}) exceeds the "
+                f"{self.num_layers} layers"
+            )
+
+    def has_experts(self, layer: int) -> bool:
+        """Whether layer `layer` runs experts (else the dense MLP)."""
+        return bool(self.num_experts) and layer >= self.num_dense_layers
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """The shared experts' intermediate dim (0: none)."""
+        return self.moe_intermediate_size * self.num_shared_experts
 
     def with_expert_parallel(self, enable: bool) -> ModelConfig:
         """This config with expert_parallel set when enabled and the model has experts (a
@@ -220,10 +295,18 @@ class ModelConfig:
         reads per token besides the embedding and head."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = self.hidden_size * (2 * q + 2 * kv)  # q, k, v, o
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        if self.num_experts:  # every expert's weights and the router
-            mlp = self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)
-        return self.num_layers * (attention + mlp)
+        dense = 3 * self.hidden_size * self.intermediate_size
+        if not self.num_experts:
+            return self.num_layers * (attention + dense)
+        # every expert's weights, the router and the shared experts
+        d, e = self.hidden_size, self.num_experts
+        experts = e * (3 * d * self.moe_intermediate_size + d) + 3 * d * self.shared_intermediate_size
+        num_dense = self.num_dense_layers
+        return (
+            self.num_layers * attention
+            + num_dense * dense
+            + (self.num_layers - num_dense) * experts
+        )
 
     def kv_bytes_per_page(self, page_size: int, itemsize: int) -> int:
         """Bytes of one page of the KV pool: K and V of every layer and KV head."""
@@ -279,7 +362,8 @@ class ModelConfig:
             # Gemma's configs leave it out: transformers' Gemma classes default to tied.
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch.startswith("Gemma"))),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM")
+            or (arch == "Glm4MoeForCausalLM" and bool(hf.get("use_qk_norm", False))),
             sliding_window=sliding,
             **family,
             bos_token_id=hf.get("bos_token_id"),
@@ -312,7 +396,9 @@ def _rope_fields(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
     if arch == "Gemma3ForCausalLM":  # transformers' Gemma 3 defaults
         default_theta, local_theta = 1e6, 10000.0 if local_theta is None else local_theta
     rope_theta = hf.get("rope_theta", rs.get("rope_theta", default_theta))
-    partial = hf.get("partial_rotary_factor", rs.get("partial_rotary_factor", 1.0))
+    # GLM-4.5's configs may leave it out: transformers' Glm4MoeConfig defaults it to 0.5.
+    default_partial = 0.5 if arch == "Glm4MoeForCausalLM" else 1.0
+    partial = hf.get("partial_rotary_factor", rs.get("partial_rotary_factor", default_partial))
     rope_scaling = None
     rtype = rs.get("rope_type", rs.get("type", "default"))
     try:
@@ -390,7 +476,10 @@ def _family_fields(
 
 
 def _moe_fields(arch: str, hf: dict[str, Any], source: str) -> dict[str, Any]:
-    """The ModelConfig fields of Qwen3-MoE, Mixtral and OLMoE (none for dense families)."""
+    """The ModelConfig fields of Qwen3-MoE, Mixtral, OLMoE and GLM-4.5 (none for dense
+    families)."""
+    if arch == "Glm4MoeForCausalLM":
+        return _glm4_moe_fields(hf, source)
     if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"):
         return {}
     # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts, as Mixtral's.
@@ -416,3 +505,24 @@ def _moe_fields(arch: str, hf: dict[str, Any], source: str) -> dict[str, Any]:
     if hf.get("num_experts_per_tok") is None:
         raise ValueError(f"{source}: missing required field 'num_experts_per_tok'")
     return fields
+
+
+def _glm4_moe_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """GLM-4.5's expert fields, with transformers' Glm4MoeConfig defaults."""
+    num_experts = hf.get("n_routed_experts", hf.get("num_local_experts", 128))
+    method = hf.get("topk_method", "noaux_tc")
+    if method != "noaux_tc":
+        raise ValueError(f"{source}: topk_method {method!r} is not supported; supported: noaux_tc")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": hf.get("num_experts_per_tok", 8),
+        "moe_intermediate_size": hf.get("moe_intermediate_size", 1408),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+        "moe_scoring": "sigmoid",
+        "router_bias": True,
+        "num_expert_groups": hf.get("n_group") or 1,
+        "topk_groups": hf.get("topk_group") or 1,
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+        "num_shared_experts": hf.get("n_shared_experts", 1),
+        "num_dense_layers": hf.get("first_k_dense_replace", 1),
+    }

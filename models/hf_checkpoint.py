@@ -179,7 +179,7 @@ def tensor_specs(cfg: ModelConfig) -> dict[tuple, TensorSpec]:
             name = p + "mlp.gate_up_proj.weight"
             layer["w_gate"] = _fused_rows(name, (2 * f, d), 0, f, (d, f))
             layer["w_up"] = _fused_rows(name, (2 * f, d), f, 2 * f, (d, f))
-        if cfg.num_experts:
+        if cfg.has_experts(i):
             del layer["w_gate"], layer["w_up"], layer["w_down"]
             layer.update(_expert_specs(cfg, p))
         if cfg.qk_norm_full:  # OLMoE: one norm over the whole projection, as [H, Dh]
@@ -199,6 +199,7 @@ _EXPERT_NAMES = {
     "MixtralForCausalLM": ("block_sparse_moe.", "w1", "w3", "w2"),
     "Qwen3MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
     "OlmoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+    "Glm4MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -212,12 +213,26 @@ def _expert_specs(cfg: ModelConfig, prefix: str) -> dict[str, TensorSpec]:
     def experts(name: str, shape: tuple[int, int]) -> TensorSpec:
         return TensorSpec(f"{prefix}{block}experts.{{expert}}.{name}.weight", shape, *swap, experts=e)
 
-    return {
+    specs = {
         "router": TensorSpec(f"{prefix}{block}gate.weight", (e, d), *_linear(e, d, (d, e))),
         "w_gate_exps": experts(gate, (f, d)),
         "w_up_exps": experts(up, (f, d)),
         "w_down_exps": experts(down, (d, f)),
     }
+    if cfg.router_bias:  # DeepSeek-V3 / GLM-4.5's noaux_tc score correction
+        name = f"{prefix}{block}gate.e_score_correction_bias"
+        specs["router_bias"] = TensorSpec(name, (e,), _identity, _identity)
+    fs = cfg.shared_intermediate_size
+    if fs:  # one gated MLP of every shared expert's columns, as transformers holds them
+        shared = f"{prefix}{block}shared_experts."
+        for key, name, out_dim, in_dim in (
+            ("w_gate_shared", "gate_proj", fs, d),
+            ("w_up_shared", "up_proj", fs, d),
+            ("w_down_shared", "down_proj", d, fs),
+        ):
+            layout = _linear(out_dim, in_dim, (in_dim, out_dim))
+            specs[key] = TensorSpec(f"{shared}{name}.weight", (out_dim, in_dim), *layout)
+    return specs
 
 
 def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
@@ -403,21 +418,28 @@ def build_params(
         items.sort(
             key=lambda kv: (names.index(kv[0][2]), kv[0][1]) if kv[0][0] == "layers" else (-1, 0)
         )
-    host: dict[str, np.ndarray] = {}  # stacked: name -> [num_layers, ...] being filled
+    host: dict[str, np.ndarray] = {}  # stacked: name -> [rows, ...] being filled
+    # Stacked, each name over the layers that have it (models/llama.py layer_at: dense MLP
+    # layers before expert layers hold different names): layer -> row, and the last layer.
+    rows: dict[str, list[int]] = {}
+    for key, _ in items:
+        if key[0] == "layers":
+            rows.setdefault(key[2], []).append(key[1])
     for key, spec in items:
         value = _stored(key, spec, read(spec), dtype, quantize)
         if stacked and key[0] == "layers":
             name = key[2]
             if name not in host:
+                num_rows = len(rows[name])
                 host[name] = _tree_map(
-                    lambda a: aligned_empty((config.num_layers, *a.shape), a.dtype), value
+                    lambda a, n=num_rows: aligned_empty((n, *a.shape), a.dtype), value
                 )
                 if not isinstance(value, np.ndarray) and shardings:  # refused before reading on
                     from models.sharding import quantized_shardings
 
                     quantized_shardings(shardings[("layers", name)], host[name], spec.hf_name)
-            _set_layer(host[name], key[1], value)
-            if key[1] == config.num_layers - 1:  # full: placed, the host copy dropped
+            _set_layer(host[name], rows[name].index(key[1]), value)
+            if key[1] == rows[name][-1]:  # full: placed, the host copy dropped
                 params["layers"][name] = _place(
                     host.pop(name), shardings.get(("layers", name)), spec.hf_name
                 )
@@ -526,11 +548,13 @@ def load_hf_model(
     fp8 = _compressed_tensors_fp8(_read_json(config_path), config_path)
     if fp8:  # each quantized weight's scale (and a static input scale, unused: dynamic)
         wanted |= {n + "_scale" for n in wanted} | {n[: -len("weight")] + "input_scale" for n in wanted}
+    extra = _extra_layer_prefixes(_read_json(config_path), config.num_layers)
     unexpected = sorted(
         name
         for name in files
         if name not in wanted
         and not name.endswith(_IGNORED_SUFFIXES)
+        and not name.startswith(extra)
         and not (config.tie_word_embeddings and name == "lm_head.weight")
     )
     if unexpected:
@@ -585,6 +609,14 @@ def load_hf_model(
             stacked=stacked, quantize=quantizer(quantization),
         )
     return directory_model(model_dir, config, params, mesh)
+
+
+def _extra_layer_prefixes(raw: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """The tensor-name prefixes of the multi-token-prediction layers that GLM-4.5 and
+    DeepSeek-V3 checkpoints append after their decoder layers (num_nextn_predict_layers;
+    transformers ignores them too): left unread, as speculative decoding does not use them."""
+    extra = raw.get("num_nextn_predict_layers") or 0
+    return tuple(f"model.layers.{num_layers + j}." for j in range(extra))
 
 
 def _compressed_tensors_fp8(raw: dict[str, Any], source: Path) -> bool:

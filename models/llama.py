@@ -11,7 +11,9 @@ head_dim], layer l's pages at l * N .. l * N + N - 1, so a layer's attention rea
 pool (a kernel operand, never a slice copy) through its page table offset by l * N, and the
 layers can run under lax.scan with the pool as the loop's carry, updated in place.
 
-Mixture-of-experts configs (cfg.num_experts) run models/moe.py in place of the gated MLP.
+Mixture-of-experts configs (cfg.num_experts) run models/moe.py in place of the gated MLP,
+after cfg.num_dense_layers layers of the gated MLP (GLM-4.5); stacked, those first layers run
+unrolled and the expert layers after them under lax.scan.
 
 Tensor parallelism: with `tp_axis` set, the functions run inside shard_map on one device's
 shards (layout of models/sharding.py): the same code over local heads and columns, plus one
@@ -154,19 +156,62 @@ def _rope_tables(cfg, positions, context_lens, query_start) -> dict[bool, tuple]
 
 
 def layer_pattern(cfg: ModelConfig) -> int:
-    """The period of the layers' attention kinds (window, rope): the smallest p with layer
-    i's kind that of layer i % p (1: uniform layers; Gemma 2: 2; Gemma 3: 6)."""
-    kinds = _layer_kinds(cfg)
+    """The period of the layers' kinds (window, rope, experts) after the dense prefix
+    (_first_scanned): the smallest p with layer first + i's kind that of layer first + i % p
+    (1: uniform layers; Gemma 2: 2; Gemma 3: 6)."""
+    kinds = _layer_kinds(cfg)[_first_scanned(cfg) :]
     return next(
-        p for p in range(1, len(kinds) + 1)
-        if all(kinds[i] == kinds[i % p] for i in range(len(kinds)))
-    )
+        (p for p in range(1, len(kinds) + 1)
+         if all(kinds[i] == kinds[i % p] for i in range(len(kinds)))),
+        1,
+    )  # fmt: skip
+
+
+def _first_scanned(cfg: ModelConfig) -> int:
+    """The first layer of the repeating pattern: the dense MLP layers before the expert
+    layers (GLM-4.5's first_k_dense_replace) run unrolled before it."""
+    return cfg.num_dense_layers if cfg.num_experts else 0
 
 
 def _layer_kinds(cfg: ModelConfig) -> list[tuple]:
-    """Each layer's static attention settings: (sliding window, local rope)."""
+    """Each layer's static settings: (sliding window, local rope, experts)."""
     local = cfg.rope_local_theta is not None
-    return [(w, local and w is not None) for w in cfg.windows]
+    return [(w, local and w is not None, cfg.has_experts(i)) for i, w in enumerate(cfg.windows)]
+
+
+def _rows(value) -> int:
+    """The layers a stacked param holds (its leading dim; a QuantizedWeight's q's)."""
+    return jax.tree.leaves(value)[0].shape[0]
+
+
+def layer_at(layers: dict, i, *, experts: bool | None = None) -> dict:
+    """Layer i's params out of stacked layers (models/config.py): a name stacked over every
+    layer gives row i; an expert param (moe.EXPERT_PARAMS), stacked over the last layers
+    only, row i - (num_layers - rows); a dense MLP param, stacked over the first layers, row
+    i. A name layer i lacks is left out. i may be traced (a scan's index) when experts
+    (whether layer i runs experts) is given; a traced row is read by dynamic index, so no
+    stacked array is copied.
+
+        w_gate    [k, ...]        rows 0 .. k-1        = layers 0 .. k-1
+        router    [L - k, ...]    rows 0 .. L-k-1      = layers k .. L-1
+        wq        [L, ...]        rows 0 .. L-1        = layers 0 .. L-1
+    """
+    num_layers = max(_rows(v) for v in layers.values())
+    out = {}
+    for name, value in layers.items():
+        n, row = _rows(value), i
+        if n != num_layers and name in moe.EXPERT_PARAMS:
+            if not (i >= num_layers - n if experts is None else experts):
+                continue
+            row = i - (num_layers - n)
+        elif n != num_layers and not (i < n if experts is None else not experts):
+            continue
+        if isinstance(row, int):
+            out[name] = value[row]
+        else:
+            index = lambda a, r=row: jax.lax.dynamic_index_in_dim(a, r, keepdims=False)
+            out[name] = jax.tree.map(index, value)
+    return out
 
 
 def _write_kv(pages, new: jax.Array, slot_mapping: jax.Array):
@@ -244,7 +289,7 @@ def forward(
         x, k_pages, v_pages = carry
         layer, offset, group = layer_and_offset
         group = 0 if groups.num_groups == 1 else group  # a traced index only when needed
-        window, local = kind  # static: a layer group's own
+        window, local, experts = kind  # static: a layer group's own
         cos, sin = ropes[local]
         h = norm(x, layer["input_norm"], cfg.rms_norm_eps)
         q = quantization.einsum("td,dhk->thk", h, layer["wq"])
@@ -282,7 +327,7 @@ def forward(
             out = norm(out, layer["attn_out_norm"], cfg.rms_norm_eps)
         x = x + out
         h = norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)
-        out = _mlp(h, layer, cfg, act, tp_axis)
+        out = _mlp(h, layer, cfg, act, tp_axis, experts)
         if cfg.post_norms:
             out = norm(out, layer["mlp_out_norm"], cfg.rms_norm_eps)
         x = x + out
@@ -291,14 +336,23 @@ def forward(
     carry = (x, k_pages, v_pages)
     layers = params["layers"]
     period = layer_pattern(cfg)
-    if isinstance(layers, dict) and period == 1:  # stacked: one traced layer
+    first = _first_scanned(cfg)
+    per_slot = k_pages.shape[1] // groups.slots_per_page
+    if isinstance(layers, dict) and first and period < cfg.num_layers - first:
+        for i in range(first):  # the dense layers before the scanned expert layers
+            layer = layer_at(layers, i, experts=False)
+            offset = groups.layer_slots[i] * per_slot
+            carry, _ = run_layer(carry, (layer, offset, groups.layer_groups[i]), kinds[i])
+        carry = _scan_groups(
+            run_layer, carry, layers, offsets, layer_groups, kinds, period, start=first
+        )
+    elif isinstance(layers, dict) and period == 1 and not first:  # stacked: one traced layer
         carry, _ = jax.lax.scan(run_layer, carry, (layers, offsets, layer_groups))
-    elif isinstance(layers, dict) and period < cfg.num_layers:
+    elif isinstance(layers, dict) and period < cfg.num_layers and not first:
         carry = _scan_groups(run_layer, carry, layers, offsets, layer_groups, kinds, period)
     else:
         if isinstance(layers, dict):  # no repeating pattern: unrolled
-            layers = [{k: v[i] for k, v in layers.items()} for i in range(cfg.num_layers)]
-        per_slot = k_pages.shape[1] // groups.slots_per_page
+            layers = [layer_at(layers, i) for i in range(cfg.num_layers)]
         for i, layer in enumerate(layers):
             offset = groups.layer_slots[i] * per_slot
             carry, _ = run_layer(carry, (layer, offset, groups.layer_groups[i]), kinds[i])
@@ -306,32 +360,33 @@ def forward(
     return norm(x, params["final_norm"], cfg.rms_norm_eps), (k_pages, v_pages)
 
 
-def _scan_groups(run_layer, carry, layers: dict, offsets, layer_groups, kinds, period: int):
-    """Stacked layers whose kinds repeat every `period` layers: lax.scan over the groups,
-    each running its `period` layers unrolled with their own static kinds, then the layers
-    past the last whole group unrolled. A group's layers are read from the stacked arrays by
-    index (as scan reads its xs), so no weights are copied into a grouped layout; so are each
-    layer's pool offset and paging group (models/kv_groups.py), which need not follow it.
+def _scan_groups(
+    run_layer, carry, layers: dict, offsets, layer_groups, kinds, period: int, start: int = 0
+):
+    """Stacked layers from `start` on whose kinds repeat every `period` layers: lax.scan over
+    the groups, each running its `period` layers unrolled with their own static kinds, then
+    the layers past the last whole group unrolled. A group's layers are read from the stacked
+    arrays by index (as scan reads its xs; layer_at), so no weights are copied into a grouped
+    layout; so are each layer's pool offset and paging group (models/kv_groups.py), which
+    need not follow it.
 
         layers  0 1 2 3 4 5 | 6 7 8 9 10 11 | ... | 24 25
         scan    group 0     | group 1       | ... | leftover (unrolled)
     """
     num_layers = len(kinds)
-    num_groups = num_layers // period
-
-    def take(i):
-        index = lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
-        return {k: jax.tree.map(index, v) for k, v in layers.items()}
+    num_groups = (num_layers - start) // period
 
     def run_group(carry, g):
         for j in range(period):
-            i = g * period + j
-            carry, _ = run_layer(carry, (take(i), offsets[i], layer_groups[i]), kinds[j])
+            i = start + g * period + j
+            kind = kinds[start + j]
+            layer = layer_at(layers, i, experts=kind[2])
+            carry, _ = run_layer(carry, (layer, offsets[i], layer_groups[i]), kind)
         return carry, None
 
     carry, _ = jax.lax.scan(run_group, carry, jnp.arange(num_groups, dtype=jnp.int32))
-    for i in range(num_groups * period, num_layers):
-        layer = {k: v[i] for k, v in layers.items()}
+    for i in range(start + num_groups * period, num_layers):
+        layer = layer_at(layers, i, experts=kinds[i][2])
         carry, _ = run_layer(carry, (layer, offsets[i], layer_groups[i]), kinds[i])
     return carry
 
@@ -345,8 +400,10 @@ def stack_layers(params: dict, place=None) -> dict:
     if not layers or isinstance(layers, dict):
         return params
     stacked = {}
-    for name in layers[0]:
-        array = jax.tree.map(lambda *a: jnp.stack(a), *[layer[name] for layer in layers])
+    # Each name over the layers that have it (layer_at: dense MLP and expert layers differ).
+    for name in dict.fromkeys(name for layer in layers for name in layer):
+        parts = [layer[name] for layer in layers if name in layer]
+        array = jax.tree.map(lambda *a: jnp.stack(a), *parts)
         stacked[name] = array if place is None else place(name, array)
     return {**params, "layers": stacked}
 
@@ -356,8 +413,8 @@ def unstack_layers(params: dict) -> dict:
     layers = params.get("layers")
     if not isinstance(layers, dict):
         return params
-    num = len(next(iter(layers.values())))
-    return {**params, "layers": [{k: v[i] for k, v in layers.items()} for i in range(num)]}
+    num = max(_rows(v) for v in layers.values())
+    return {**params, "layers": [layer_at(layers, i) for i in range(num)]}
 
 
 def compute_logits(
@@ -376,9 +433,10 @@ def compute_logits(
     return logits
 
 
-def _mlp(h: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis) -> jax.Array:
-    """The feed-forward of normed h [T, D]: the gated MLP, or the experts (models/moe.py)."""
-    if cfg.num_experts:
+def _mlp(h: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis, experts: bool) -> jax.Array:
+    """The feed-forward of normed h [T, D]: the gated MLP, or (experts: static, the layer's
+    kind) the experts (models/moe.py)."""
+    if experts:
         return moe.moe_mlp(h, layer, cfg, act, tp_axis)
     mm = quantization.matmul
     gate = act(mm(h, layer["w_gate"]))
@@ -440,7 +498,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float
         return jnp.ones(shape, dtype=dtype)
 
     layers = []
-    for _ in range(cfg.num_layers):
+    for i in range(cfg.num_layers):
         layer = {
             "input_norm": ones(d),
             "post_attn_norm": ones(d),
@@ -460,13 +518,17 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float
             layer.update(q_norm=ones(hq, dh), k_norm=ones(hkv, dh))
         if cfg.post_norms:
             layer.update(attn_out_norm=ones(d), mlp_out_norm=ones(d))
-        if cfg.num_experts:
-            e, fe = cfg.num_experts, cfg.moe_intermediate_size
+        if cfg.has_experts(i):
+            e, fe, fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_intermediate_size
             del layer["w_gate"], layer["w_up"], layer["w_down"]
             layer.update(
                 router=w(d, e), w_gate_exps=w(e, d, fe), w_up_exps=w(e, d, fe),
                 w_down_exps=w(e, fe, d),
             )
+            if cfg.router_bias:
+                layer.update(router_bias=w(e))
+            if fs:
+                layer.update(w_gate_shared=w(d, fs), w_up_shared=w(d, fs), w_down_shared=w(fs, d))
         layers.append(layer)
     params = {"embed": w(cfg.vocab_size, d), "layers": layers, "final_norm": ones(d)}
     if not cfg.tie_word_embeddings:

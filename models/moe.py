@@ -1,9 +1,11 @@
-"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, OLMoE) as pure functions.
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, OLMoE, GLM-4.5) as pure functions.
 
 Each token's hidden state goes through a router (float32 logits [T, E]), a softmax over all
 E experts, the top k of them (renormalised to sum to 1 when cfg.norm_topk_prob: Mixtral
 always, Qwen3-MoE and OLMoE by their flag), and the weighted sum of those k experts' gated
-MLPs. The experts run as grouped matmuls (jax.lax.ragged_dot) over the T * k token-expert
+MLPs. GLM-4.5 (and DeepSeek-V3) route otherwise (route_grouped): sigmoid scores, a bias that
+only chooses, top-k within the best groups, a scaling factor; and add shared experts, a
+gated MLP every token runs. The experts run as grouped matmuls (jax.lax.ragged_dot) over the T * k token-expert
 pairs sorted by expert, never a loop over experts:
 
     pairs (token, expert):  (0,5) (0,1) (1,1) (1,3) ...      T * k rows
@@ -20,7 +22,8 @@ weights (grouped_mlp):
     blocks (B=4): [e1 e1 e1 0] [e3 0 0 0] [e5 e5 0 0] ...   at most ceil(M / B) + E blocks
 
 Weights (params layout, models/config.py): router [D, E], w_gate_exps / w_up_exps
-[E, D, F], w_down_exps [E, F, D]. Under tensor parallelism (inside shard_map, tp_axis set)
+[E, D, F], w_down_exps [E, F, D]; router_bias [E]; w_gate_shared / w_up_shared [D, Fs],
+w_down_shared [Fs, D] (split over F like a dense MLP under either layout). Under tensor parallelism (inside shard_map, tp_axis set)
 a device holds either every expert's slice of F (plain TP: partial sums of every pair) or
 E / T whole experts (expert parallelism: only the pairs routed to its experts, the rest
 zero); either way every device sees all tokens and one psum over the axis combines them.
@@ -31,8 +34,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from models import quantization
 from models.config import ModelConfig
 from models.quantization import dequantize
+
+# The params of an expert layer that a dense layer lacks (models/config.py).
+EXPERT_PARAMS = (
+    "router", "router_bias", "w_gate_exps", "w_up_exps", "w_down_exps",
+    "w_gate_shared", "w_up_shared", "w_down_shared",
+)  # fmt: skip
 
 
 def route(
@@ -55,6 +65,78 @@ def route(
     return weights, expert_ids.astype(jnp.int32)
 
 
+def route_grouped(
+    logits: jax.Array,
+    bias: jax.Array | None,
+    num_experts_per_tok: int,
+    *,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    norm_topk_prob: bool = True,
+    scaling: float = 1.0,
+    scoring: str = "sigmoid",
+) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's "noaux_tc" routing (GLM-4.5's), as transformers' Glm4MoeTopkRouter.
+
+    scores = sigmoid(logits) (or softmax); choice = scores + bias. The E experts form
+    num_groups groups of E / G; a group's score is the sum of its best two choice values;
+    the topk_groups best groups are eligible and the top k choice values among their experts
+    are chosen. Each chosen expert's weight is its unbiased score (the bias picks, never
+    weighs), renormalised over the k when norm_topk_prob, then times scaling.
+
+        experts  0 1 2 3 | 4 5 6 7 | 8 9 10 11 | ...   G groups of E / G
+        group    top-2 sum each -> best topk_groups eligible -> top k among them
+
+    Args:
+      logits: float32[T, E].
+      bias: float32[E] (e_score_correction_bias) or None.
+      num_experts_per_tok: k.
+
+    Returns:
+      (weights float32[T, k], expert_ids int32[T, k]), in decreasing choice value per token.
+    """
+    logits = logits.astype(jnp.float32)
+    if scoring == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    num_tokens, num_experts = choice.shape
+    if num_groups > 1 and topk_groups < num_groups:
+        grouped = choice.reshape(num_tokens, num_groups, num_experts // num_groups)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+        _, best = jax.lax.top_k(group_scores, topk_groups)
+        eligible = (
+            jnp.zeros((num_tokens, num_groups), bool)
+            .at[jnp.arange(num_tokens)[:, None], best]
+            .set(True)
+        )
+        eligible = jnp.repeat(eligible, num_experts // num_groups, axis=1)  # [T, E]
+        choice = jnp.where(eligible, choice, -jnp.inf)
+    _, expert_ids = jax.lax.top_k(choice, num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scaling, expert_ids.astype(jnp.int32)
+
+
+def _route(logits: jax.Array, layer: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """The layer's routing: route_grouped for the DeepSeek-style configs, else route."""
+    plain = (cfg.moe_scoring, cfg.router_bias, cfg.num_expert_groups, cfg.routed_scaling_factor)
+    if plain == ("softmax", False, 1, 1.0):
+        return route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    return route_grouped(
+        logits,
+        layer.get("router_bias"),
+        cfg.num_experts_per_tok,
+        num_groups=cfg.num_expert_groups,
+        topk_groups=cfg.topk_groups,
+        norm_topk_prob=cfg.norm_topk_prob,
+        scaling=cfg.routed_scaling_factor,
+        scoring=cfg.moe_scoring,
+    )
+
+
 def moe_mlp(x: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis=None) -> jax.Array:
     """The experts' feed-forward of x [T, D] (post-attention-normed): [T, D], summed over
     tp_axis.
@@ -71,7 +153,7 @@ def moe_mlp(x: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis=None) -> j
         layer["router"].astype(jnp.float32),
         precision=jax.lax.Precision.HIGHEST,
     )
-    weights, expert_ids = route(logits, k, cfg.norm_topk_prob)
+    weights, expert_ids = _route(logits, layer, cfg)
     num_local = w_gate.shape[0]
     first = 0
     if num_local != cfg.num_experts:  # expert parallel: this device's experts only
@@ -91,6 +173,10 @@ def moe_mlp(x: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis=None) -> j
     # Back to (token, slot) order, then the k slots summed per token.
     y = jnp.zeros_like(y).at[order].set(y).reshape(num_tokens, k, -1)
     out = jnp.sum(y, axis=1)
+    if "w_gate_shared" in layer:  # split over F on every device: partial sums, as the experts'
+        mm = quantization.matmul
+        h = act(mm(x, layer["w_gate_shared"])) * mm(x, layer["w_up_shared"])
+        out = out + mm(h, layer["w_down_shared"]).astype(out.dtype)
     return out if tp_axis is None else jax.lax.psum(out, tp_axis)
 
 

@@ -119,10 +119,11 @@ def _layout_shape(cfg: ModelConfig, key: tuple) -> tuple[int, ...]:
         "q_norm": (dh,),
         "k_norm": (dh,),
     }
-    e, fe = cfg.num_experts, cfg.moe_intermediate_size
+    e, fe, fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_intermediate_size
     shapes.update(
-        router=(d, e), w_gate_exps=(e, d, fe), w_up_exps=(e, d, fe), w_down_exps=(e, fe, d)
-    )
+        router=(d, e), w_gate_exps=(e, d, fe), w_up_exps=(e, d, fe), w_down_exps=(e, fe, d),
+        router_bias=(e,), w_gate_shared=(d, fs), w_up_shared=(d, fs), w_down_shared=(fs, d),
+    )  # fmt: skip
     if cfg.qk_norm_full:  # OLMoE's norms over the whole projection
         shapes.update(q_norm=(hq, dh), k_norm=(hkv, dh))
     return shapes[key[-1]]

@@ -62,6 +62,9 @@ QUANTIZED_PARAMS = {
     "w_gate_exps": (1,),
     "w_up_exps": (1,),
     "w_down_exps": (1,),
+    "w_gate_shared": (0,),
+    "w_up_shared": (0,),
+    "w_down_shared": (0,),
 }
 
 

@@ -17,8 +17,10 @@ Megatron layout: wq/wk/wv, w_gate/w_up and lm_head are column-parallel (output d
 wo and w_down row-parallel (input dim split, followed by one all-reduce each), embed is
 vocab-parallel (masked lookup + all-reduce). Norms are replicated. Experts (models/moe.py):
 the router replicated; each expert's F split like w_gate/w_down, or with expert parallelism
-(ModelConfig.expert_parallel) whole experts split over TP, E / T per device. Per-device pool bytes are
-total / min(T, num_kv_heads).
+(ModelConfig.expert_parallel) whole experts split over TP, E / T per device; the router
+bias replicated, shared experts split over their F like a dense MLP under either layout.
+Dense MLP layers before the expert layers (GLM-4.5) are split as a dense model's. Per-device
+pool bytes are total / min(T, num_kv_heads).
 
 A quantized param (models/quantization.py QuantizedWeight) is split as the float weight it
 replaces (quantized_spec): its int8/fp8 values exactly so; per-output-channel scales along the
@@ -63,11 +65,13 @@ def check_tp(cfg: ModelConfig, tensor_parallel_size: int) -> None:
             "multiple of it"
         )
     split = [("num_attention_heads", cfg.num_heads)]
-    if not cfg.num_experts:
+    if not cfg.num_experts or cfg.num_dense_layers:
         split.append(("intermediate_size", cfg.intermediate_size))
-    elif cfg.expert_parallel:
+    if cfg.num_experts and cfg.num_shared_experts:
+        split.append(("the shared experts' intermediate size", cfg.shared_intermediate_size))
+    if cfg.num_experts and cfg.expert_parallel:
         split.append(("num_experts", cfg.num_experts))
-    else:
+    elif cfg.num_experts:
         split.append(("moe_intermediate_size", cfg.moe_intermediate_size))
     for name, size in split:
         if size % t:
@@ -130,19 +134,33 @@ def param_specs(cfg: ModelConfig, tensor_parallel_size: int, *, stacked: bool = 
         layer.update(attn_out_norm=P(), mlp_out_norm=P())
     if cfg.qk_norm_full:  # [H, Dh], split as the heads
         layer.update(q_norm=P(TP, None), k_norm=P(KV, None))
+    expert_layer = {}
     if cfg.num_experts:  # [E, D, F], [E, F, D]: experts split, or each expert's F
-        del layer["w_gate"], layer["w_up"], layer["w_down"]
         if cfg.expert_parallel:
             up = down = P(TP, None, None)
         else:
             up, down = P(None, None, TP), P(None, TP, None)
-        layer.update(router=P(), w_gate_exps=up, w_up_exps=up, w_down_exps=down)
+        expert_layer = {"router": P(), "w_gate_exps": up, "w_up_exps": up, "w_down_exps": down}
+        if cfg.router_bias:
+            expert_layer["router_bias"] = P()
+        if cfg.num_shared_experts:
+            expert_layer.update(w_gate_shared=col, w_up_shared=col, w_down_shared=P(TP, None))
+    mlp = ("w_gate", "w_up", "w_down")
+
+    def layer_specs(i: int) -> dict:  # layer i's names (models/config.py)
+        if not cfg.has_experts(i):
+            return dict(layer)
+        return {**{k: v for k, v in layer.items() if k not in mlp}, **expert_layer}
+
+    every = {**layer, **expert_layer}
+    if cfg.num_experts and not cfg.num_dense_layers:
+        every = layer_specs(0)
     specs = {
         "embed": P(vocab, None),
         "layers": (
-            {name: P(None, *spec) for name, spec in layer.items()}
+            {name: P(None, *spec) for name, spec in every.items()}
             if stacked
-            else [dict(layer) for _ in range(cfg.num_layers)]
+            else [layer_specs(i) for i in range(cfg.num_layers)]
         ),
         "final_norm": P(),
     }

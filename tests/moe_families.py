@@ -1,4 +1,4 @@
-"""Tiny random Qwen3-MoE, Mixtral and OLMoE checkpoints from transformers' config classes,
+"""Tiny random Qwen3-MoE, Mixtral, OLMoE and GLM-4.5 MoE checkpoints from transformers' config classes,
 and transformers' greedy tokens for them (float32, eager attention; the reference and
 paged-logits helpers are dense_families'). Shared by
 tests/models/test_moe.py and tests/parallel/test_expert_parallel.py (which writes them in
@@ -19,7 +19,8 @@ MAX_TOKENS = 8
 
 
 def tiny_config(family: str):
-    """The family's transformers config: 3 layers, 8 experts, top-2, hidden 64."""
+    """The family's transformers config: 3 layers, 8 experts, top-2, hidden 64 (GLM-4.5's
+    "glm4moe" and "glm4moe_qk_norm" are not in FAMILIES: tests/models/test_glm4_moe.py)."""
     import transformers
 
     common = {
@@ -43,6 +44,17 @@ def tiny_config(family: str):
         return transformers.OlmoeConfig(
             **common, num_experts=8, clip_qkv=0.5, eos_token_id=None, pad_token_id=None
         )
+    if family in ("glm4moe", "glm4moe_qk_norm"):
+        # A dense first layer, 4 groups of 2 experts of which 2 groups are eligible, a
+        # shared expert, partial rotary over half of each head, q/k/v bias.
+        return transformers.Glm4MoeConfig(
+            **{**common, "intermediate_size": 96},
+            n_routed_experts=8, moe_intermediate_size=32, head_dim=16, n_group=4,
+            topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+            use_qk_norm=family == "glm4moe_qk_norm", partial_rotary_factor=0.5,
+            eos_token_id=None, pad_token_id=None,
+        )  # fmt: skip
     raise ValueError(family)
 
 
@@ -62,6 +74,9 @@ def save_tiny(path: str | Path, family: str, *, seed: int = 0) -> Path:
                 param.add_(0.1 * torch.randn_like(param))
             if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
                 param.mul_(20.0)
+        for name, buffer in model.named_buffers():  # GLM-4.5's bias: it must change choices
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.5 * torch.randn_like(buffer))
     model.save_pretrained(path, safe_serialization=True)
     return Path(path)
 
