@@ -1,7 +1,8 @@
 """Mixture-of-experts models under tensor parallelism (each expert's intermediate dim split)
 and expert parallelism (whole experts split): on 8 simulated CPU devices, every family's
 greedy tokens through the engine equal transformers' at T = 2, and with
---enable-expert-parallel at T = 2 and 4, where each device holds E / T experts."""
+--enable-expert-parallel at T = 2 and 4, where each device holds E / T experts (GLM-4.5 MoE
+too: its dense first layer and shared expert split over their intermediate dim)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,22 @@ def test_tokens_equal_transformers_and_experts_are_split(tmp_path, family):
     assert layouts[f"{family}/4/True"]["w_gate_exps"][1] == [3, 2, 64, f]
     assert layouts[f"{family}/4/True"]["w_down_exps"][1] == [3, 2, f, 64]
     assert layouts[f"{family}/4/True"]["router"][1] == [3, 64, 8]  # replicated
+
+
+def test_glm4_moe_tokens_equal_transformers_and_experts_are_split(tmp_path):
+    """GLM-4.5 MoE (a dense first layer, grouped routing, a shared expert): greedy tokens at
+    TP 2, EP 2 and EP 4 equal transformers'; the expert params are stacked over the 2 expert
+    layers, the dense MLP over the first layer only, and the dense and shared MLPs split
+    their intermediate dim under either layout."""
+    results = _run(tmp_path, "glm4moe")
+    for t, ep in [(2, False), (2, True), (4, True)]:
+        got = results["got"][f"glm4moe/{t}/{ep}"]
+        assert got["tokens"] == results["want"], (t, ep)
+        assert got["pages_used"] == 0
+    layouts = {k: v["layout"] for k, v in results["got"].items()}
+    assert layouts["glm4moe/2/False"]["w_gate_exps"][1] == [2, 8, 64, 16]
+    assert layouts["glm4moe/2/True"]["w_gate_exps"][1] == [2, 4, 64, 32]
+    assert layouts["glm4moe/4/True"]["w_down_exps"][1] == [2, 2, 32, 64]
+    assert layouts["glm4moe/4/True"]["router"][1] == [2, 64, 8]  # replicated
+    assert layouts["glm4moe/2/True"]["w_gate"][1] == [1, 64, 48]
+    assert layouts["glm4moe/4/True"]["w_gate_shared"][1] == [2, 64, 8]
