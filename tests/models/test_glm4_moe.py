@@ -7,6 +7,7 @@ without the per-head q/k norm)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -191,6 +192,37 @@ def test_stacked_layers_give_the_unrolled_logits_and_mtp_layers_are_left_unread(
     (tmp_path / "config.json").write_text(json.dumps(_hf_config()))  # no MTP layer named
     with pytest.raises(ValueError, match=r"unexpected tensor\(s\) 'model.layers.3.eh_proj"):
         load_hf_model(tmp_path)
+
+
+def test_int8_and_orbax_loads_of_a_dense_first_layer(tmp_path):
+    """--quantization int8, stacked on the host over the layers that have each param (the
+    shared experts quantized too), gives the logits of its weights dequantized; an Orbax
+    conversion restores the same params, stacked or not."""
+    from models.orbax_checkpoint import convert_hf_to_orbax
+    from models.quantization import QuantizedWeight, dequantize
+
+    config = _hf_config()
+    cfg = ModelConfig.from_hf_config(config)
+    save_hf_model(tmp_path / "hf", config, jax.tree.map(np.asarray, init_params(cfg, scale=0.3)))
+    loaded = load_hf_model(tmp_path / "hf", quantization="int8", stacked=True)
+    layers = loaded.params["layers"]
+    assert isinstance(layers["w_gate_shared"], QuantizedWeight)
+    assert layers["w_gate"].q.shape == (1, 16, 24) and layers["w_up_exps"].q.shape == (2, 8, 16, 4)
+    plain = jax.tree.map(dequantize, loaded.params, is_leaf=lambda a: isinstance(a, QuantizedWeight))
+    ids = np.random.default_rng(2).integers(0, 32, 9).tolist()
+    want = paged_logits(dataclasses.replace(loaded, params=plain), [9], ids)
+    np.testing.assert_allclose(paged_logits(loaded, [9], ids), want, atol=1e-5, rtol=0)
+
+    from models.loader import load_model
+
+    convert_hf_to_orbax(tmp_path / "hf", tmp_path / "orbax")
+    from_hf = load_hf_model(tmp_path / "hf")
+    for stacked in (False, True):
+        restored = load_model(tmp_path / "orbax", stacked=stacked).params
+        want = stack_layers(from_hf.params) if stacked else from_hf.params
+        assert jax.tree.structure(restored) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.needs_torch
