@@ -9,6 +9,10 @@ models/config.py:
                          (q/k RMSNorm), qwen3moe -> Qwen3MoeForCausalLM, olmoe ->
                          OlmoeForCausalLM, llama with {arch}.expert_count -> Mixtral
                          (experts stored stacked: ffn_gate_inp, ffn_{gate,up,down}_exps),
+                         glm4moe -> Glm4MoeForCausalLM (_glm4moe_fields: leading dense
+                         blocks, shared experts ffn_*_shexp, the choice bias exp_probs_b,
+                         partial rotary rope.dimension_count; block_count counts the
+                         nextn_predict_layers MTP blocks after the decoder, left unread),
                          gemma2, gemma3 and phi3 (their names and fields: models/gguf_families.py)
   {arch}.*               layers, sizes, heads, head dim, context length, rope base, norm eps
   rope_freqs.weight      Llama 3.1+ rope scaling, stored as per-frequency divisors; read back
@@ -53,6 +57,7 @@ ARCHITECTURES = {
     **gguf_families.ARCHITECTURES,
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "glm4moe": "Glm4MoeForCausalLM",
 }
 # llama.cpp's "llama" architecture with experts ({arch}.expert_count > 0) is Mixtral.
 EXPERT_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
@@ -104,7 +109,18 @@ _LAYER_NAMES = {
     "block_sparse_moe.experts.{expert}.w3.weight": "ffn_up_exps.weight",
     "block_sparse_moe.experts.{expert}.w2.weight": "ffn_down_exps.weight",
 }
+# Where llama.cpp's names for an architecture differ from the ones above.
+_ARCH_LAYER_NAMES = {
+    "glm4moe": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+        "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+        "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+        "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    },
+}
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
 def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
@@ -113,7 +129,9 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[hf_name]
     m = _LAYER_NAME.fullmatch(hf_name)
-    names = {**_LAYER_NAMES, **gguf_families.LAYER_NAMES.get(arch, {})}
+    names = {
+        **_LAYER_NAMES, **gguf_families.LAYER_NAMES.get(arch, {}), **_ARCH_LAYER_NAMES.get(arch, {})
+    }  # fmt: skip
     if m is None or m.group(2) not in names:
         raise KeyError(f"no GGUF name for tensor {hf_name!r}")
     return f"blk.{m.group(1)}.{names[m.group(2)]}"
@@ -476,11 +494,14 @@ def _config(file: GGUFFile) -> ModelConfig:
         }
         if arch == "olmoe":
             moe.update(qk_norm_full=True, clip_qkv=field("attention.clamp_kqv"))
-    elif arch in ("qwen3moe", "olmoe"):
+        if arch == "glm4moe":
+            moe.update(_glm4moe_fields(field, head_dim, source))
+    elif arch in ("qwen3moe", "olmoe", "glm4moe"):
         raise ValueError(f"{source}: missing metadata field '{arch}.expert_count'")
     else:
         architecture = ARCHITECTURES[arch]
-    num_layers = int(field("block_count", required=True))
+    # GLM-4.5's block_count counts its multi-token-prediction blocks after the decoder.
+    num_layers = int(field("block_count", required=True)) - int(field("nextn_predict_layers", 0))
     context_length = int(field("context_length", required=True))
     family = {"rope_scaling": rope_scaling}
     if arch in gguf_families.ARCHITECTURES:
@@ -520,7 +541,8 @@ def _config(file: GGUFFile) -> ModelConfig:
             max_position_embeddings=context_length,
             tie_word_embeddings=gguf_tensor_name("lm_head.weight") not in file.tensors,
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in file.tensors,
-            qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
+            qk_norm=arch in ("qwen3", "qwen3moe", "gemma3")
+            or (arch == "glm4moe" and "blk.0.attn_q_norm.weight" in file.tensors),
             **moe,
             **family,
             bos_token_id=int(bos) if bos is not None else None,
@@ -528,6 +550,32 @@ def _config(file: GGUFFile) -> ModelConfig:
         )
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def _glm4moe_fields(field: Callable, head_dim: int, source: Path) -> dict[str, Any]:
+    """GLM-4.5's routing, shared experts, dense first blocks and partial rotary, as
+    llama.cpp's converter writes them (Glm4MoeModel; the defaults are transformers')."""
+    gating = int(field("expert_gating_func", _SIGMOID_GATING))
+    if gating != _SIGMOID_GATING:
+        raise ValueError(
+            f"{source}: glm4moe.expert_gating_func {gating} is not supported; supported: "
+            f"{_SIGMOID_GATING} (sigmoid)"
+        )
+    return {
+        "norm_topk_prob": bool(field("expert_weights_norm", True)),
+        "moe_scoring": "sigmoid",
+        "router_bias": True,
+        "num_expert_groups": int(field("expert_group_count", 1)),
+        "topk_groups": int(field("expert_group_used_count", 1)),
+        "routed_scaling_factor": float(field("expert_weights_scale", 1.0)),
+        "num_shared_experts": int(field("expert_shared_count", 1)),
+        "num_dense_layers": int(field("leading_dense_block_count", 1)),
+        "partial_rotary_factor": int(field("rope.dimension_count", head_dim // 2)) / head_dim,
+    }
+
+
+# gguf.ExpertGatingFuncType.SIGMOID: llama.cpp's code for sigmoid router scores.
+_SIGMOID_GATING = 2
 
 
 def llama3_rope_scaling(
@@ -662,7 +710,12 @@ def load_gguf_model(
     specs = gguf_families.stored_norm_specs(config, hf_checkpoint.tensor_specs(config))
     wanted = {gguf_tensor_name(spec.hf_name, file.arch) for spec in specs.values()}
     wanted |= {ROPE_FREQS} | gguf_families.extra_tensors(file.arch)
-    unexpected = sorted(set(file.tensors) - wanted)
+    # Blocks after the decoder's (GLM-4.5's multi-token-prediction blocks) are not run.
+    mtp = range(config.num_layers, int(file.metadata.get(f"{file.arch}.block_count", 0)))
+    unexpected = sorted(
+        name for name in set(file.tensors) - wanted
+        if not ((m := _BLOCK.match(name)) and int(m.group(1)) in mtp)
+    )  # fmt: skip
     if unexpected:
         shown = ", ".join(repr(n) for n in unexpected[:5])
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""

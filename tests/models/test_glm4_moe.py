@@ -238,6 +238,80 @@ def test_logits_equal_transformers(checkpoints, family):
     np.testing.assert_allclose(steps, ref, atol=1e-5, rtol=0)
 
 
+def _write_gguf(hf_dir, out) -> None:
+    """The checkpoint as llama.cpp's converter (Glm4MoeModel) writes it: experts stacked per
+    layer, Q/K not permuted (GGML's NeoX rope is rotate-half), block_count counting an MTP
+    block after the decoder (one of its tensors here), the rotary dims of a head."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    num_layers, head_dim = cfg["num_hidden_layers"], cfg["head_dim"]
+    writer = gguf.GGUFWriter(str(out), "glm4moe")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(num_layers + 1)
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_dimension_count(int(head_dim * cfg["rope_parameters"]["partial_rotary_factor"]))
+    writer.add_expert_count(cfg["n_routed_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    writer.add_expert_shared_count(cfg["n_shared_experts"])
+    writer.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    writer.add_expert_weights_norm(cfg["norm_topk_prob"])
+    writer.add_uint32("glm4moe.expert_group_count", cfg["n_group"])
+    writer.add_uint32("glm4moe.expert_group_used_count", cfg["topk_group"])
+    writer.add_nextn_predict_layers(1)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, num_layers + 1)
+    out_tensors = {}
+    for name, w in load_file(str(hf_dir / "model.safetensors")).items():
+        if ".experts." in name:  # blk.N.ffn_{gate,up,down}_exps [E, out, in]
+            parts = name.split(".")
+            stacked = ".".join(parts[:5] + parts[6:])
+            stack = out_tensors.setdefault(
+                names.get_name(stacked, try_suffixes=(".weight",)),
+                np.zeros((cfg["n_routed_experts"], *w.shape), w.dtype),
+            )
+            stack[int(parts[5])] = w
+            continue
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        out_tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = w
+    out_tensors[f"blk.{num_layers}.nextn.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+    for name, w in out_tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(w, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.needs_torch
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_equals_hf_directory(checkpoints, tmp_path, family):
+    from models.loader import load_model
+
+    path = tmp_path / f"{family}.gguf"
+    _write_gguf(checkpoints[family], path)
+    from_gguf, from_hf = load_model(path), load_hf_model(checkpoints[family])
+    fields = dataclasses.asdict(from_hf.config)
+    fields.update(eos_token_ids=(), bos_token_id=None)  # the tokenizer's, none written here
+    assert from_gguf.config.rms_norm_eps == pytest.approx(fields.pop("rms_norm_eps"))  # float32
+    assert {k: v for k, v in dataclasses.asdict(from_gguf.config).items() if k in fields} == fields
+    flat_gguf = jax.tree_util.tree_leaves_with_path(from_gguf.params)
+    flat_hf = jax.tree_util.tree_leaves_with_path(from_hf.params)
+    assert [p for p, _ in flat_gguf] == [p for p, _ in flat_hf]
+    for (p, a), (_, b) in zip(flat_gguf, flat_hf, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
+
+
 @pytest.mark.needs_torch
 def test_engine_greedy_tokens_equal_transformers(checkpoints):
     """Five prompts sharing a prefix (prefix hits), chunked prefill, 16 greedy tokens each."""
