@@ -16,7 +16,21 @@ Parts do not add up exactly to the step (XLA fuses across them), but what a part
 bounds what removing it can save. With --ops, also jax's profiler over --repeat steps: the
 time of every compiled op (XLA fusion or thunk) summed over threads, grouped by the jax
 operation it came from (its op_name metadata; every layer's alike) and its result shape,
-the --top largest printed. Prints one line per figure and `RESULT_JSON {...}`.
+the --top largest printed, and summed into the step's parts (projections, attention's page
+gather and its softmax, MLP, LM head, sampling, the layer loop's weight copies): the table
+printed last, each part also as its share of the ops' time times the step's CPU time (the
+figure that another process's preemption inflates least on a shared machine).
+
+With --bounds, the machine's copy bandwidth and float32 matmul peak (XLA:CPU, this process)
+and each step's two bounds: bytes read (weights, tied LM head, the rows' K/V) / bandwidth,
+FLOPs / peak. With --matmuls, the step's matmul shapes in XLA:CPU and in torch (oneDNN) at 1
+and all threads, weights cycled through more copies than the last-level cache holds. For
+one core, run the script under `taskset -c 1`. The issue-53 table (docs/benchmarks.md):
+
+    python scripts/profile_step.py --batch 1,8,32 --prefill-tokens 512 --prefill-len 512 \
+        --no-parts --ops --bounds --matmuls --top 0
+
+Prints one line per figure and `RESULT_JSON {...}`.
 """
 
 from __future__ import annotations
@@ -40,14 +54,19 @@ _ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_ROOT))
 
 
-def _median_ms(fn, repeat: int) -> float:
-    """Median wall milliseconds of fn() (which must block), after one untimed call."""
+def _median_ms(fn, repeat: int, cpu: list | None = None) -> float:
+    """Median wall milliseconds of fn() (which must block), after one untimed call; with
+    cpu, the median CPU milliseconds of this process (every thread) appended to it: on a
+    machine shared with other work, the figure preemption does not inflate."""
     fn()
-    times = []
+    times, cpu_times = [], []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
+    if cpu is not None:
+        cpu.append(1e3 * statistics.median(cpu_times))
     return 1e3 * statistics.median(times)
 
 
@@ -140,9 +159,12 @@ class StepBench:
             out, _, self.state = fn(self.params, self.state, self.inputs, self.prev)
             self.jax.block_until_ready(out.tokens)
 
-        ms = _median_ms(call, self.repeat)
+        cpu = []
+        ms = _median_ms(call, self.repeat, cpu)
         self.results[name] = ms
-        print(f"  {name:<44}{ms:9.2f} ms", flush=True)
+        self.results[f"{name} cpu"] = cpu[0]
+        print(f"  {name:<44}{ms:9.2f} ms  (CPU {cpu[0]:.2f} ms: {cpu[0] / ms:.2f} cores busy)",
+              flush=True)
         return ms
 
     def time_part(self, name: str, fn, *args, donate=()) -> float:
@@ -166,7 +188,8 @@ class StepBench:
 def op_profile(bench: StepBench, top: int) -> list[tuple[str, float, int]]:
     """jax's profiler over bench.repeat steps: milliseconds per step of each group of
     compiled ops, a group being the jax operation the op came from (op_name metadata, the
-    same for every layer) and the op's result shape; summed over threads."""
+    same for every layer) and the op's result shape; exclusive of nested ops, summed over
+    runs and threads."""
     import jax
 
     compiled = bench.step_fn.lower(bench.params, bench.state, bench.inputs, bench.prev).compile()
@@ -191,22 +214,175 @@ def op_profile(bench: StepBench, top: int) -> list[tuple[str, float, int]]:
         data = jax.profiler.ProfileData.from_file(
             glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[0]
         )
+        # Summed over the runs: on a shared machine, preemption stretches every op alike on
+        # average, so the shares stay fair (a median run would undercount short ops, most
+        # runs of which no preemption hits, against long ones).
         total = collections.Counter()
         count = collections.Counter()
-        for plane in data.planes:
-            for line in plane.lines:
-                for event in line.events:
-                    if event.name in origin:
-                        total[origin[event.name]] += event.duration_ns
-                        count[origin[event.name]] += 1
+        for name, runs in _exclusive_ns(data, origin).items():
+            total[origin[name]] += sum(runs)
+            count[origin[name]] += len(runs)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     rows = [(k, v / bench.repeat / 1e6, count[k] // bench.repeat) for k, v in total.items()]
     rows.sort(key=lambda r: -r[1])
-    print(f"  ops (summed over threads): {sum(r[1] for r in rows):.2f} ms per step", flush=True)
+    print(f"  ops (exclusive, summed over threads): "
+          f"{sum(r[1] for r in rows):.2f} ms per step",
+          flush=True)
     for name, ms, n in rows[:top]:
         print(f"  {ms:9.2f} ms  x{n:<4d} {name[-110:]}", flush=True)
     return rows
+
+
+# -- the step's parts from jax's profiler, and the two bounds ---------------------------------
+
+# Each compiled op, by its origin ("jax op  result shape", op_profile), goes to one part of
+# the step; the first rule that matches wins. The layer loop's weight slices are the copies
+# XLA:CPU makes of each scanned layer's weights out of the stacked arrays.
+_PART_RULES = (
+    ("LM head", r"^dot_general  f32\[(\d+,)?{vocab}\]"),
+    ("sampling", r"{vocab}|reduce_min|^cond"),
+    ("layer loop: weight copies", r"while/body/.*dynamic_index_in_dim|^copy"),
+    ("layer matmuls (op name lost: batch 1)", r"^dot\.\d+  f32\[1,\d+\]"),
+    ("attention: page gather + mask",
+     r"while/body/.*cond.*/(gather|jit\(_where\)/select_n)  f32\[\d+,\d+,\d+,\d+\]$"),
+    ("attention: scores, softmax, PV", r"while/body/.*(cond|attention|ktld|ktgl)"),
+    ("K/V writes", r"while/body/.*scatter"),
+    ("q/k/v projections", r"while/body/.*td,dhk->thk/dot_general"),
+    ("o projection", r"while/body/.*thk,hkd->td/dot_general"),
+    ("MLP matmuls", r"while/body/.*dot_general"),
+    ("norms, rope, residual, act", r"while/body/"),
+)
+
+
+def _exclusive_ns(data, names) -> dict[str, list[int]]:
+    """Nanoseconds of each run of each traced op in names, less the ops nested inside it on
+    the same thread (a while or cond thunk's event spans its body's ops)."""
+    runs = collections.defaultdict(list)
+    for plane in data.planes:
+        for line in plane.lines:
+            stack: list[list] = []  # [name, end_ns, nested_ns, duration_ns]
+            events = sorted(
+                ((e.start_ns, e.duration_ns, e.name) for e in line.events if e.name in names),
+                key=lambda e: (e[0], -e[1]),
+            )
+            for start, dur, name in events + [(float("inf"), 0, None)]:
+                while stack and stack[-1][1] <= start:
+                    done = stack.pop()
+                    runs[done[0]].append(done[3] - done[2])
+                if name is None:
+                    break
+                if stack:
+                    stack[-1][2] += dur
+                stack.append([name, start + dur, 0, dur])
+    return runs
+
+
+def step_parts(rows: list[tuple[str, float, int]], vocab: int) -> dict[str, float]:
+    """op_profile's rows (exclusive ms per step by origin) summed into _PART_RULES' parts."""
+    parts = collections.Counter()
+    for name, ms, _ in rows:
+        for part, rule in _PART_RULES:
+            if re.search(rule.replace("{vocab}", str(vocab)), name):
+                parts[part] += ms
+                break
+        else:
+            parts["other (outside the layer loop)"] += ms
+    return dict(parts)
+
+
+def step_bytes_flops(cfg, *, tokens: int, rows: int, context: int) -> tuple[int, int]:
+    """float32 bytes a step must read (every layer's weights, the tied LM head's table, the
+    rows' cached K/V) and its FLOPs (2 per multiply-add of the matmuls and of attention)."""
+    layers = cfg.layer_params  # every layer's
+    head = cfg.vocab_size * cfg.hidden_size
+    kv = 2 * rows * context * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    attn = 4 * tokens * context * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return 4 * (layers + head + kv), 2 * tokens * layers + 2 * rows * head + attn
+
+
+def machine_bounds(repeat: int) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second, a jitted a + 1 over 256 MiB) and the
+    float32 matmul peak (2048^3, GFLOP/s) of XLA:CPU in this process: per second of wall
+    time (medians) and per CPU second of this process (per core when every thread is busy:
+    the robust figure on a shared machine)."""
+    import jax
+    import jax.numpy as jnp
+
+    # The buffer donated and fed back: a fresh 256 MiB output each call would time the
+    # kernel's first-touch page faults too.
+    buf = [jnp.ones(64 << 20, jnp.float32)]
+    nbytes = buf[0].nbytes
+    inc = jax.jit(lambda a: a + 1.0, donate_argnums=0)
+
+    def copy():
+        buf[0] = inc(buf[0])
+        buf[0].block_until_ready()
+
+    cpu = []
+    copy_ms = _median_ms(copy, repeat, cpu)
+    n = 2048
+    a = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(lambda a: a @ a)
+    mm_ms = _median_ms(lambda: mm(a).block_until_ready(), repeat, cpu)
+    return {"copy_gb_s": 2 * nbytes / copy_ms / 1e6,
+            "copy_gb_per_cpu_s": 2 * nbytes / cpu[0] / 1e6,
+            "xla_matmul_gflop_s": 2 * n**3 / mm_ms / 1e6,
+            "xla_matmul_gflop_per_cpu_s": 2 * n**3 / cpu[1] / 1e6}
+
+
+def matmul_shapes(cfg, tokens: int) -> dict[str, tuple[int, int, int]]:
+    """The step's matmuls (M, K, N) at `tokens` rows (the LM head at as many)."""
+    d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    return {
+        "q/o proj": (tokens, d, cfg.num_heads * dh),
+        "k/v proj": (tokens, d, cfg.num_kv_heads * dh),
+        "gate/up": (tokens, d, f),
+        "down": (tokens, f, d),
+        "LM head": (tokens, d, cfg.vocab_size),
+    }
+
+
+def time_matmuls(cfg, token_counts, repeat: int, torch_threads) -> dict[str, dict[str, float]]:
+    """Each matmul shape, its weights cycled through enough copies to overflow the last-level
+    cache (as a step reads them from memory): microseconds per matmul in XLA:CPU (this
+    process's threads) and in torch (oneDNN/MKL) at each of torch_threads."""
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    out = {}
+    for tokens in token_counts:
+        for name, (m, k, n) in matmul_shapes(cfg, tokens).items():
+            copies = max(2, min(32, (96 << 20) // (4 * k * n)))
+            rng = np.random.default_rng(0)
+            ws = rng.standard_normal((copies, k, n), dtype=np.float32)
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            wj, xj = jnp.asarray(ws), jnp.asarray(x)
+            # Python-unrolled: each dot reads its own weight buffer, no slice copies.
+            f = jax.jit(lambda x, *ws: sum(jnp.sum(x @ w) for w in ws))
+            wl = [wj[i] for i in range(copies)]
+            cpu = []
+            row = {"flops": 2 * m * k * n}
+            row["xla_us"] = 1e3 * _median_ms(
+                lambda f=f, xj=xj, wl=wl: f(xj, *wl).block_until_ready(), repeat, cpu) / copies
+            row["xla_cpu_us"] = 1e3 * cpu.pop() / copies
+            if torch is not None:
+                wt, xt = [torch.from_numpy(w) for w in ws], torch.from_numpy(x)
+                for threads in torch_threads:
+                    torch.set_num_threads(threads)
+                    with torch.inference_mode():
+                        row[f"torch_{threads}t_us"] = 1e3 * _median_ms(
+                            lambda xt=xt, wt=wt: [xt @ w for w in wt], repeat, cpu) / copies
+                    row[f"torch_{threads}t_cpu_us"] = 1e3 * cpu.pop() / copies
+            out[f"{name} {m}x{k}x{n}"] = row
+            print(f"  {name:<9} {m:>4}x{k}x{n:<6}" + "".join(
+                f"  {c[:-3]} {v:8.1f} us" for c, v in row.items() if c.endswith("_us")), flush=True)
+    print("  (_cpu: CPU time of this process per matmul, every thread)", flush=True)
+    return out
 
 
 def profile(bench: StepBench, *, sampling: bool) -> None:
@@ -331,10 +507,15 @@ def profile(bench: StepBench, *, sampling: bool) -> None:
             )
 
 
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t and int(t)]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct's GGUF")
-    p.add_argument("--batch", type=int, default=32, help="decode rows (0: no decode step)")
+    p.add_argument("--batch", type=_ints, default=[32],
+                   help="decode rows, comma-separated for several steps (0: no decode step)")
     p.add_argument("--context", type=int, default=160, help="tokens per decode row")
     p.add_argument("--prefill-tokens", type=int, default=2048, help="0: no prefill step")
     p.add_argument("--prefill-len", type=int, default=128, help="prompt tokens per sequence")
@@ -342,13 +523,20 @@ def main(argv=None) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--parts", action=argparse.BooleanOptionalAction, default=True,
-                   help="time the parts too (default on)")
-    p.add_argument("--ops", action="store_true", help="jax's profiler: time per compiled op")
+                   help="time the parts too, each jitted alone (default on)")
+    p.add_argument("--ops", action="store_true", help="jax's profiler: time per compiled op, "
+                   "summed into the step's parts (the table)")
     p.add_argument("--top", type=int, default=30, help="op groups printed with --ops")
+    p.add_argument("--bounds", action="store_true",
+                   help="the machine's copy bandwidth and matmul peak, and each step's bounds")
+    p.add_argument("--matmuls", action="store_true",
+                   help="the step's matmul shapes in XLA:CPU and torch, at 1 and all threads")
     p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                    help="the step with its layers under lax.scan (default on; the parts are "
                         "timed layer by layer either way)")
     args = p.parse_args(argv)
+
+    import os
 
     import jax
     import jax.numpy as jnp
@@ -367,34 +555,81 @@ def main(argv=None) -> None:
     cfg, params = loaded.config, loaded.params
     if args.scan_layers:
         params = stack_layers(params)
+    cpus = len(os.sched_getaffinity(0))
     print(f"model {args.model} loaded in {time.perf_counter() - t0:.1f}s; jax {jax.__version__}, "
-          f"{jax.devices()[0].device_kind}", flush=True)
+          f"{jax.devices()[0].device_kind}, {cpus} CPUs, XLA_FLAGS="
+          f"{os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     ps = args.page_size
-    pages_per_seq = -(-args.max_model_len // ps)
-    result = {"model": args.model, "args": vars(args)}
+    result = {"model": args.model, "args": vars(args), "cpus": cpus}
+    if args.bounds:
+        result["machine"] = machine_bounds(max(3, args.repeat // 2))
+        m = result["machine"]
+        print(f"copy bandwidth {m['copy_gb_s']:.1f} GB/s (read + write; "
+              f"{m['copy_gb_per_cpu_s']:.1f} per CPU second), XLA float32 matmul peak "
+              f"{m['xla_matmul_gflop_s']:.0f} GFLOP/s ({m['xla_matmul_gflop_per_cpu_s']:.0f} "
+              "per CPU second)", flush=True)
+    table = []  # (step, part, ms)
 
-    def run(name, key, rows, context, new_per_row, repeat):
-        """One step shape: build, time (parts, ops) and record it under name."""
-        inputs, table = _inputs(cfg, key, rows=rows, context=context, new_per_row=new_per_row,
-                                page_size=ps, pages_per_seq=pages_per_seq)
-        bench = StepBench(params, cfg, key, inputs, table, rows * pages_per_seq + 1, ps, repeat)
+    def run(name, key, rows, context, new_per_row, repeat, max_len):
+        """One step shape: build, time (parts, ops, bounds) and record it under name."""
+        pages_per_seq = -(-max_len // ps)
+        inputs, page_table = _inputs(cfg, key, rows=rows, context=context,
+                                     new_per_row=new_per_row, page_size=ps,
+                                     pages_per_seq=pages_per_seq)
+        bench = StepBench(params, cfg, key, inputs, page_table, rows * pages_per_seq + 1, ps,
+                          repeat)
         if args.parts:
             profile(bench, sampling=key.decode_only)
         else:
             bench.time_step()
         result[name] = bench.results
+        table.append((name, "step (median)", bench.results["step"], bench.results["step cpu"]))
         if args.ops:
-            result[f"{name}_ops"] = op_profile(bench, args.top)
+            rows_ms = op_profile(bench, args.top)
+            result[f"{name}_ops"] = rows_ms
+            parts = step_parts(rows_ms, cfg.vocab_size)
+            result[f"{name}_parts"] = parts
+            # A part's CPU ms: its share of the ops' time times the step's CPU time (the
+            # ops' wall times stretch when another process takes the core; shares less so).
+            scale = bench.results["step cpu"] / max(sum(parts.values()), 1e-9)
+            for part, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+                table.append((name, part, ms, ms * scale))
+        if args.bounds:
+            nbytes, flops = step_bytes_flops(cfg, tokens=rows * new_per_row, rows=rows,
+                                             context=context)
+            m = result["machine"]
+            bounds = {"bytes": nbytes, "flops": flops,
+                      "bandwidth_ms": 1e3 * nbytes / (m["copy_gb_s"] * 1e9),
+                      "matmul_peak_ms": 1e3 * flops / (m["xla_matmul_gflop_s"] * 1e9),
+                      "bandwidth_cpu_ms": 1e3 * nbytes / (m["copy_gb_per_cpu_s"] * 1e9),
+                      "matmul_peak_cpu_ms": 1e3 * flops / (m["xla_matmul_gflop_per_cpu_s"] * 1e9)}
+            result[f"{name}_bounds"] = bounds
+            table.append((name, f"bound: {nbytes / 1e6:.0f} MB / copy bandwidth",
+                          bounds["bandwidth_ms"], bounds["bandwidth_cpu_ms"]))
+            table.append((name, f"bound: {flops / 1e9:.2f} GFLOP / matmul peak",
+                          bounds["matmul_peak_ms"], bounds["matmul_peak_cpu_ms"]))
 
-    if args.batch:
-        print(f"decode step: batch {args.batch}, context {args.context}", flush=True)
-        key = StepKey(args.batch, args.batch, pages_per_seq, True)
-        run("decode", key, args.batch, args.context, 1, args.repeat)
+    for batch in args.batch:
+        print(f"decode step: batch {batch}, context {args.context}", flush=True)
+        key = StepKey(batch, batch, -(-args.max_model_len // ps), True)
+        run(f"decode_b{batch}", key, batch, args.context, 1, args.repeat, args.max_model_len)
     if args.prefill_tokens:
         n = args.prefill_tokens // args.prefill_len
         print(f"prefill step: {n} sequences x {args.prefill_len} tokens", flush=True)
-        key = StepKey(args.prefill_tokens, n, pages_per_seq, False)
-        run("prefill", key, n, args.prefill_len, args.prefill_len, max(2, args.repeat // 4))
+        max_len = max(args.max_model_len, args.prefill_len)
+        key = StepKey(args.prefill_tokens, n, -(-max_len // ps), False)
+        run(f"prefill_{args.prefill_tokens}", key, n, args.prefill_len, args.prefill_len,
+            max(2, args.repeat // 4), max_len)
+    if args.matmuls:
+        print(f"matmuls (weights from memory; XLA on this process's {cpus} CPUs)", flush=True)
+        counts = sorted({b for b in args.batch} | ({args.prefill_tokens} - {0}))
+        result["matmuls"] = time_matmuls(cfg, counts, args.repeat, sorted({1, cpus}))
+    if table:
+        print(f"\n{'step':<14}{'part (ops: exclusive time)':<44}{'wall ms':>9}"
+              f"{'CPU ms':>9}")
+        for step_name, part, ms, cpu_ms in table:
+            cpu_text = f"{cpu_ms:9.2f}" if cpu_ms is not None else ""
+            print(f"{step_name:<14}{part:<44}{ms:9.2f}{cpu_text}")
     print("RESULT_JSON " + json.dumps(result))
 
 
