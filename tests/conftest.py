@@ -146,6 +146,7 @@ SLOW_MODULES_FIRST = (
     "tests/jpaged/core/test_paging_groups.py",
     "tests/server/test_tool_calling.py",
     "tests/server/test_agent_clients.py",
+    "tests/models/test_glm4_moe.py",
     "tests/jpaged/core/test_allocator_properties.py",
     "tests/models/test_gguf_smollm2.py",
     "tests/models/test_moe.py",
