@@ -36,9 +36,10 @@ import jax
 import numpy as np
 
 from jpaged.config import DEFAULT_SWAP_SPACE_BYTES, CacheConfig, EngineConfig
+from jpaged.core.kv_cache_manager import sequence_pages
 from jpaged.core.output_processor import OutputProcessor
 from jpaged.core.page_allocator import PageAllocator
-from jpaged.core.scheduler import Scheduler, sequence_pages
+from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import RequestGroup, SeqStatus, Sequence
 from jpaged.outputs import RequestOutput
 from jpaged.pooling import Pooler, PoolingParams, sentence_transformers_pooling
@@ -185,7 +186,7 @@ def fit_max_model_len(
     that a verifying step writes positions below max_model_len only. group_windows: the
     windows of a model's paging groups when it has several (models/kv_groups.py): it needs
     that many in each full group and at most its window's in each windowed one
-    (scheduler.sequence_pages).
+    (kv_cache_manager.sequence_pages).
 
     Raises ValueError (both figures and the fixes) when max_model_len was given and does not
     fit; when it was not given, lowers it to the largest that fits and logs that once.
@@ -1181,10 +1182,6 @@ class LLMEngine:
 
     def reset_stats(self) -> None:
         self.peak_pages_used = self.allocator.num_used()
-        self.scheduler.prefix_cache_query_tokens = 0
-        self.scheduler.prefix_cache_hit_tokens = 0
-        self.scheduler.num_preemptions = 0
-        self.scheduler.num_swaps_out = 0
-        self.scheduler.num_swaps_in = 0
+        self.scheduler.reset_stats()
         if self._tracker is not None:
             self._tracker.reset_totals()
