@@ -51,7 +51,7 @@ from jpaged.core.sequence import RequestGroup, SeqStatus, Sequence
 from jpaged.sample.sampler import seeds_to_key_data
 from jpaged.worker import step_plan
 from jpaged.worker.step_inputs import Demand
-from jpaged.worker.step_plan import StepPlan
+from jpaged.worker.step_plan import ScheduledRow, StepPlan
 
 # Steps a waiting sequence may be passed over (one behind it admitted while it is not)
 # before nothing behind it is admitted while it waits (see the module docstring).
@@ -59,11 +59,6 @@ MAX_PASSED_STEPS = 16
 # Waiting sequences that do not fit looked at per step before the scan stops (each look
 # walks the sequence's prefix-cache pages; the queue may be long).
 MAX_BLOCKED_PER_STEP = 32
-
-# A scheduled row while a plan is made: (seq, num_new_tokens, start, sample_row, keep_sample,
-# proposals). num_new_tokens is 0 for a fresh fork, which samples from its parent's row
-# (sample_row); proposals: speculative tokens verified after the last one, or None.
-Row = tuple
 
 
 class Scheduler:
@@ -193,6 +188,15 @@ class Scheduler:
         """The unfinished sequence seq_id, or None."""
         return self._seqs.get(seq_id)
 
+    def append_token(self, seq_id: int, token: int) -> None:
+        """Appends a token chosen outside the sampler (beam search) to a sequence."""
+        self._seqs[seq_id].token_ids.append(token)
+
+    def running_sequence(self, seq_id: int) -> Sequence | None:
+        """The running sequence seq_id, or None."""
+        seq = self._seqs.get(seq_id)
+        return seq if seq is not None and seq.status is SeqStatus.RUNNING else None
+
     # -- scheduling ------------------------------------------------------------------------
     def schedule(self, proposals: dict[int, list[int]] | None = None) -> StepPlan:
         """The next step's plan.
@@ -202,7 +206,7 @@ class Scheduler:
         pages allow, else it decodes one token (proposals never cause a preemption).
         """
         budget = self.sched.max_num_batched_tokens
-        rows: list[Row] = []
+        rows: list[ScheduledRow] = []
         preempted = False
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
@@ -233,8 +237,8 @@ class Scheduler:
         if not preempted:  # a step that preempted admits nothing (it would thrash)
             self._admit_waiting(rows, budget)
         for i in range(len(rows)):
-            seq, keep = rows[i][0], rows[i][4]
-            if seq.needs_fork and keep:
+            seq = rows[i].seq
+            if seq.needs_fork and rows[i].keep_sample:
                 rows.extend(self._fork(seq, i))
         edits = self.kv.take_edits(bool(rows))
         return step_plan.build(
@@ -248,12 +252,12 @@ class Scheduler:
             num_groups=self.num_groups,
         )
 
-    def _row(self, seq: Sequence, num_new: int, row: int, proposals=None) -> Row:
+    def _row(self, seq: Sequence, num_new: int, row: int, proposals=None) -> ScheduledRow:
         start = seq.num_computed_tokens
         keep = start + num_new - len(proposals or ()) == seq.num_planned_tokens
-        return (seq, num_new, start, row, keep, proposals)
+        return ScheduledRow(seq, num_new, start, row, keep, proposals)
 
-    def _admit_waiting(self, rows: list[Row], budget: int) -> None:
+    def _admit_waiting(self, rows: list[ScheduledRow], budget: int) -> None:
         """Admits waiting sequences in queue order while they fit, passing over those that
         do not, except one passed over MAX_PASSED_STEPS steps already: nothing behind it is
         admitted (see the module docstring)."""
@@ -319,7 +323,7 @@ class Scheduler:
             pooling=seq.group.pooler is not None,
         )
 
-    def _fork(self, parent: Sequence, parent_row: int) -> list[Row]:
+    def _fork(self, parent: Sequence, parent_row: int) -> list[ScheduledRow]:
         """Forks n - 1 children sharing every page of the parent; they sample from its row."""
         parent.needs_fork = False
         rows = []
@@ -334,7 +338,7 @@ class Scheduler:
             self.kv.fork(parent, child)
             group.seqs.append(child)
             self.running.append(child)
-            rows.append((child, 0, child.num_computed_tokens, parent_row, True, None))
+            rows.append(ScheduledRow(child, 0, child.num_computed_tokens, parent_row, True))
         return rows
 
     def _new_seq(self, group: RequestGroup, index: int, token_ids: list[int], seed: int):

@@ -16,6 +16,7 @@ import enum
 
 from jpaged.pooling import Pooler
 from jpaged.sample.sampling_params import SamplingParams
+from jpaged.worker.step_plan import SamplingConstants
 
 
 class SeqStatus(enum.Enum):
@@ -77,8 +78,8 @@ class Sequence:
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    # (temperature or 0, top_k or 0, top_p, min_p, key high, key low): set at creation.
-    sampling_constants: tuple = ()
+    # Its sampling values that never change: set at creation (step_plan.sampling_constants).
+    sampling_constants: SamplingConstants | None = None
 
     def drop_last_tokens(self, n: int) -> None:
         """Drops the last n generated tokens and their logprobs (tokens a speculative step

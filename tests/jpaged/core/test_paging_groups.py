@@ -99,7 +99,7 @@ def test_the_pool_must_hold_one_sequence_counting_its_window_pages():
     """fit_max_model_len with groups: 128 tokens need 32 + 11 pages; a pool of 43 usable pages
     holds it, one of 42 holds 124 tokens (31 + 11): refused when max_model_len was given,
     lowered to 124 when not. Scheduler.unservable counts the same way."""
-    from jpaged.core.engine import fit_max_model_len
+    from jpaged.core.memory_plan import fit_max_model_len
 
     config = EngineConfig(
         cache=CacheConfig(page_size=PS, num_pages=64),
