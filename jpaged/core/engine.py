@@ -69,8 +69,9 @@ logger = logging.getLogger(__name__)
 
 
 class EngineStepError(RuntimeError):
-    """A step failed; the engine dropped the requests it held (request_ids) and rebuilt its
-    state, so it serves new requests. The original error is __cause__."""
+    """A step failed; the engine dropped that step's requests (request_ids), made its device
+    state anew and kept every other request (computed again from its tokens), so it serves
+    on. The original error is __cause__."""
 
     def __init__(self, request_ids: list[str], error: Exception) -> None:
         super().__init__(
@@ -243,20 +244,31 @@ class LLMEngine:
         self._groups: dict[str, RequestGroup] = {}
         # The step on the device whose results the next step() call collects (async only).
         self._in_flight: InFlightStep | None = None
+        self._step_plans: list[StepPlan] = []  # the plans of the step() call running
         self._early_outputs: list[RequestOutput] = []  # collected outside step()
 
     def _recover(self, error: Exception) -> EngineStepError:
-        """After a failed step: every request in the engine is dropped, the host state is made
-        anew and the device state (pool, page table) re-allocated, the prefix cache with it;
-        compiled programs are kept. Returns the error to raise."""
-        request_ids = list(self._groups)
+        """After a failed step: the requests with a row in the plans this call built or
+        collected fail (all running ones when it failed before any plan was made); every
+        other request stays and is computed again from its tokens (the device state, pool,
+        page table and the prefix cache with it, is made anew; compiled programs are kept).
+        Returns the error to raise, naming the failed requests."""
+        sched = self.scheduler
+        failed = sched.request_ids(self._step_plans) or sched.request_ids_running()
+        request_ids = [rid for rid in self._groups if rid in failed or not failed]
         logger.error(
-            "engine step failed (%s: %s); %d requests failed, engine state rebuilt",
+            "engine step failed (%s: %s); %d requests failed, %d kept",
             type(error).__name__,
             error,
             len(request_ids),
+            len(self._groups) - len(request_ids),
         )
-        self._new_host_state()
+        for rid in request_ids:
+            group = self._groups.pop(rid)
+            sched.abort(group)
+            self._release(group)
+        sched.restart()
+        self._in_flight = None
         self.spec = self.spec.renewed()
         self.runner.reset_state()
         self.num_recoveries += 1
@@ -352,8 +364,9 @@ class LLMEngine:
         first (and, when none is on the device, the step itself).
 
         Raises:
-          EngineStepError: the step failed; every request the engine held is dropped (their
-            ids are on the error) and the engine is ready for new requests.
+          EngineStepError: the step failed; the requests with a row in its plans are dropped
+            (their ids are on the error), the others are kept and computed again, and the
+            engine serves on.
           RuntimeError: another thread is in step() or step_unsampled() (nothing is changed).
         """
         with _sole(self._stepping):
@@ -363,6 +376,7 @@ class LLMEngine:
                 raise self._recover(e) from e
 
     def _step(self) -> list[RequestOutput]:
+        self._step_plans = [] if self._in_flight is None else [self._in_flight.plan]
         current = self._in_flight or self._dispatch(None)
         self._in_flight = None
         if current is None:
@@ -396,6 +410,7 @@ class LLMEngine:
         its pages' peak noted and its swaps done (they precede the step)."""
         running = self.scheduler.running
         plan = self.scheduler.schedule(self.spec.propose(running) if speculate else None)
+        self._step_plans.append(plan)  # its requests fail if this call fails (_recover)
         plan, draft_probs = self.spec.before_dispatch(plan, self.scheduler.sequence)
         self.peak_pages_used = max(self.peak_pages_used, self.allocator.num_used())
         self.runner.swap(plan)  # preempted K/V to host and back, before the step
@@ -483,6 +498,7 @@ class LLMEngine:
         """
         with _sole(self._stepping):
             try:
+                self._step_plans = [] if self._in_flight is None else [self._in_flight.plan]
                 if self._in_flight is not None:  # its outputs go out with the next step()
                     self._early_outputs = self._collect(self._in_flight)
                     self._in_flight = None

@@ -198,6 +198,12 @@ class KVCacheManager:
         self._swap_out, self._swap_in = [], []
         return edits
 
+    def restart(self) -> None:
+        """Drops every pending edit and the prefix cache (the device state was made anew;
+        every sequence's pages were freed)."""
+        self._updates, self._copies, self._swap_out, self._swap_in = [], [], [], []
+        self.allocator.reset_prefix_cache()
+
     # -- admission -------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, budget: int) -> Admission | None:
         """What admitting the waiting seq with at most `budget` new tokens takes, or None when

@@ -188,6 +188,30 @@ class Scheduler:
         """The unfinished sequence seq_id, or None."""
         return self._seqs.get(seq_id)
 
+    def request_ids(self, plans: list[StepPlan]) -> set[str]:
+        """The requests with an unfinished sequence in a row of plans."""
+        seqs = (self._seqs.get(i) for plan in plans for i in plan.seq_ids.tolist())
+        return {seq.group.request_id for seq in seqs if seq is not None}
+
+    def request_ids_running(self) -> set[str]:
+        return {seq.group.request_id for seq in self.running}
+
+    def restart(self) -> None:
+        """After a failed step, whose device state is made anew: every unfinished sequence is
+        computed again from its tokens (running ones queued first in line, in admission
+        order, their pages freed; swapped ones' host copies dropped), no placeholder or page
+        edit is pending, and the prefix cache is empty."""
+        for seq in reversed(self.running):
+            self.kv.free(seq)
+            self._release_rows(seq)
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.running = []
+        for seq in self.waiting:
+            self.kv.drop_swap(seq)
+            seq.num_computed_tokens = seq.num_placeholders = 0
+        self.kv.restart()
+
     def append_token(self, seq_id: int, token: int) -> None:
         """Appends a token chosen outside the sampler (beam search) to a sequence."""
         self._seqs[seq_id].token_ids.append(token)
