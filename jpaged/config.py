@@ -256,14 +256,14 @@ class EngineConfig:
     )
     # vLLM's speculative_config: JSON text or a dict (kept as canonical JSON, so the config
     # stays hashable), e.g. {"method": "ngram", "num_speculative_tokens": 4}.
-    speculative_config: str | dict | None = setting(
+    speculative_config: str | dict | None = setting(  # noqa: RUF009 - setting() wraps dataclasses.field
         None,
         'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (default: off)',
     )
     # vLLM's structured_outputs_config: JSON text or a dict (kept as canonical JSON), e.g.
     # {"disable_any_whitespace": false} for vLLM's whitespace in JSON outputs.
-    structured_outputs_config: str | dict | None = setting(
+    structured_outputs_config: str | dict | None = setting(  # noqa: RUF009 - setting() wraps dataclasses.field
         None,
         'structured outputs, as JSON: {"disable_any_whitespace": true} makes JSON outputs '
         "compact, false lets them put any whitespace between tokens (default: one space after "
@@ -423,7 +423,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.cost_aware, bool):
-            raise ValueError(f"cost_aware must be true or false, got {self.cost_aware!r}")
+            raise ValueError(f"cost_aware must be true or false, got {self.cost_aware!r}")  # noqa: TRY004 - ValueError for every bad field (the API)
         if self.disable_by_batch_size is not None:
             check_int("disable_by_batch_size", self.disable_by_batch_size, minimum=1)
         method = self.method

@@ -41,7 +41,7 @@ class PoolingParams:
                 f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}"
             )
         if not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
+            raise ValueError(f"normalize must be true or false, got {self.normalize!r}")  # noqa: TRY004 - ValueError for every bad field (the API)
         if self.dimensions is not None and (
             isinstance(self.dimensions, bool)
             or not isinstance(self.dimensions, int)

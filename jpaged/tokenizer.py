@@ -8,7 +8,6 @@ from __future__ import annotations
 import tokenizers
 
 
-
 class Tokenizer:
     def __init__(self, tok: tokenizers.Tokenizer, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.backend = tok

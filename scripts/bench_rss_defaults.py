@@ -14,7 +14,7 @@ and where an engine's memory goes.
    after loading the model (weights), after building the engine (the KV pool: its pages and
    bytes are printed beside), after warm_up (the compiled programs and their first runs),
    after one request.
-The KV pool's size comes from the engine's default rule (jpaged/core/engine.py
+The KV pool's size comes from the engine's default rule (jpaged/core/memory_plan.py
 resolve_num_pages), which the engine logs; its line is printed too.
 """
 

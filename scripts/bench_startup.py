@@ -105,7 +105,7 @@ def serve(model: str | None, cache: str, env: dict, timeout: float) -> dict:
     ]
     if model:
         cmd += ["--model", model]
-    log = tempfile.TemporaryFile(mode="w+")
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - the server child writes it until the end
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=_ROOT)
     base = f"http://127.0.0.1:{port}"

@@ -15,8 +15,9 @@ The choice becomes page-table edits, never cache copies: a parent chosen once ke
 pages and appends its token; one chosen c > 1 times is forked c - 1 times (the children
 share its pages; a partly filled last page is copied on its first write); an unchosen beam
 is dropped (its page references are freed). The search talks to the engine only through its
-narrow beam methods (step_unsampled, append_token, fork_sequence, drop_sequence,
-preempt_sequence); it never touches the scheduler. The search stops as transformers' does: all
+step_unsampled and its BeamSequences (`engine.beams`: append_token, fork_sequence,
+drop_sequence, running_sequence_ids, preempt_sequence), the only code that edits beams in the
+scheduler. The search stops as transformers' does: all
 candidates end, or beam_width beams are finished and (early_stopping=True) or no running
 beam can beat the worst of them any more.
 
@@ -32,8 +33,42 @@ from collections.abc import Sequence as SequenceABC
 
 import numpy as np
 
+from jpaged.core.sequence import SeqStatus
 from jpaged.sample.sampler import MAX_LOGPROBS
 from jpaged.sample.sampling_params import BeamSearchParams, SamplingParams
+
+
+class BeamSequences:
+    """The beam search's edits of the scheduler's sequences (an LLMEngine's `beams`)."""
+
+    def __init__(self, scheduler) -> None:
+        self._scheduler = scheduler
+
+    def append_token(self, seq_id: int, token: int) -> None:
+        """Appends a token the caller chose to a sequence (computed by its next step)."""
+        self._scheduler.append_token(seq_id, int(token))
+
+    def fork_sequence(self, seq_id: int) -> int:
+        """A new sequence of the same request with seq_id's tokens, sharing its pages;
+        returns its seq_id."""
+        return self._scheduler.fork(self._scheduler.sequence(seq_id)).seq_id
+
+    def drop_sequence(self, seq_id: int) -> None:
+        """Finishes one sequence of a request (a dropped beam): its pages are freed and its
+        request keeps only its other sequences."""
+        seq = self._scheduler.sequence(seq_id)
+        self._scheduler.finish(seq, "abort")
+        seq.group.seqs.remove(seq)
+
+    def running_sequence_ids(self) -> list[int]:
+        """Running sequences, oldest admission first."""
+        return [s.seq_id for s in self._scheduler.running]
+
+    def preempt_sequence(self, seq_id: int) -> None:
+        """Frees a running sequence's pages; it is recomputed after the waiting ones."""
+        seq = self._scheduler.sequence(seq_id)
+        if seq is not None and seq.status is SeqStatus.RUNNING:
+            self._scheduler.preempt(seq)
 
 
 @dataclasses.dataclass
@@ -148,16 +183,16 @@ class _BeamRequest:
         chosen = {c.beam for c in running}
         for b, beam in enumerate(self.beams):
             if b not in chosen:
-                engine.drop_sequence(beam.seq_id)
+                engine.beams.drop_sequence(beam.seq_id)
         seq_ids: list[int] = []
         taken: set[int] = set()
         for c in running:
             parent = self.beams[c.beam].seq_id
-            seq_ids.append(engine.fork_sequence(parent) if c.beam in taken else parent)
+            seq_ids.append(engine.beams.fork_sequence(parent) if c.beam in taken else parent)
             taken.add(c.beam)
         beams = []
         for seq_id, c in zip(seq_ids, running, strict=True):
-            engine.append_token(seq_id, c.token)
+            engine.beams.append_token(seq_id, c.token)
             beams.append(_Beam(seq_id, [*self.beams[c.beam].token_ids, c.token], c.score))
         self.beams = beams
 
@@ -191,21 +226,14 @@ def beam_search(
             f"beam search runs on one LLMEngine (data_parallel_size 1), got {type(engine).__name__}"
         )
     if not isinstance(params, BeamSearchParams):
-        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")  # noqa: TRY004 - ValueError for every bad field (the API)
     if engine.has_unfinished_requests():
         raise RuntimeError("beam search needs an idle engine: finish or abort its requests first")
     width = params.beam_width
     eos = () if params.ignore_eos else engine.eos_token_ids
     per_beam = max(2, 1 + len(eos))
-    if per_beam * width > MAX_LOGPROBS:
-        raise ValueError(
-            f"beam_width must be <= {MAX_LOGPROBS // per_beam} (each beam's top "
-            f"{per_beam} x beam_width tokens come from the sampler's top {MAX_LOGPROBS}), "
-            f"got {width}"
-        )
     max_num_seqs = engine.config.scheduler.max_num_seqs
-    if width > max_num_seqs:
-        raise ValueError(f"beam_width must be <= max_num_seqs ({max_num_seqs}), got {width}")
+    _check_width(width, per_beam, max_num_seqs)
     requests = []
     for i, (rid, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
         try:
@@ -253,12 +281,24 @@ def beam_search(
     return [done[r.request_id] for r in requests]
 
 
+def _check_width(width: int, per_beam: int, max_num_seqs: int) -> None:
+    """Raises ValueError for a beam_width the sampler's top tokens or the slots cannot hold."""
+    if per_beam * width > MAX_LOGPROBS:
+        raise ValueError(
+            f"beam_width must be <= {MAX_LOGPROBS // per_beam} (each beam's top "
+            f"{per_beam} x beam_width tokens come from the sampler's top {MAX_LOGPROBS}), "
+            f"got {width}"
+        )
+    if width > max_num_seqs:
+        raise ValueError(f"beam_width must be <= max_num_seqs ({max_num_seqs}), got {width}")
+
+
 def _make_room(engine, active) -> None:
     """Nothing could run: beams that must still be computed wait for pages that beams
     already computed (waiting for their siblings) hold. Preempts the newest of those."""
     reported = {seq_id for req in active for seq_id in req.reports}
-    for seq_id in reversed(engine.running_sequence_ids()):
+    for seq_id in reversed(engine.beams.running_sequence_ids()):
         if seq_id in reported:
-            engine.preempt_sequence(seq_id)
+            engine.beams.preempt_sequence(seq_id)
             return
     raise RuntimeError("beam search cannot proceed: the page pool is too small for one beam")

@@ -24,8 +24,10 @@ from tokenizers.decoders import DecodeStream
 
 from jpaged.core.sequence import RequestGroup, Sequence
 from jpaged.outputs import CompletionOutput, RequestOutput
+from jpaged.sample.sampler import SamplerOutput
 from jpaged.sample.sampling_params import RequestOutputKind
 from jpaged.tokenizer import Tokenizer
+from jpaged.worker.step_plan import StepPlan
 
 # Prompt tokens kept as detokenizer context (word-boundary spaces need a few).
 _PREFIX_CONTEXT = 5
@@ -199,3 +201,36 @@ class OutputProcessor:
         for seq in group.seqs:
             self._texts.pop(seq.seq_id, None)
         self._prompt_logprobs_sent.discard(group.request_id)
+
+
+# -- a step's prompt-side results, added to their requests before its tokens are committed --
+def record_prompt_logprobs(plan: StepPlan, out: SamplerOutput, seq_of) -> None:
+    """Appends each prompt position's log-probabilities to its request (positions already
+    recorded, recomputed after a preemption, are skipped). seq_of: seq_id -> its
+    unfinished Sequence or None."""
+    targets = plan.prompt_targets
+    for i, seq_id in enumerate(plan.seq_ids.tolist()):
+        seq = seq_of(seq_id)
+        if seq is None or seq.group.prompt_logprobs is None:
+            continue
+        recorded, n = seq.group.prompt_logprobs, seq.params.prompt_logprobs
+        first, last = int(plan.query_start[i]), int(plan.query_start[i + 1])
+        position = int(plan.starts[i]) + 1  # the prompt position the first token predicts
+        for t in range(first, last):
+            if targets[t] >= 0 and position == len(recorded):
+                top = zip(
+                    out.prompt_top_ids[t, :n].tolist(), out.prompt_top_logprobs[t, :n].tolist()
+                )
+                recorded.append({int(targets[t]): float(out.prompt_logprobs[t]), **dict(top)})
+            position += 1
+
+
+def record_pooled(plan: StepPlan, out: SamplerOutput, seq_of) -> None:
+    """Adds each embedding row's chunk of its prompt to its request's Pooler."""
+    for i, seq_id in enumerate(plan.seq_ids.tolist()):
+        seq = seq_of(seq_id)
+        if seq is not None and seq.group.pooler is not None:
+            start = int(plan.starts[i])
+            n = min(int(plan.num_new_tokens[i]), seq.num_prompt_tokens - start)
+            if n > 0:
+                seq.group.pooler.add(start, n, out.pooled[i])

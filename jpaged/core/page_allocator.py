@@ -7,7 +7,7 @@ Invariants:
   allocator hands it out again, least recently freed first (the free list is the LRU order);
 - every operation costs O(1) per page;
 - a page freed with forget=True, or forgotten while free (a sliding window's page that no
-  prefix hit will ask for: jpaged/core/scheduler.py), leaves the prefix cache and is handed
+  prefix hit will ask for: jpaged/core/kv_cache_manager.py), leaves the prefix cache and is handed
   out before every other free page;
 - a prefix hit is exact whatever the hash function: a cached page records its tokens, the
   cache salt and its parent, a physical page with that page's generation (bumped whenever

@@ -1,8 +1,8 @@
 """Host-side scheduler: continuous batching over a paged KV cache.
 
-The scheduler owns the waiting and running queues, the rows of the device page table and the
-host page tables (each running Sequence's `pages`: nothing else writes them); the
-PageAllocator owns pages. Each `schedule()` returns one frozen StepPlan of plain arrays
+The scheduler owns the waiting and running queues and the rows of the device page table
+(Sequence.table_row); the KVCacheManager owns every sequence's pages and the page-table edits,
+above the PageAllocator's free list. Each `schedule()` returns one frozen StepPlan of plain arrays
 (jpaged/worker/step_plan.py); `commit()` takes the sampled tokens back.
 
 Async scheduling: `dispatched(plan)` marks a plan's tokens computed as soon as the step is on
@@ -17,58 +17,11 @@ One rule drives everything (vLLM v1): each step gives every running sequence as 
 uncomputed tokens as the token budget allows. A decode is one token; a prompt is many
 (chunked when it exceeds the budget); a prefix-cache hit starts with num_computed_tokens > 0.
 
-Memory: pages are taken for exactly the tokens computed in the step ("paged"), or for the
-whole prompt + max_tokens at admission ("reserve", a contiguous-allocation server's policy,
-kept for comparison). When pages run out, the most recently admitted running sequences are
-preempted: their pages are freed and they are recomputed later (the prefix cache usually
-serving most of it), or, with preemption_mode="swap", their computed K/V is first copied to
-host swap pages (a second PageAllocator, without prefix caching) and copied back into fresh
-private pages on resumption, num_computed_tokens kept; a full swap space falls back to
-recompute. The plan names the copies; the runner moves the data, swap-outs before swap-ins
-before the step, so a page freed and reused within one plan is read before it is written.
-A write into a page shared with another sequence copies it first (copy-on-write).
-
-Sliding windows (`sliding_window` W, given when every layer of the model sees only the last
-W keys): a step whose first query is at position `start` reads no key before
-start - W + 1, and later steps read even less, so each plan frees a running sequence's pages
-wholly before that key and points their page-table entries at the null page, which the
-kernels never read (they skip key blocks outside the window). A sequence then holds at most
-ceil(W / page_size) + 1 pages while decoding. Its `pages` keep their positions: a freed page's
-entry is NULL_PAGE (always a leading run). A freed page leaves the prefix cache (forget=True:
-a hit needs every page from the first, see below); a page is registered only while it and
-its parent are held. Swap preemption copies only the
-held pages, and a swapped sequence comes back into fresh pages for its window only:
-
-    position     0 ..  ps*k - 1 | ps*k .. start - W | start - W + 1 .. start + n - 1
-    pages        NULL_PAGE       | page k (held)     | held pages
-                 (k = max(start - W + 1, 0) // ps: the pages wholly before the first key read)
-
-Paging groups (`group_windows`, a model mixing attention kinds: models/kv_groups.py): each
-group of layers has its own page table per sequence (Sequence.tables; group g's rows of the
-device table are g * (max_num_seqs + 1) + row) and its own window or none, and the rules
-above apply to each table: a full group keeps every page, a windowed group frees the pages
-before its window. All groups' pages come from the one allocator: a step, an admission or a
-swap needs the sum over the groups, and a prefix hit of L pages takes L positions in every
-group, each group's cached under hashes and a salt of its own (_group_key). With a full
-first group (every mixed model: models/kv_groups.py puts full attention first) the other
-groups' pages are anchored to it: group g's page i is cached with the full group's page i
-as its parent, whose own chain vouches for every token before it (the allocator's
-exactness holds), so a hit needs in group g only the pages that a query at L * page_size
-still sees, positions dead_g(L) .. L - 1, NULL_PAGE before them (vLLM's right-to-left rule:
-_anchored_hits), and a window page that slid out stays cached while it can serve one
-(_slide says which). Without a full group (every group windowed) hits are chained: every
-page from the first in each group, each after its group's previous one, so they end where a
-group's pages were freed, and freed pages leave the cache.
-
-Why one windowed group (Mistral with sliding_window, CacheConfig.free_window_pages) keeps
-the chained rule: the right-to-left rule takes page dead(L) without the pages before it,
-so nothing held vouches for its prefix but its hash. A cryptographic chain (hashlib.blake2b
-of the parent digest, tokens and salt) would make that exact up to a digest collision, but
-the allocator's promise (a collision, even a crafted one, costs a miss) would become one
-about blake2b, and its collision tests could not hold for such models; blake2b (16-byte
-digest) costs 1.0 us per page of 16 tokens against 0.18 us for hash() (2.4 and 0.35 us at
-64; Python 3.11 on the 2-core machine). Such a model's prompt is hit again only while its
-first page is cached: still held, or freed before it slid.
+Memory: which pages hold a sequence's tokens (prefix hits, growth, sliding windows, paging
+groups, copy-on-write, swap, caching full pages) is the KVCacheManager's
+(jpaged/core/kv_cache_manager.py); the scheduler asks it for a sequence's pages by token
+counts and never reads or writes a page id. When pages run out, the most recently admitted
+running sequences are preempted (recomputed later, or swapped out by the manager).
 
 Liveness: the oldest running sequence is never preempted (victims are the newest) and, since
 the pool holds one sequence of max_model_len tokens (`sequence_pages` with groups; the engine
@@ -89,16 +42,16 @@ behind it too), each of which ends within max_model_len + 1 steps once it is the
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Callable
 
 from jpaged.config import EngineConfig
-from jpaged.core.page_allocator import NULL_PAGE, PageAllocator, page_hash
+from jpaged.core.kv_cache_manager import KVCacheManager
+from jpaged.core.page_allocator import PageAllocator
 from jpaged.core.sequence import RequestGroup, SeqStatus, Sequence
 from jpaged.sample.sampler import seeds_to_key_data
 from jpaged.worker import step_plan
 from jpaged.worker.step_inputs import Demand
-from jpaged.worker.step_plan import StepPlan
+from jpaged.worker.step_plan import ScheduledRow, StepPlan
 
 # Steps a waiting sequence may be passed over (one behind it admitted while it is not)
 # before nothing behind it is admitted while it waits (see the module docstring).
@@ -106,34 +59,6 @@ MAX_PASSED_STEPS = 16
 # Waiting sequences that do not fit looked at per step before the scan stops (each look
 # walks the sequence's prefix-cache pages; the queue may be long).
 MAX_BLOCKED_PER_STEP = 32
-
-# A scheduled row while a plan is made: (seq, num_new_tokens, start, sample_row, keep_sample,
-# proposals). num_new_tokens is 0 for a fresh fork, which samples from its parent's row
-# (sample_row); proposals: speculative tokens verified after the last one, or None.
-Row = tuple
-
-
-def _group_key(h: int, salt, group: int) -> tuple[int, object]:
-    """The prefix-cache hash and salt of a page of paging group `group` whose first
-    group's hash is h: the first group's own, the others' their own (a page id holds one
-    group's layers, and a lookup must find only its group's pages)."""
-    if group == 0:
-        return h, salt
-    return hash((h, group)), (salt, group)
-
-
-def sequence_pages(config: EngineConfig, windows: tuple[int | None, ...], num_tokens: int) -> int:
-    """The most pages a sequence of num_tokens tokens holds at once, summed over the paging
-    groups: every page in a full group (and in every group with kv_allocation "reserve"), in a
-    group of window W at most the pages of its first query's window and one step's tokens,
-    ceil((W - 1 + max_num_batched_tokens) / page_size) + 1 (W - 1 + n positions straddle at
-    most that many pages)."""
-    ps = config.cache.page_size
-    every = -(-num_tokens // ps)
-    reserve = config.cache.kv_allocation == "reserve"
-    step = config.scheduler.max_num_batched_tokens
-    capped = [min(every, -(-(w - 1 + step) // ps) + 1) for w in windows if w is not None]
-    return every * (len(windows) - len(capped)) + (every * len(capped) if reserve else sum(capped))
 
 
 class Scheduler:
@@ -165,9 +90,6 @@ class Scheduler:
         self.num_groups = len(windows)
         # The window every layer has (one group), else None.
         self.sliding_window = windows[0] if len(windows) == 1 else None
-        # A full first group beside others (models/kv_groups.py puts full attention first):
-        # the other groups' cached pages are anchored to its pages (module docstring).
-        self._anchored = len(windows) > 1 and windows[0] is None
         self.config = config
         self.sched = config.scheduler
         self.page_size = config.cache.page_size
@@ -175,31 +97,44 @@ class Scheduler:
         if self.sched.preemption_mode == "swap" and swap_allocator is None:
             raise ValueError('preemption_mode="swap" needs a swap_allocator (host swap pages)')
         self.swap_allocator = swap_allocator if self.sched.preemption_mode == "swap" else None
-        self._paged = config.cache.kv_allocation == "paged"
+        self.kv = KVCacheManager(config, allocator, windows, swap_allocator=self.swap_allocator)
         self.eos_token_ids = frozenset(eos_token_ids)
         self._eos_list = list(eos_token_ids)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence, by seq_id
         # Page-table rows; row max_num_seqs is a scratch row that padding writes go to. The
-        # device table holds a block of max_num_seqs + 1 rows per group (_device_row).
+        # device table holds a block of max_num_seqs + 1 rows per group (KVCacheManager).
         self._free_rows = list(range(self.sched.max_num_seqs - 1, -1, -1))  # pop() -> 0 first
-        self._group_stride = self.sched.max_num_seqs + 1
         self._reserved_rows: dict[int, list[int]] = {}  # parent seq_id -> rows for its forks
-        self._updates: list[tuple[int, int, int]] = []
-        self._copies: list[tuple[int, int]] = []
-        self._swap_out: list[tuple[int, int]] = []
-        self._swap_in: list[tuple[int, int]] = []
         self._next_seq_id = 0
         self._passed: dict[int, int] = {}  # seq_id -> steps it was passed over while waiting
         self.num_preemptions = 0
-        self.num_swaps_out = 0  # preemptions that swapped (the others recompute)
-        self.num_swaps_in = 0
-        self.prefix_cache_query_tokens = 0
-        self.prefix_cache_hit_tokens = 0
         # Set by the engine: whether the running sequences and one more can step together
         # (a compiled program holds them at Linux's mapping cap); None admits all.
         self.admission_check: Callable[[list[Demand]], bool] | None = None
+
+    @property
+    def num_swaps_out(self) -> int:
+        return self.kv.num_swaps_out
+
+    @property
+    def num_swaps_in(self) -> int:
+        return self.kv.num_swaps_in
+
+    @property
+    def prefix_cache_query_tokens(self) -> int:
+        return self.kv.prefix_cache_query_tokens
+
+    @property
+    def prefix_cache_hit_tokens(self) -> int:
+        return self.kv.prefix_cache_hit_tokens
+
+    def reset_stats(self) -> None:
+        self.num_preemptions = 0
+        kv = self.kv
+        kv.num_swaps_out = kv.num_swaps_in = 0
+        kv.prefix_cache_query_tokens = kv.prefix_cache_hit_tokens = 0
 
     # -- requests --------------------------------------------------------------------------
     def add(self, group: RequestGroup, seed: int) -> None:
@@ -220,7 +155,7 @@ class Scheduler:
             self._release(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
-            self._drop_swap(seq)
+            self.kv.drop_swap(seq)
         seq.status = SeqStatus.FINISHED
         self._seqs.pop(seq.seq_id, None)
         self._passed.pop(seq.seq_id, None)
@@ -244,17 +179,7 @@ class Scheduler:
                 f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens "
                 f"({s.max_num_batched_tokens}) and chunked prefill is off"
             )
-        # One group counts every page, as before groups: a windowed group of several is
-        # counted at its cap (sequence_pages), which the engine's pool check counts too.
-        windows = self.windows if self.num_groups > 1 else (None,)
-        need = sequence_pages(self.config, windows, num_prompt_tokens + 1)
-        if need > self.allocator.num_usable_pages:
-            return (
-                f"prompt of {num_prompt_tokens} tokens needs {need} KV pages of "
-                f"{self.page_size} tokens with its first generated token; the pool has "
-                f"{self.allocator.num_usable_pages}"
-            )
-        return None
+        return self.kv.unservable(num_prompt_tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -262,6 +187,39 @@ class Scheduler:
     def sequence(self, seq_id: int) -> Sequence | None:
         """The unfinished sequence seq_id, or None."""
         return self._seqs.get(seq_id)
+
+    def request_ids(self, plans: list[StepPlan]) -> set[str]:
+        """The requests with an unfinished sequence in a row of plans."""
+        seqs = (self._seqs.get(i) for plan in plans for i in plan.seq_ids.tolist())
+        return {seq.group.request_id for seq in seqs if seq is not None}
+
+    def request_ids_running(self) -> set[str]:
+        return {seq.group.request_id for seq in self.running}
+
+    def restart(self) -> None:
+        """After a failed step, whose device state is made anew: every unfinished sequence is
+        computed again from its tokens (running ones queued first in line, in admission
+        order, their pages freed; swapped ones' host copies dropped), no placeholder or page
+        edit is pending, and the prefix cache is empty."""
+        for seq in reversed(self.running):
+            self.kv.free(seq)
+            self._release_rows(seq)
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.running = []
+        for seq in self.waiting:
+            self.kv.drop_swap(seq)
+            seq.num_computed_tokens = seq.num_placeholders = 0
+        self.kv.restart()
+
+    def append_token(self, seq_id: int, token: int) -> None:
+        """Appends a token chosen outside the sampler (beam search) to a sequence."""
+        self._seqs[seq_id].token_ids.append(token)
+
+    def running_sequence(self, seq_id: int) -> Sequence | None:
+        """The running sequence seq_id, or None."""
+        seq = self._seqs.get(seq_id)
+        return seq if seq is not None and seq.status is SeqStatus.RUNNING else None
 
     # -- scheduling ------------------------------------------------------------------------
     def schedule(self, proposals: dict[int, list[int]] | None = None) -> StepPlan:
@@ -272,7 +230,7 @@ class Scheduler:
         pages allow, else it decodes one token (proposals never cause a preemption).
         """
         budget = self.sched.max_num_batched_tokens
-        rows: list[Row] = []
+        rows: list[ScheduledRow] = []
         preempted = False
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
@@ -280,18 +238,18 @@ class Scheduler:
             num_new = min(seq.num_planned_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
-            self._slide(seq)
+            self.kv.slide(seq)
             # A parent about to fork samples for its children too: it never speculates.
             extra = None
             if proposals and num_new == 1 and not seq.needs_fork:
                 extra = proposals.get(seq.seq_id)
             if extra:
                 extra = extra[: budget - 1]
-                if extra and self._grow(seq, 1 + len(extra)):
+                if extra and self.kv.allocate_slots(seq, 1 + len(extra)):
                     rows.append(self._row(seq, 1 + len(extra), len(rows), extra))
                     budget -= 1 + len(extra)
                     continue
-            while not self._grow(seq, num_new):
+            while not self.kv.allocate_slots(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -303,42 +261,34 @@ class Scheduler:
         if not preempted:  # a step that preempted admits nothing (it would thrash)
             self._admit_waiting(rows, budget)
         for i in range(len(rows)):
-            seq, keep = rows[i][0], rows[i][4]
-            if seq.needs_fork and keep:
+            seq = rows[i].seq
+            if seq.needs_fork and rows[i].keep_sample:
                 rows.extend(self._fork(seq, i))
-        # A plan without rows is not dispatched: its page-table edits wait for the next plan.
-        # One plan's edits are one scatter on the device, where the order of two writes of
-        # one entry is not defined: only the last edit of each entry is kept (a beam forked
-        # into a row since the last plan and copying its shared last page in this one).
-        edits = rows and list({(r, c): (r, c, p) for r, c, p in self._updates}.values())
-        plan = step_plan.build(
+        edits = self.kv.take_edits(bool(rows))
+        return step_plan.build(
             rows,
             page_size=self.page_size,
             eos_token_ids=self._eos_list,
-            page_updates=edits or [],
-            page_copies=self._copies if rows else [],
-            swap_out=self._swap_out,
-            swap_in=self._swap_in,
+            page_updates=edits.updates,
+            page_copies=edits.copies,
+            swap_out=edits.swap_out,
+            swap_in=edits.swap_in,
             num_groups=self.num_groups,
         )
-        if rows:
-            self._updates, self._copies = [], []
-        self._swap_out, self._swap_in = [], []
-        return plan
 
-    def _row(self, seq: Sequence, num_new: int, row: int, proposals=None) -> Row:
+    def _row(self, seq: Sequence, num_new: int, row: int, proposals=None) -> ScheduledRow:
         start = seq.num_computed_tokens
         keep = start + num_new - len(proposals or ()) == seq.num_planned_tokens
-        return (seq, num_new, start, row, keep, proposals)
+        return ScheduledRow(seq, num_new, start, row, keep, proposals)
 
-    def _admit_waiting(self, rows: list[Row], budget: int) -> None:
+    def _admit_waiting(self, rows: list[ScheduledRow], budget: int) -> None:
         """Admits waiting sequences in queue order while they fit, passing over those that
         do not, except one passed over MAX_PASSED_STEPS steps already: nothing behind it is
         admitted (see the module docstring)."""
         blocked: list[Sequence] = []  # passed over so far this step, in queue order
         num_passed = 0  # of them, those with an admission behind them
         for seq in list(self.waiting):
-            if budget <= 0 or not self._free_rows or not self.allocator.num_free():
+            if budget <= 0 or not self._free_rows or not self.kv.num_free_pages():
                 break  # nothing more can be admitted this step
             num_new = self._admit(seq, budget)
             if num_new:
@@ -366,68 +316,19 @@ class Scheduler:
             demands = [self._demand(q) for q in self.running] + [self._demand(seq)]
             if not self.admission_check(demands):
                 return 0  # it waits for a batch a compiled program holds
-        swapped = bool(seq.swap_pages)
-        groups = range(self.num_groups)
-        if swapped:  # its computed K/V comes back from host into fresh pages
-            hits, computed = [[] for _ in groups], seq.num_computed_tokens
-        elif (
-            seq.params.prompt_logprobs is not None or seq.group.pooler is not None
-        ) and seq.num_output_tokens == 0:
-            hits, computed = [[] for _ in groups], 0  # prompt logprobs, embeddings: every token
-        else:
-            hits = self._prefix_hits(seq)
-            computed = len(hits[0]) * self.page_size
-        num_new = min(seq.num_tokens - computed, budget)
-        if num_new < seq.num_tokens - computed and not self.sched.enable_chunked_prefill:
-            return 0
-        if self.config.cache.kv_allocation == "reserve":
-            total = seq.num_prompt_tokens + (seq.params.max_tokens or self.sched.max_model_len)
-            upto = min(max(total, seq.num_tokens), self.sched.max_model_len)
-        else:
-            upto = computed + num_new
-        # Per group: hit pages wholly before the window of the first query are not taken
-        # (NULL_PAGE); a swapped sequence's pages before its window were not swapped out
-        # (_preempt). The pages every group needs come from the one free list.
-        dead = [self._num_dead_pages(computed, g) for g in groups]
-        for g in groups:
-            hits[g] = [NULL_PAGE] * min(dead[g], len(hits[g])) + hits[g][dead[g] :]
-        revived = sum(
-            1 for g in groups for p in hits[g][dead[g] :] if self.allocator.ref_counts[p] == 0
-        )
-        needs = [math.ceil(upto / self.page_size) - max(len(hits[g]), dead[g]) for g in groups]
-        if sum(needs) > self.allocator.num_free() - revived:
+        admission = self.kv.can_allocate(seq, budget)
+        if admission is None:
             return 0
         self.waiting.remove(seq)
-        for g in groups:
-            for p in hits[g][dead[g] :]:
-                self.allocator.take_cached(p)
         seq.table_row = self._free_rows.pop()
         if seq.needs_fork:
             self._reserved_rows[seq.seq_id] = [
                 self._free_rows.pop() for _ in range(seq.group.params.n - 1)
             ]
         seq.status = SeqStatus.RUNNING
-        seq.num_computed_tokens = computed
         self.running.append(seq)
-        seq.tables = [[] for _ in groups]
-        swap_pages = list(seq.swap_pages)
-        for g in groups:
-            self._append_pages(seq, hits[g] + [NULL_PAGE] * (dead[g] - len(hits[g])), g)
-            pages = self.allocator.allocate(needs[g])
-            self._append_pages(seq, pages, g)
-            if swapped:  # group g's swapped pages: those of positions dead[g] .. computed
-                num_swapped = math.ceil(computed / self.page_size) - dead[g]
-                self._swap_in.extend(zip(swap_pages[:num_swapped], pages))
-                del swap_pages[:num_swapped]
-        if swapped:
-            self._drop_swap(seq)
-            self.num_swaps_in += 1
-            return num_new
-        if seq.num_output_tokens == 0 and seq.index == 0:
-            seq.group.num_cached_tokens = computed
-        self.prefix_cache_query_tokens += seq.num_tokens
-        self.prefix_cache_hit_tokens += computed
-        return num_new
+        self.kv.allocate(seq, admission)
+        return admission.num_new_tokens
 
     def _demand(self, seq: Sequence) -> Demand:
         """The most seq can ask of one step from now on (its rest of the prompt at once, the
@@ -446,119 +347,7 @@ class Scheduler:
             pooling=seq.group.pooler is not None,
         )
 
-    def _prefix_hits(self, seq: Sequence) -> list[list[int]]:
-        """Per group, the pages of the longest prefix hit of L full pages (at least one token
-        is left to compute, so the step has a hidden state to sample from), L positions in
-        every group: a hit serves every layer or none. The first group's are its leading
-        cached pages, each found after the one before; the other groups' come from
-        _anchored_hits or _chained_hits (module docstring), NULL_PAGE where not needed."""
-        ps, salt = self.page_size, seq.group.cache_salt
-        first: list[int] = []
-        seq.page_hashes = []
-        parent = None
-        for i in range((seq.num_tokens - 1) // ps):
-            tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
-            h = page_hash(parent, tokens, salt)
-            page = self.allocator.lookup(h, tokens, parent=first[-1] if first else None, salt=salt)
-            if page is None:
-                break
-            first.append(page)
-            seq.page_hashes.append(h)
-            parent = h
-        if self._anchored:
-            hits = self._anchored_hits(seq, first)
-        else:
-            hits = self._chained_hits(seq, first)
-        del seq.page_hashes[len(hits[0]) :]
-        return hits
-
-    def _group_lookup(self, seq: Sequence, group: int, i: int, parent: int | None) -> int | None:
-        """Group `group`'s cached page of seq's page i, cached after exactly `parent` (under
-        the group's own hash and salt: _group_key)."""
-        h, group_salt = _group_key(seq.page_hashes[i], seq.group.cache_salt, group)
-        tokens = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
-        return self.allocator.lookup(h, tokens, parent=parent, salt=group_salt)
-
-    def _chained_hits(self, seq: Sequence, first: list[int]) -> list[list[int]]:
-        """Every group needs every page from the first, each after its group's previous one:
-        the hit ends where any group's pages were freed."""
-        found = [first]
-        for g in range(1, self.num_groups):
-            group_hits: list[int] = []
-            for i in range(len(first)):
-                page = self._group_lookup(seq, g, i, group_hits[-1] if group_hits else None)
-                if page is None:
-                    break
-                group_hits.append(page)
-            found.append(group_hits)
-        num_hits = min(len(x) for x in found)
-        return [x[:num_hits] for x in found]
-
-    def _anchored_hits(self, seq: Sequence, first: list[int]) -> list[list[int]]:
-        """The largest L <= len(first) such that every group g > 0 has the pages of positions
-        dead_g(L) .. L - 1 cached, each anchored to the first group's hit at its position
-        (the pages a query at L * page_size can still see; NULL_PAGE before them). Searched
-        from the right (vLLM's hybrid rule): a miss at position i in any group rules out
-        every L > i (i is inside each such L's window, dead_g being monotone), so L drops to
-        i and the groups are checked again; each position is looked up once per group.
-
-            positions   0 .. dead_g(L) - 1 | dead_g(L) .. L - 1 | L ..
-            group 0     hits               | hits               | computed
-            group g     NULL_PAGE          | hits (anchored)    | computed
-        """
-        ps = self.page_size
-        num_hits = len(first)
-        found: list[dict[int, int | None]] = [{} for _ in range(self.num_groups)]
-        settled = False
-        while not settled:
-            settled = True
-            for g in range(1, self.num_groups):
-                i = num_hits - 1
-                while i >= self._num_dead_pages(num_hits * ps, g):
-                    if i not in found[g]:
-                        found[g][i] = self._group_lookup(seq, g, i, first[i])
-                    if found[g][i] is None:
-                        num_hits, settled = i, False  # every group's window moves with L
-                    i -= 1
-        hits = [first[:num_hits]]
-        for g in range(1, self.num_groups):
-            dead = self._num_dead_pages(num_hits * ps, g)
-            hits.append([NULL_PAGE] * dead + [found[g][i] for i in range(dead, num_hits)])
-        return hits
-
-    def _grow(self, seq: Sequence, num_new: int) -> bool:
-        """Makes seq's pages cover the step's writes in every group; False (nothing changed)
-        if pages lack."""
-        first = seq.num_computed_tokens // self.page_size
-        last = (seq.num_computed_tokens + num_new - 1) // self.page_size
-        shared = [
-            [i for i in range(first, min(last + 1, len(t))) if self.allocator.ref_counts[t[i]] > 1]
-            for t in seq.tables
-        ]
-        needs = [max(0, last + 1 - len(t)) for t in seq.tables]
-        if not self.allocator.can_allocate(sum(needs) + sum(map(len, shared))):
-            return False
-        for g, table in enumerate(seq.tables):
-            for i in shared[g]:
-                (new,) = self.allocator.allocate(1)
-                self._copies.append((table[i], new))
-                self.allocator.free([table[i]])
-                table[i] = new
-                self._updates.append((self._device_row(seq, g), i, new))
-            self._append_pages(seq, self.allocator.allocate(needs[g]), g)
-        return True
-
-    def _device_row(self, seq: Sequence, group: int) -> int:
-        """seq's row of the device table in a group's block of rows."""
-        return group * self._group_stride + seq.table_row
-
-    def _append_pages(self, seq: Sequence, pages: list[int], group: int = 0) -> None:
-        table, row = seq.tables[group], self._device_row(seq, group)
-        for p in pages:
-            self._updates.append((row, len(table), p))
-            table.append(p)
-
-    def _fork(self, parent: Sequence, parent_row: int) -> list[Row]:
+    def _fork(self, parent: Sequence, parent_row: int) -> list[ScheduledRow]:
         """Forks n - 1 children sharing every page of the parent; they sample from its row."""
         parent.needs_fork = False
         rows = []
@@ -570,75 +359,11 @@ class Scheduler:
             child.table_row = table_row
             child.status = SeqStatus.RUNNING
             child.num_computed_tokens = parent.num_tokens  # computed by the parent's step
-            child.page_hashes = list(parent.page_hashes)
-            self._share_pages(parent, child)
+            self.kv.fork(parent, child)
             group.seqs.append(child)
             self.running.append(child)
-            rows.append((child, 0, child.num_computed_tokens, parent_row, True, None))
+            rows.append(ScheduledRow(child, 0, child.num_computed_tokens, parent_row, True))
         return rows
-
-    def _share_pages(self, parent: Sequence, child: Sequence) -> None:
-        """The child's page-table rows: every page of the parent in every group, shared
-        (freed ones stay NULL_PAGE)."""
-        child.tables = [[] for _ in parent.tables]
-        for g, table in enumerate(parent.tables):
-            for p in table:
-                if p != NULL_PAGE:
-                    self.allocator.share(p)
-            self._append_pages(child, list(table), g)
-
-    def _num_dead_pages(self, start: int, group: int = 0) -> int:
-        """Leading pages of a group that no query at position >= start reads: those wholly
-        before the key start - W + 1 (0 for a group without a sliding window)."""
-        window = self.windows[group]
-        if window is None:
-            return 0
-        return max(start - window + 1, 0) // self.page_size
-
-    def _slide(self, seq: Sequence) -> None:
-        """Frees seq's held pages wholly before the window of its next query (position
-        num_computed_tokens) in each windowed group and points their page-table entries at
-        the null page. The step in flight, if any, may still read them: it runs on the
-        device before any step that writes them for their next owner.
-
-        Which freed pages stay in the prefix cache (free, handed out in LRU order): where
-        hits are chained (_chained_hits) none (a hit needs every page from the first), nor
-        with a window of 1 (a hit needs no page of it). Where they are anchored, any page of
-        position j can serve a hit ending within the window after it, and which will be
-        asked for is a guess: vLLM keeps all, but then every window group's pages cycle
-        through the whole free list (a decode frees one per group every page_size tokens),
-        and the pages it takes from the front evict the other cached pages (1 + the window
-        groups times as fast: 6x for Gemma 3). Kept here: the prompt's pages (the same
-        prompt again, or one sharing a part of it), and the last generated page freed, until
-        the next slide (the page a hit on the whole sequence can need before the window
-        held at its end: a recompute after preemption, or the next turn of a chat; the
-        pages held at the end are freed cached by _release). The other generated pages
-        serve only a prompt that has this output up to them and then differs: forgotten,
-        and reused first as before."""
-        ps = self.page_size
-        for g, table in enumerate(seq.tables):
-            dead = min(self._num_dead_pages(seq.num_computed_tokens, g), len(table))
-            i = dead
-            while i > 0 and table[i - 1] != NULL_PAGE:
-                i -= 1
-            if i == dead:
-                continue
-            if not self._anchored or self.windows[g] < 2:
-                self.allocator.free(table[i:dead], forget=True)
-            else:
-                prompt_end = min(max(seq.num_prompt_tokens // ps, i), dead)
-                self.allocator.free(table[i:prompt_end])
-                if prompt_end < dead:
-                    self.allocator.free(table[prompt_end : dead - 1], forget=True)
-                    last = table[dead - 1]
-                    self.allocator.free([last])
-                    if g in seq.slid_pages:
-                        self.allocator.forget(*seq.slid_pages[g])
-                    seq.slid_pages[g] = (last, int(self.allocator.generation[last]))
-            row = self._device_row(seq, g)
-            for j in range(i, dead):
-                table[j] = NULL_PAGE
-                self._updates.append((row, j, NULL_PAGE))
 
     def _new_seq(self, group: RequestGroup, index: int, token_ids: list[int], seed: int):
         seq = Sequence(
@@ -657,33 +382,12 @@ class Scheduler:
         return seq
 
     def _preempt(self, seq: Sequence, *, allow_swap: bool = True, last: bool = False) -> None:
-        """Queues a running sequence first in line (last: at the back). Swaps its computed pages out when swap is
-        configured, the host has room and it has a token left to compute (a resumed sequence
-        must have one, to sample from); otherwise it is recomputed from scratch."""
+        """Queues a running sequence first in line (last: at the back), its pages freed: swapped
+        out first where KVCacheManager.preempt can, else it is recomputed from scratch."""
         self.running.remove(seq)
-        self._slide(seq)
-        num_pages = math.ceil(seq.num_computed_tokens / self.page_size)
-        dead = [
-            min(self._num_dead_pages(seq.num_computed_tokens, g), num_pages)
-            for g in range(self.num_groups)
-        ]
-        num_swapped = num_pages * self.num_groups - sum(dead)
-        swap = (
-            allow_swap
-            and self.swap_allocator is not None
-            and 0 < seq.num_computed_tokens < seq.num_planned_tokens
-            and self.swap_allocator.can_allocate(num_swapped)
-        )
-        if swap:
-            # Every held page is copied, shared ones too: it comes back into private pages.
-            # swap_pages: each group's held pages in turn (_admit splits them the same way).
-            seq.swap_pages = self.swap_allocator.allocate(num_swapped)
-            held = [p for g, t in enumerate(seq.tables) for p in t[dead[g] : num_pages]]
-            self._swap_out.extend(zip(held, seq.swap_pages))
-            self.num_swaps_out += 1
-        else:
+        if not self.kv.preempt(seq, allow_swap=allow_swap):
             seq.num_computed_tokens = 0
-        self._release(seq)
+        self._release_rows(seq)
         seq.status = SeqStatus.WAITING
         if last:
             self.waiting.append(seq)
@@ -691,24 +395,12 @@ class Scheduler:
             self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _drop_swap(self, seq: Sequence) -> None:
-        if seq.swap_pages:
-            self.swap_allocator.free(seq.swap_pages)
-            seq.swap_pages = []
-
     def _release(self, seq: Sequence) -> None:
-        """Frees a sequence's pages (tail first) and its page-table row(s). The device row keeps
-        stale entries until the row's next owner overwrites them; nothing reads past a
-        sequence's context length."""
-        # Tail first across the groups, so a prefix outlives its suffix in every group.
-        longest = max(len(t) for t in seq.tables)
-        self.allocator.free([
-            t[i] for i in range(longest - 1, -1, -1) for t in seq.tables
-            if i < len(t) and t[i] != NULL_PAGE
-        ])  # fmt: skip
-        seq.tables = [[] for _ in range(self.num_groups)]
-        seq.page_hashes = []
-        seq.slid_pages = {}  # the last ones stay cached: a hit on the whole sequence needs them
+        """Frees a sequence's pages and its page-table row(s)."""
+        self.kv.free(seq)
+        self._release_rows(seq)
+
+    def _release_rows(self, seq: Sequence) -> None:
         self._free_rows.append(seq.table_row)
         self._free_rows.extend(self._reserved_rows.pop(seq.seq_id, []))
         seq.table_row = -1
@@ -750,7 +442,7 @@ class Scheduler:
                 continue
             if seq.status is SeqStatus.RUNNING:
                 seq.num_computed_tokens = max(seq.num_computed_tokens, ends[i])
-                self._cache_full_pages(seq, ends[i])  # only pages of real tokens
+                self.kv.cache_full_pages(seq, ends[i])  # only pages of real tokens
             if not keep[i]:
                 continue
             if seq.num_placeholders:
@@ -782,7 +474,6 @@ class Scheduler:
         ends = plan.context_lens.tolist()
         keep = plan.keep_sample.tolist()
         proposed = plan.num_proposed.tolist() if plan.num_proposed is not None else [0] * len(plan)
-        ps = self.page_size
         for i, seq_id in enumerate(plan.seq_ids.tolist()):
             seq = self._seqs.get(seq_id)
             if seq is None:
@@ -809,13 +500,7 @@ class Scheduler:
                 continue
             verified = ends[i] - proposed[i] + a  # the K/V of these positions is valid
             seq.num_computed_tokens = verified
-            needed = -(-verified // ps)
-            if proposed[i] and self._paged:
-                for table in seq.tables:  # the rejected proposals' pages, in every group
-                    if len(table) > needed:
-                        self.allocator.free(table[needed:][::-1])
-                        del table[needed:]
-            self._cache_full_pages(seq, verified)
+            self.kv.commit_verified(seq, verified, proposed[i])
         return result
 
     def mark_computed(self, plan: StepPlan) -> list[Sequence]:
@@ -829,7 +514,7 @@ class Scheduler:
             seq = self._seqs.get(seq_id)
             if seq is not None and seq.status is SeqStatus.RUNNING:
                 seq.num_computed_tokens = end
-                self._cache_full_pages(seq, end)
+                self.kv.cache_full_pages(seq, end)
             sampled.append(
                 seq if keep and seq is not None and seq.status is SeqStatus.RUNNING else None
             )
@@ -845,7 +530,7 @@ class Scheduler:
         """A new sequence of parent's group with parent's tokens (beam search's fork).
 
         A running parent's child takes a free page-table row and shares every page of the
-        parent (a write into a shared partly filled page copies it first, in _grow); with no
+        parent (a write into a shared partly filled page copies it first, in KVCacheManager.allocate_slots); with no
         free row, or a parent that is not running, the child waits and is recomputed (prefix
         hits).
         """
@@ -858,33 +543,9 @@ class Scheduler:
         child.table_row = self._free_rows.pop()
         child.status = SeqStatus.RUNNING
         child.num_computed_tokens = parent.num_computed_tokens
-        child.page_hashes = list(parent.page_hashes)
-        self._share_pages(parent, child)
+        self.kv.fork(parent, child)
         self.running.append(child)
         return child
-
-    def _cache_full_pages(self, seq: Sequence, num_tokens: int) -> None:
-        """Registers the full pages among seq's first num_tokens (computed) tokens."""
-        if not self.allocator.enable_prefix_caching:
-            return
-        ps, salt = self.page_size, seq.group.cache_salt
-        parent = seq.page_hashes[-1] if seq.page_hashes else None
-        for i in range(len(seq.page_hashes), num_tokens // ps):
-            tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
-            h = page_hash(parent, tokens, salt)
-            for g, table in enumerate(seq.tables):
-                if g and self._anchored:  # the full group's page vouches for the prefix
-                    prev = seq.tables[0][i]
-                else:
-                    prev = table[i - 1] if i else None
-                if table[i] == NULL_PAGE or prev == NULL_PAGE:  # freed: see _slide
-                    continue
-                group_hash, group_salt = _group_key(h, salt, g)
-                self.allocator.cache_page(
-                    table[i], group_hash, tokens, parent=prev, salt=group_salt
-                )
-            seq.page_hashes.append(h)
-            parent = h
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params

@@ -16,6 +16,7 @@ import enum
 
 from jpaged.pooling import Pooler
 from jpaged.sample.sampling_params import SamplingParams
+from jpaged.worker.step_plan import SamplingConstants
 
 
 class SeqStatus(enum.Enum):
@@ -60,12 +61,12 @@ class Sequence:
     # scheduler plans as if they were there.
     num_placeholders: int = 0
     # The sequence's rows of the page table while running, one per paging group
-    # (models/kv_groups.py): the host copy of those rows, owned by the scheduler (the device
+    # (models/kv_groups.py): the host copy of those rows, owned by the KVCacheManager (the device
     # table is edited by each plan's updates). `pages` is the first group's.
     tables: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
     page_hashes: list[int] = dataclasses.field(default_factory=list)  # of the full pages
     # Window group -> (page, generation) of the generated page its last slide left in the
-    # prefix cache, forgotten at its next slide (scheduler: Scheduler._slide).
+    # prefix cache, forgotten at its next slide (KVCacheManager.slide).
     slid_pages: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     table_row: int = -1  # row of the device page table while running, else -1
     # Host swap pages holding the K/V of the computed tokens while swapped out (waiting with
@@ -77,8 +78,8 @@ class Sequence:
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    # (temperature or 0, top_k or 0, top_p, min_p, key high, key low): set at creation.
-    sampling_constants: tuple = ()
+    # Its sampling values that never change: set at creation (step_plan.sampling_constants).
+    sampling_constants: SamplingConstants | None = None
 
     def drop_last_tokens(self, n: int) -> None:
         """Drops the last n generated tokens and their logprobs (tokens a speculative step

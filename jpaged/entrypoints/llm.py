@@ -68,7 +68,7 @@ class LLM:
         for i, sp in enumerate(params):
             if not isinstance(sp, SamplingParams):
                 where = f" (item {i})" if len(params) > 1 else ""
-                raise ValueError(
+                raise ValueError(  # noqa: TRY004 - ValueError for every bad field (the API)
                     f"sampling_params must be a SamplingParams or a list of them, got "
                     f"{type(sp).__name__}{where}: {sp!r:.80}"
                 )
@@ -162,7 +162,7 @@ class LLM:
         engine = self.llm_engine
         pooling = engine.default_pooling if pooling_params is None else pooling_params
         if not isinstance(pooling, PoolingParams):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - ValueError for every bad field (the API)
                 f"pooling_params must be a PoolingParams, got {type(pooling).__name__}"
             )
         for i, p in enumerate(prompts):

@@ -26,7 +26,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jpaged.sample.sampler import Penalties, SamplingInputs, _filter, _inverse_cdf, apply_penalties
+from jpaged.sample.sampler import (
+    Penalties,
+    SamplingInputs,
+    _filter,
+    _inverse_cdf,
+    apply_penalties,
+    greedy_rows,
+)
 
 # Streams folded into a sequence's key before the token index; above any token count, so never
 # equal to one (the sampler's stream is the key folded with the count alone).
@@ -96,7 +103,7 @@ def _scaled_logits(masked: jax.Array, inputs: SamplingInputs) -> jax.Array:
     """float32[S, T, V] -> temperature, top-k, top-p and min-p applied as the sampler does
     (filtered-out tokens -inf; greedy rows are left at temperature 1)."""
     num_seqs, num_pos, vocab = masked.shape
-    greedy = inputs.temperature <= 0.0
+    greedy = greedy_rows(inputs.temperature)
     scaled = masked / jnp.where(greedy, 1.0, inputs.temperature)[:, None, None]
     needs_filter = jnp.any((inputs.top_k > 0) | (inputs.top_p < 1.0) | (inputs.min_p > 0.0))
 
@@ -126,7 +133,7 @@ def processed_probs(
     masked = _masked_logits(logits3, inputs, None, num_banned_positions)
     probs = jax.nn.softmax(_scaled_logits(masked, inputs), axis=-1)
     onehot = jax.nn.one_hot(jnp.argmax(masked, axis=-1), logits3.shape[-1], dtype=probs.dtype)
-    probs = jnp.where((inputs.temperature <= 0.0)[:, None, None], onehot, probs)
+    probs = jnp.where(greedy_rows(inputs.temperature)[:, None, None], onehot, probs)
     return probs[:, 0] if squeeze else probs
 
 
@@ -201,7 +208,7 @@ def verify(
     x = jnp.clip(proposal_ids, 0, vocab - 1).astype(jnp.int32)  # [S, K]
     live = jnp.arange(k)[None, :] < num_proposed[:, None]  # [S, K]
     masked = _masked_logits(target_logits, inputs, x, num_banned_positions)  # [S, K+1, V]
-    greedy = inputs.temperature <= 0.0
+    greedy = greedy_rows(inputs.temperature)
     argmax = jnp.argmax(masked, axis=-1).astype(jnp.int32)  # [S, K+1]
     accepted_greedy = _num_leading(live & (x == argmax[:, :k]))
 

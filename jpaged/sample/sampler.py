@@ -173,6 +173,12 @@ def _log_softmax_at(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return ((picked - jax.lax.stop_gradient(x_max)) - lse)[:, 0]
 
 
+def greedy_rows(temperature: jax.Array) -> jax.Array:
+    """bool[S]: the greedy rows, which the host gave temperature 0.0 (SamplingParams.greedy,
+    sampling_params.is_greedy: the one rule)."""
+    return temperature <= 0.0
+
+
 def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> SamplerOutput:
     """logits float32[S, V] -> one token per row (and log-probabilities).
 
@@ -197,7 +203,7 @@ def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> S
     if inputs.penalties is not None:
         logits = apply_penalties(logits, inputs.penalties)
 
-    greedy = inputs.temperature <= 0.0
+    greedy = greedy_rows(inputs.temperature)
 
     def draw(logits):
         scaled = logits / jnp.where(greedy, 1.0, inputs.temperature)[:, None]

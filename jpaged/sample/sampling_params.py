@@ -15,6 +15,16 @@ from collections.abc import Sequence
 from jpaged.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    """The one rule for "greedy": a temperature below _GREEDY_EPS. The host writes 0.0 as the
+    temperature of every greedy row (step_plan.sampling_constants), so the device reads greedy
+    rows as temperature <= 0 (sampler.greedy_rows) and speculation keeps a seeded row's
+    proposals only when it is not greedy (spec_decode.controller.keeps_proposals)."""
+    return temperature < _GREEDY_EPS
+
+
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
@@ -30,13 +40,13 @@ def _check_int(name: str, value, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ValueError(f"{name} must be an integer, got {value!r}")  # noqa: TRY004 - ValueError for every bad field (the API)
 
 
 def _check_float(name: str, value) -> None:
     """A real, finite number (a NaN would pass every range check: NaN < 0 is False)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ValueError(f"{name} must be a number, got {value!r}")  # noqa: TRY004 - ValueError for every bad field (the API)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if abs(value) > _FLOAT32_MAX:  # the device computes in float32
@@ -48,7 +58,7 @@ def _checked_logit_bias(bias) -> dict[int, float] | None:
     if bias is None:
         return None
     if not isinstance(bias, dict):
-        raise ValueError(f"logit_bias must be a dict of token id to bias, got {bias!r:.60}")
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got {bias!r:.60}")  # noqa: TRY004 - ValueError for every bad field (the API)
     out = {}
     for key, value in bias.items():
         try:
@@ -149,7 +159,7 @@ class SamplingParams:
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if not isinstance(self.stop_token_ids, Sequence) or isinstance(self.stop_token_ids, str):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - ValueError for every bad field (the API)
                 f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
             )
         for t in self.stop_token_ids:
@@ -161,7 +171,7 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")  # noqa: TRY004 - ValueError for every bad field (the API)
         _check_int("prompt_logprobs", self.prompt_logprobs, allow_none=True)
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
@@ -175,11 +185,11 @@ class SamplingParams:
                     f"{type(self.structured_outputs).__name__}"
                 )
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")  # noqa: TRY004 - ValueError for every bad field (the API)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return is_greedy(self.temperature)
 
     @property
     def uses_penalties(self) -> bool:
@@ -225,7 +235,7 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         _check_float("length_penalty", self.length_penalty)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")  # noqa: TRY004 - ValueError for every bad field (the API)
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError(
                 f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"

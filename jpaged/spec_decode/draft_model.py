@@ -34,7 +34,7 @@ from jpaged.config import EngineConfig
 from jpaged.worker.programs import PRELUDE_COPIES, PRELUDE_UPDATES
 from jpaged.worker.runner import ModelRunner
 from jpaged.worker.step_inputs import bucket, pad_rows
-from jpaged.worker.step_plan import StepPlan, build
+from jpaged.worker.step_plan import ScheduledRow, StepPlan, build
 from models import quantization
 from models.loader import LoadedModel
 
@@ -118,7 +118,7 @@ class DraftModel:
                 batch.append((i, seq, start, n))
                 budget -= n
             draft_rows = [
-                (seq, n, start, r, start + n == seq.num_tokens, None)
+                ScheduledRow(seq, n, start, r, start + n == seq.num_tokens)
                 for r, (_, seq, start, n) in enumerate(batch)
             ]
             tokens, step_probs = self._step(draft_rows, offset=0)
@@ -137,7 +137,8 @@ class DraftModel:
             if not live:
                 break
             draft_rows = [
-                (seq, 1, seq.num_tokens - 1 + j, r, True, None) for r, (_, seq) in enumerate(live)
+                ScheduledRow(seq, 1, seq.num_tokens - 1 + j, r, True)
+                for r, (_, seq) in enumerate(live)
             ]
             feed = [proposals[i][j - 1] for i, _ in live]
             tokens, step_probs = self._step(draft_rows, offset=j, feed=feed)
@@ -194,3 +195,15 @@ class DraftModel:
             valid = min(int(plan.starts[i]) + 1 + min(a, k - 1), seq.num_computed_tokens)
             pages = tuple(seq.pages[: -(-valid // self.page_size)])
             self._computed[seq.seq_id] = (valid, pages)
+
+
+def load_draft(config: EngineConfig, dtype):
+    """The draft model of a draft_model speculative config (same vocabulary), or None."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return None
+    from models.demo import resolve_builtin
+    from models.loader import load_model
+
+    draft = load_model(resolve_builtin(spec.model), dtype=dtype)
+    return draft

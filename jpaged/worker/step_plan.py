@@ -110,20 +110,46 @@ def pow2_width(n: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, (max(n, 1) - 1).bit_length()))
 
 
-def sampling_constants(params: SamplingParams, key_data: np.ndarray) -> tuple:
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingConstants:
+    """A sequence's sampling values that never change (computed once, at its creation)."""
+
+    temperature: float  # 0.0: greedy (SamplingParams.greedy)
+    top_k: int  # 0: no limit
+    top_p: float
+    min_p: float
+    key_high: int  # the sequence's threefry key, uint32 words
+    key_low: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScheduledRow:
+    """One row of a plan while the scheduler makes it. num_new_tokens is 0 for a fresh fork,
+    which samples from its parent's row (sample_row); proposals: speculative tokens verified
+    after the last one (num_new_tokens counts them), or None."""
+
+    seq: object  # the Sequence; read by build, and only there
+    num_new_tokens: int
+    start: int  # its first new token's position
+    sample_row: int  # the row whose sample is its next token (its own, or its parent's)
+    keep_sample: bool  # the sample is its next token (False: a chunk of a longer prompt)
+    proposals: list[int] | None = None
+
+
+def sampling_constants(params: SamplingParams, key_data: np.ndarray) -> SamplingConstants:
     """The per-row sampling values that never change for a sequence (computed once)."""
-    return (
-        0.0 if params.greedy else params.temperature,
-        max(params.top_k, 0),
-        params.top_p,
-        params.min_p,
-        int(key_data[0]),
-        int(key_data[1]),
+    return SamplingConstants(
+        temperature=0.0 if params.greedy else params.temperature,
+        top_k=max(params.top_k, 0),
+        top_p=params.top_p,
+        min_p=params.min_p,
+        key_high=int(key_data[0]),
+        key_low=int(key_data[1]),
     )
 
 
 def build(
-    rows: list[tuple],
+    rows: list[ScheduledRow],
     *,
     page_size: int,
     eos_token_ids: SequenceABC[int],
@@ -136,10 +162,8 @@ def build(
     """The plan of the scheduled rows.
 
     Args:
-      rows: (seq, num_new_tokens, start, sample_row, keep_sample, proposals) per scheduled
-        sequence, in row order; seq is read here and only here (Sequence.tables, token_ids,
-        params); proposals: speculative tokens after the last one (num_new_tokens counts
-        them), or None.
+      rows: one ScheduledRow per scheduled sequence, in row order; its seq is read here and
+        only here (Sequence.tables, token_ids, params).
       page_size: tokens per page.
       num_groups: paging groups: each sequence's len(tables).
       eos_token_ids: banned with the stop tokens while a row has fewer than min_tokens.
@@ -149,7 +173,7 @@ def build(
     slot: list[list[int]] = [[] for _ in range(num_groups)]
     table_rows: list[int] = []
     query_end: list[int] = []
-    consts: list[tuple] = []
+    consts: list[SamplingConstants] = []
     num_generated: list[int] = []
     num_banned: list[int] = []
     num_pages = 0
@@ -160,7 +184,8 @@ def build(
     prompt_spans: list[tuple[int, int, int, int]] = []  # (row, first token, start, n)
     spec_rows: list[tuple[int, list[int]]] = []  # (row, its proposals)
     wants_logprobs = pools = False
-    for i, (seq, n, start, _, _, proposals) in enumerate(rows):
+    for i, row in enumerate(rows):
+        seq, n, start, proposals = row.seq, row.num_new_tokens, row.start, row.proposals
         if proposals:  # the last token, then the proposals after it (speculative decoding)
             spec_rows.append((i, proposals))
             tok.append(seq.token_ids[start])
@@ -208,24 +233,24 @@ def build(
     uses_penalties[penalty_rows] = True
     bias_ids = bias_values = is_constrained = None
     if bias_rows:
-        width = pow2_width(max(len(rows[i][0].params.logit_bias) for i in bias_rows))
+        width = pow2_width(max(len(rows[i].seq.params.logit_bias) for i in bias_rows))
         bias_ids = np.full((s, width), -1, np.int32)
         bias_values = np.zeros((s, width), np.float32)
         for i in bias_rows:
-            bias = rows[i][0].params.logit_bias
+            bias = rows[i].seq.params.logit_bias
             bias_ids[i, : len(bias)] = list(bias)
             bias_values[i, : len(bias)] = list(bias.values())
     if constrained:
         is_constrained = np.zeros(s, bool)
         is_constrained[constrained] = True
-    c = list(zip(*consts, strict=True)) if consts else [()] * 6
     key_data = np.empty((s, 2), np.uint32)
-    key_data[:, 0], key_data[:, 1] = c[4], c[5]
+    key_data[:, 0] = [c.key_high for c in consts]
+    key_data[:, 1] = [c.key_low for c in consts]
     sampling = RowSampling(
-        temperature=np.asarray(c[0], np.float32),
-        top_k=np.asarray(c[1], np.int32),
-        top_p=np.asarray(c[2], np.float32),
-        min_p=np.asarray(c[3], np.float32),
+        temperature=np.asarray([c.temperature for c in consts], np.float32),
+        top_k=np.asarray([c.top_k for c in consts], np.int32),
+        top_p=np.asarray([c.top_p for c in consts], np.float32),
+        min_p=np.asarray([c.min_p for c in consts], np.float32),
         key_data=key_data,
         num_generated=np.asarray(num_generated, np.int32),
         num_banned_positions=np.asarray(num_banned, np.int32),
@@ -241,7 +266,7 @@ def build(
     if prompt_spans:
         prompt_targets = np.full(len(tok), -1, np.int32)
         for i, first, start, n in prompt_spans:
-            seq = rows[i][0]
+            seq = rows[i].seq
             end = min(start + n, seq.num_prompt_tokens - 1)  # the last prompt token predicts
             prompt_targets[first : first + end - start] = seq.token_ids[start + 1 : end + 1]
     proposals = num_proposed = None
@@ -252,17 +277,17 @@ def build(
         for i, x in spec_rows:
             proposals[i, : len(x)] = x
             num_proposed[i] = len(x)
-    num_new = np.fromiter((r[1] for r in rows), np.int32, count=s)
-    sample_rows = np.fromiter((r[3] for r in rows), np.int32, count=s)
+    num_new = np.fromiter((r.num_new_tokens for r in rows), np.int32, count=s)
+    sample_rows = np.fromiter((r.sample_row for r in rows), np.int32, count=s)
     query_start = np.zeros(s + 1, np.int32)
     query_start[1:] = query_end
     return StepPlan(
-        seq_ids=np.fromiter((r[0].seq_id for r in rows), np.int64, count=s),
+        seq_ids=np.fromiter((r.seq.seq_id for r in rows), np.int64, count=s),
         table_rows=np.asarray(table_rows, np.int32),
-        starts=np.fromiter((r[2] for r in rows), np.int32, count=s),
+        starts=np.fromiter((r.start for r in rows), np.int32, count=s),
         num_new_tokens=num_new,
         sample_rows=sample_rows,
-        keep_sample=np.fromiter((r[4] for r in rows), bool, count=s),
+        keep_sample=np.fromiter((r.keep_sample for r in rows), bool, count=s),
         query_start=query_start,
         token_ids=np.asarray(tok, np.int32),
         positions=np.asarray(pos, np.int32),
@@ -290,9 +315,9 @@ def empty_plan() -> StepPlan:
                  swap_out=[], swap_in=[])  # fmt: skip
 
 
-def _penalties(rows: list[tuple], penalty_rows: list[int]) -> Penalties:
+def _penalties(rows: list[ScheduledRow], penalty_rows: list[int]) -> Penalties:
     s = len(rows)
-    seqs = [rows[i][0] for i in penalty_rows]
+    seqs = [rows[i].seq for i in penalty_rows]
     hp = pow2_width(max(q.num_prompt_tokens for q in seqs))
     ho = pow2_width(max(q.num_output_tokens for q in seqs))
     prompt = np.full((s, hp), -1, np.int32)

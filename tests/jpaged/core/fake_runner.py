@@ -438,5 +438,5 @@ def fake_engine(config: EngineConfig, *, max_position_embeddings: int = 64) -> L
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_module, "ModelRunner", FakeRunner)
         mp.setattr(draft_module, "ModelRunner", FakeRunner)
-        mp.setattr(LLMEngine, "_load_draft", staticmethod(lambda config, dtype: draft))
+        mp.setattr(engine_module, "load_draft", lambda config, dtype: draft)
         return LLMEngine(config, loaded=loaded)

@@ -67,7 +67,7 @@ def test_a_pool_of_exactly_one_max_length_sequence_is_accepted():
 
 
 def test_max_model_len_not_given_is_fitted_to_the_pool_and_logged_once(demo_model_dir, caplog):
-    with caplog.at_level(logging.WARNING, logger="jpaged.core.engine"):
+    with caplog.at_level(logging.WARNING, logger="jpaged.core.memory_plan"):
         llm = LLM(str(demo_model_dir), num_pages=20, page_size=16, max_num_seqs=2)
     engine = llm.llm_engine
     assert engine.max_model_len == 304 == engine.config.scheduler.max_model_len

@@ -48,9 +48,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
-from jpaged.core import scheduler as scheduler_module
+from jpaged.core import kv_cache_manager as scheduler_module
+from jpaged.core.kv_cache_manager import sequence_pages
 from jpaged.core.page_allocator import NULL_PAGE, PageAllocator
-from jpaged.core.scheduler import Scheduler, sequence_pages
+from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import RequestGroup, SeqStatus
 from jpaged.sample.sampler import SamplerOutput
 from jpaged.sample.sampling_params import SamplingParams

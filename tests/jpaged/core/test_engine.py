@@ -136,7 +136,7 @@ class _FakeAccelerator:
 @pytest.mark.parametrize("tp,shards", [(1, 1), (2, 2), (8, 4)])
 def test_pool_from_free_device_memory_counts_each_device_share(monkeypatch, tp, shards):
     from jpaged.config import CacheConfig, EngineConfig, ParallelConfig
-    from jpaged.core.engine import resolve_num_pages
+    from jpaged.core.memory_plan import resolve_num_pages
     from models.config import ModelConfig
 
     monkeypatch.setattr("jax.devices", lambda *a: [_FakeAccelerator()])

@@ -16,7 +16,8 @@ from test_swap import batch  # 16 random greedy requests
 
 from jpaged import LLM, BeamSearchParams, SamplingParams
 from jpaged.config import CacheConfig
-from jpaged.core.engine import LLMEngine, resolve_num_pages
+from jpaged.core.engine import LLMEngine
+from jpaged.core.memory_plan import resolve_num_pages
 from jpaged.entrypoints.engine_args import engine_config_from_args
 from models.config import ModelConfig
 from pallas_kernels import kv_quant
@@ -96,7 +97,7 @@ def test_a_draft_models_pool_is_quantized_and_counted_so(demo_model_dir):
     engine = LLMEngine(config)
     int8_page = 2 * 4 * 2 * PAGE * (64 + 2)  # K and V rows of 64 int8 + a 2-byte scale
     assert engine.num_pages == MEMORY // (2 * int8_page) + 1 == 125
-    assert engine._drafter.runner.kv_dtype == engine.runner.kv_dtype == np.int8
+    assert engine.spec._drafter.runner.kv_dtype == engine.runner.kv_dtype == np.int8
 
 
 # -- the features that move pages, on a quantized cache ---------------------------------------

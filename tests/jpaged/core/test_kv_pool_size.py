@@ -1,4 +1,4 @@
-"""The default KV pool's size (jpaged/core/engine.py resolve_num_pages): on CPU every slot at
+"""The default KV pool's size (jpaged/core/memory_plan.py resolve_num_pages): on CPU every slot at
 max_model_len plus the null page, capped at HOST_KV_MEMORY_SHARE of the host's available
 memory; explicit --num-pages and --kv-cache-memory-bytes win; the choice is logged once;
 a capped pool too small for one sequence meets fit_max_model_len. No model is loaded."""
@@ -10,8 +10,8 @@ import logging
 import pytest
 
 from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
-from jpaged.core import engine as engine_mod
-from jpaged.core.engine import HOST_KV_MEMORY_SHARE, fit_max_model_len, resolve_num_pages
+from jpaged.core import memory_plan as engine_mod
+from jpaged.core.memory_plan import HOST_KV_MEMORY_SHARE, fit_max_model_len, resolve_num_pages
 from models.config import ModelConfig
 
 CFG = ModelConfig(
@@ -50,7 +50,7 @@ def test_a_cpu_pool_is_capped_by_a_share_of_available_memory(monkeypatch, caplog
     available = 100 * PER_PAGE * 4  # a 25% share holds 100 pages
     assert HOST_KV_MEMORY_SHARE == 0.25
     monkeypatch.setattr(engine_mod, "available_host_memory", lambda: available)
-    with caplog.at_level(logging.INFO, logger="jpaged.core.engine"):
+    with caplog.at_level(logging.INFO, logger="jpaged.core.memory_plan"):
         assert _pages(_config(32, 2048)) == 101  # 4,097 wanted
     [line] = [r.getMessage() for r in caplog.records if "KV pool" in r.getMessage()]
     assert line == (
@@ -76,7 +76,7 @@ def test_a_capped_pool_too_small_for_one_sequence_is_fitted_or_refused(monkeypat
 
 def test_explicit_sizes_win_over_the_default_and_its_cap(monkeypatch, caplog):
     monkeypatch.setattr(engine_mod, "available_host_memory", lambda: 4 * PER_PAGE)  # 1 page
-    with caplog.at_level(logging.INFO, logger="jpaged.core.engine"):
+    with caplog.at_level(logging.INFO, logger="jpaged.core.memory_plan"):
         assert _pages(_config(32, 2048, num_pages=5000)) == 5000
         assert _pages(_config(32, 2048, kv_cache_memory_bytes=300 * PER_PAGE)) == 301
     lines = [r.getMessage() for r in caplog.records if "KV pool" in r.getMessage()]

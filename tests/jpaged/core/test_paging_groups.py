@@ -22,8 +22,9 @@ import window_plans
 from window_plans import PS, W, add, dead, feed
 
 from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
+from jpaged.core.kv_cache_manager import sequence_pages
 from jpaged.core.page_allocator import NULL_PAGE, PageAllocator
-from jpaged.core.scheduler import Scheduler, sequence_pages
+from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import SeqStatus
 from models.kv_groups import KVGroups, kv_groups
 
@@ -98,7 +99,7 @@ def test_the_pool_must_hold_one_sequence_counting_its_window_pages():
     """fit_max_model_len with groups: 128 tokens need 32 + 11 pages; a pool of 43 usable pages
     holds it, one of 42 holds 124 tokens (31 + 11): refused when max_model_len was given,
     lowered to 124 when not. Scheduler.unservable counts the same way."""
-    from jpaged.core.engine import fit_max_model_len
+    from jpaged.core.memory_plan import fit_max_model_len
 
     config = EngineConfig(
         cache=CacheConfig(page_size=PS, num_pages=64),
@@ -351,7 +352,7 @@ def test_a_window_page_cached_after_another_prefix_is_a_miss(monkeypatch):
     (a's hold their keys). b, c's prompt again, hits c's 3 full pages, but its window pages
     of positions 4-11 find a's, whose anchors (a's full pages) are not b's hits: misses,
     so the hit drops to 1 page (4 tokens: c's window page 0)."""
-    from jpaged.core import scheduler as scheduler_module
+    from jpaged.core import kv_cache_manager as scheduler_module
 
     monkeypatch.setattr(scheduler_module, "page_hash", _exact_hash)
     monkeypatch.setattr(scheduler_module, "_group_key", _window_tokens_key)

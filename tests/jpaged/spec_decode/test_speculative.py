@@ -288,7 +288,7 @@ def scripted_costs(engine: LLMEngine, *, plain: float, verify: float) -> None:
         return fetch(step)
 
     engine.runner.fetch = timed
-    engine._clock = lambda: now[0]
+    engine.spec._clock = lambda: now[0]
 
 
 @pytest.mark.parametrize("verify_cost", [1.0, 8.0], ids=["verifying-pays", "verifying-loses"])
@@ -306,7 +306,7 @@ def test_the_cost_governor_keeps_speculating_only_where_verifying_pays(
     got = llm.generate(PROMPTS[:4], GREEDY)
     assert tokens(got) == tokens(reference.generate(PROMPTS[:4], GREEDY))
     stats = llm.stats()
-    plain_s, verify_s, per_row = engine._governor.costs()[4]
+    plain_s, verify_s, per_row = engine.spec._governor.costs()[4]
     assert (plain_s, verify_s) == (1.0, verify_cost) and per_row >= 1.0
     if verify_cost == 1.0:
         assert per_row / verify_s >= 1 / plain_s
@@ -334,11 +334,11 @@ def test_a_step_that_compiled_is_not_timed(demo_model_dir):
     llm = one_bucket(demo_model_dir, num_pages=128, speculative_config=NGRAM)
     engine = llm.llm_engine
     llm.generate(PROMPTS[:4], GREEDY)  # every program this test meets is compiled
-    engine._governor = type(engine._governor)()  # without the real-clock samples of that run
+    engine.spec._governor = type(engine.spec._governor)()  # without the real-clock samples of that run
     scripted_costs(engine, plain=1.0, verify=8.0)
     fetch, programs, plain_steps = engine.runner.fetch, engine.runner.programs, [0]
-    scripted_clock, offset = engine._clock, [0.0]
-    engine._clock = lambda: scripted_clock() + offset[0]
+    scripted_clock, offset = engine.spec._clock, [0.0]
+    engine.spec._clock = lambda: scripted_clock() + offset[0]
 
     def one_slow_compiling_step(step):
         out = fetch(step)
@@ -352,7 +352,7 @@ def test_a_step_that_compiled_is_not_timed(demo_model_dir):
     engine.runner.fetch = one_slow_compiling_step
     llm.generate(PROMPTS[:4], GREEDY)
     assert plain_steps[0] > 3
-    plain_s, verify_s, _ = engine._governor.costs()[4]
+    plain_s, verify_s, _ = engine.spec._governor.costs()[4]
     assert (plain_s, verify_s) == (1.0, 8.0)
 
 
@@ -367,16 +367,16 @@ def test_plain_steps_check_shadow_proposals_so_a_copying_batch_speculates_again(
     llm = one_bucket(demo_model_dir, num_pages=128, speculative_config=NGRAM)
     engine = llm.llm_engine
     scripted_costs(engine, plain=1.0, verify=2.0)
-    engine._governor = CostGovernor(probe_interval=128)
-    engine._governor.record(4, 2.0, 1.0)  # verifying: 1 token a row in 2 s
-    engine._governor.record(4, 1.0, None)  # plain: 1 in 1 s, faster
-    assert not engine._governor.speculates(4)
+    engine.spec._governor = CostGovernor(probe_interval=128)
+    engine.spec._governor.record(4, 2.0, 1.0)  # verifying: 1 token a row in 2 s
+    engine.spec._governor.record(4, 1.0, None)  # plain: 1 in 1 s, faster
+    assert not engine.spec._governor.speculates(4)
     samples = []
-    set_tokens = engine._governor.set_tokens
-    engine._governor.set_tokens = lambda b, t: (samples.append((b, t)), set_tokens(b, t))
+    set_tokens = engine.spec._governor.set_tokens
+    engine.spec._governor.set_tokens = lambda b, t: (samples.append((b, t)), set_tokens(b, t))
     records = []
-    record = engine._governor.record
-    engine._governor.record = lambda *a, **kw: (records.append((a, kw)), record(*a, **kw))
+    record = engine.spec._governor.record
+    engine.spec._governor.record = lambda *a, **kw: (records.append((a, kw)), record(*a, **kw))
     got = llm.generate(PROMPTS[:4], GREEDY)
     assert tokens(got) == tokens(reference.generate(PROMPTS[:4], GREEDY))
     assert samples and {b for b, _ in samples} == {4}
@@ -384,7 +384,7 @@ def test_plain_steps_check_shadow_proposals_so_a_copying_batch_speculates_again(
     # against 1 in 1 s, times 1.1), and the batch speculated again.
     assert max(t for _, t in samples) > 2.2 and all(1.0 <= t <= 5.0 for _, t in samples)
     assert llm.stats()["spec_num_drafts"] > 0
-    assert engine._row_tokens == {}  # the rows' estimates went with their requests
+    assert engine.spec._row_tokens == {}  # the rows' estimates went with their requests
     # A verification gives the governor the rows' estimate too, replacing its average.
     verifying = [kw for (_, _, t), kw in records if t is not None]
     assert verifying and all(kw == {"rows_estimate": True} for kw in verifying)

@@ -60,7 +60,7 @@ def test_constraints_change_no_other_row_and_add_no_compiled_program(demo_llm):
 def test_a_failing_matcher_ends_its_request_alone(demo_llm, monkeypatch):
     engine = demo_llm.llm_engine
     demo_llm.generate(["warm"], greedy(max_tokens=2, structured_outputs=Constraint(regex="a+")))
-    manager = engine._constraints
+    manager = engine.constraints.manager
     real = manager.error
     monkeypatch.setattr(
         manager, "error", lambda key: "injected" if key[0].endswith("-bad") else real(key)
