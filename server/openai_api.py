@@ -381,12 +381,9 @@ class OpenAIServer:
         if body.stream:
             return _EventStream(self._stream(call), lambda: self._finish(call), headers=headers)
         try:
-            outcome = await self._collect(call, request)
-            if outcome == "cancelled":
-                return Response(status_code=499)  # nobody reads it: the client is gone
-            if outcome == "internal":
-                error = next(h.error for h in handles if h.error is not None)
-                raise APIError(500, _engine_error_message(error), code="internal_error")
+            gone = await self._collected(call, request)
+            if gone is not None:
+                return gone
             deltas = asm.take()
             texts = await self._token_texts(asm.ids_to_decode(deltas))
             return JSONResponse(asm.response(deltas, texts), headers=headers)
@@ -455,6 +452,17 @@ class OpenAIServer:
             yield DONE
         finally:
             self._finish(call)
+
+    async def _collected(self, call: _Call, request: Request) -> Response | None:
+        """Waits for a non-streamed call: None once every choice finished, a 499 when the
+        client left (nobody reads it), APIError(500) when the engine failed."""
+        outcome = await self._collect(call, request)
+        if outcome == "cancelled":
+            return Response(status_code=499)
+        if outcome == "internal":
+            error = next(h.error for h in call.asm.handles if h.error is not None)
+            raise APIError(500, _engine_error_message(error), code="internal_error")
+        return None
 
     async def _collect(self, call: _Call, request: Request) -> str:
         """Waits until every choice finished; returns the outcome."""

@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import pydantic
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from server import openai_fields
@@ -50,7 +50,6 @@ from server.openai_api import (
     OpenAIServer,
     _as_api_error,
     _Call,
-    _engine_error_message,
     _EventStream,
     _outcome,
 )
@@ -297,12 +296,9 @@ class ResponsesAPI:
         if body.stream:
             return _EventStream(self._events(run), lambda: srv._finish(call), headers=headers)
         try:
-            outcome = await srv._collect(call, request)
-            if outcome == "cancelled":
-                return Response(status_code=499)  # nobody reads it: the client is gone
-            if outcome == "internal":
-                error = next(h.error for h in handles if h.error is not None)
-                raise APIError(500, _engine_error_message(error), code="internal_error")
+            gone = await srv._collected(call, request)
+            if gone is not None:
+                return gone
             reason = None
             for d in call.asm.take():  # one delta: the whole text
                 run.output.feed(d.text, final=True)
