@@ -71,7 +71,9 @@ class TensorSpec:
     to_hf gives those rows back.
     experts: this param stacks `experts` HF tensors, hf_name with "{expert}" formatted to
     0 .. experts - 1, each of hf_shape: readers give them stacked, [experts, *hf_shape]
-    (GGUF stores them so), and to_layout / to_hf map that stack."""
+    (GGUF stores them so), and to_layout / to_hf map that stack.
+    interleaved: (offset, stride): this param is every stride-th element of the last axis
+    of hf_name from offset (gpt-oss's gate_up_proj: gate at even columns, up at odd)."""
 
     hf_name: str
     hf_shape: tuple[int, ...]
@@ -79,6 +81,7 @@ class TensorSpec:
     to_hf: Callable[[np.ndarray], np.ndarray]
     rows: tuple[int, int] | None = None
     experts: int = 0
+    interleaved: tuple[int, int] | None = None
 
     @property
     def hf_names(self) -> list[str]:
@@ -179,9 +182,14 @@ def tensor_specs(cfg: ModelConfig) -> dict[tuple, TensorSpec]:
             name = p + "mlp.gate_up_proj.weight"
             layer["w_gate"] = _fused_rows(name, (2 * f, d), 0, f, (d, f))
             layer["w_up"] = _fused_rows(name, (2 * f, d), f, 2 * f, (d, f))
+        if cfg.o_bias:
+            layer["bo"] = plain(p + "self_attn.o_proj.bias", (d,))
+        if cfg.attention_sinks:
+            layer["sinks"] = plain(p + "self_attn.sinks", (hq,))
         if cfg.has_experts(i):
             del layer["w_gate"], layer["w_up"], layer["w_down"]
-            layer.update(_expert_specs(cfg, p))
+            experts = _gpt_oss_expert_specs if cfg.expert_bias else _expert_specs
+            layer.update(experts(cfg, p))
         if cfg.qk_norm_full:  # OLMoE: one norm over the whole projection, as [H, Dh]
             layer["q_norm"] = bias(p + "self_attn.q_norm.weight", hq)
             layer["k_norm"] = bias(p + "self_attn.k_norm.weight", hkv)
@@ -233,6 +241,32 @@ def _expert_specs(cfg: ModelConfig, prefix: str) -> dict[str, TensorSpec]:
             layout = _linear(out_dim, in_dim, (in_dim, out_dim))
             specs[key] = TensorSpec(f"{shared}{name}.weight", (out_dim, in_dim), *layout)
     return specs
+
+
+def _gpt_oss_expert_specs(cfg: ModelConfig, prefix: str) -> dict[str, TensorSpec]:
+    """gpt-oss's router (weight [E, D] and bias) and experts, stored stacked and already
+    [in, out]: gate_up_proj [E, D, 2F] with gate and up interleaved (even and odd columns),
+    its bias [E, 2F], down_proj [E, F, D] and its bias [E, D]."""
+    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    p = prefix + "mlp."
+
+    def plain(name: str, shape: tuple[int, ...]) -> TensorSpec:
+        return TensorSpec(p + name, shape, _identity, _identity)
+
+    def half(name: str, shape: tuple[int, ...], offset: int) -> TensorSpec:
+        return TensorSpec(p + name, shape, lambda w: w[..., offset::2], _identity,
+                          interleaved=(offset, 2))  # fmt: skip
+
+    return {
+        "router": TensorSpec(p + "router.weight", (e, d), *_linear(e, d, (d, e))),
+        "b_router": plain("router.bias", (e,)),
+        "w_gate_exps": half("experts.gate_up_proj", (e, d, 2 * f), 0),
+        "w_up_exps": half("experts.gate_up_proj", (e, d, 2 * f), 1),
+        "w_down_exps": plain("experts.down_proj", (e, f, d)),
+        "b_gate_exps": half("experts.gate_up_proj_bias", (e, 2 * f), 0),
+        "b_up_exps": half("experts.gate_up_proj_bias", (e, 2 * f), 1),
+        "b_down_exps": plain("experts.down_proj_bias", (e, d)),
+    }
 
 
 def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
@@ -782,12 +816,18 @@ def save_hf_model(path: str | os.PathLike, config: dict[str, Any], params: dict[
         shape = spec.hf_shape
         if spec.rows is not None:  # a part of a fused tensor
             shape = (spec.rows[1] - spec.rows[0], *shape[1:])
+        if spec.interleaved is not None:  # every stride-th column of a fused tensor
+            shape = (*shape[:-1], shape[-1] // spec.interleaved[1])
         if spec.experts:
             shape = (spec.experts, *shape)
         if hf.shape != shape:
             raise ValueError(f"params{list(key)}: shape {list(value.shape)} does not match config")
         if spec.experts:
             tensors.update(zip(spec.hf_names, hf, strict=True))
+        elif spec.interleaved is not None:
+            offset, stride = spec.interleaved
+            fused = tensors.setdefault(spec.hf_name, np.zeros(spec.hf_shape, hf.dtype))
+            fused[..., offset::stride] = hf
         elif spec.rows is None:
             tensors[spec.hf_name] = hf
         else:

@@ -129,19 +129,27 @@ def paged_decode_attention(
     interpret: bool = False,
     backend: str | None = None,
     gpu_kernel: str | None = None,
+    sinks: jax.Array | None = None,  # [num_q_heads]: gpt-oss's sink logits
 ) -> jax.Array:  # [batch, num_q_heads, head_dim], q's dtype
     """Decode attention (one query per sequence at position lengths[b] - 1), dispatched.
 
     See reference.paged_decode_attention for the contract. `backend` forces "gpu", "tpu"
     or "cpu"; `interpret` runs a Pallas kernel in the interpreter; `gpu_kernel` picks the
-    GPU kernel ("triton" or "mosaic"; None: $JPAGED_GPU_KERNEL, else "triton").
+    GPU kernel ("triton" or "mosaic"; None: $JPAGED_GPU_KERNEL, else "triton"). sinks:
+    one logit per query head joining each softmax's denominator (None: none; the Mosaic GPU
+    kernel takes none, so sinks run on Triton).
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
+    if sinks is not None:  # only then: the other families' kernels are traced as before
+        kwargs["sinks"] = sinks
     which = select_backend(
         q.shape, k_pages.shape, k_pages.dtype, interpret=interpret, backend=backend
     )
-    if which == "gpu" and gpu_decode_kernel(q.shape, k_pages.shape, k_pages.dtype,
-                                            gpu_kernel) == "mosaic":
+    if sinks is not None:  # TEMP: kernels without sinks yet
+        which = "cpu"
+    if which == "gpu" and sinks is None and gpu_decode_kernel(
+        q.shape, k_pages.shape, k_pages.dtype, gpu_kernel
+    ) == "mosaic":
         from pallas_kernels import mosaic_gpu_decode
 
         return mosaic_gpu_decode.paged_decode_attention(
@@ -176,19 +184,24 @@ def paged_prefill_attention(
     interpret: bool = False,
     backend: str | None = None,
     max_query_len: int | None = None,
+    sinks: jax.Array | None = None,  # [num_q_heads]: gpt-oss's sink logits
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim], q's dtype
     """Ragged paged attention (prefill chunks and decode tokens in one call), dispatched.
 
     See reference.paged_prefill_attention for the contract. max_query_len (static): the
     query tokens per sequence a step usually has at most (a verification step's k + 1); the
     reference then attends each sequence's queries as one group when they fit (the kernels
-    take no hint).
+    take no hint). sinks as paged_decode_attention's.
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
+    if sinks is not None:
+        kwargs["sinks"] = sinks
     args = (q, k_pages, v_pages, context_lens, page_table, query_start)
     which = select_backend(
         q.shape, k_pages.shape, k_pages.dtype, interpret=interpret, backend=backend
     )
+    if sinks is not None:  # TEMP: kernels without sinks yet
+        which = "cpu"
     if which == "gpu":
         from pallas_kernels import gpu_prefill
 
