@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from models import mxfp4
 from models.config import ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -553,7 +554,10 @@ def load_hf_model(
       expert_parallel: experts split over the mesh (ModelConfig.with_expert_parallel).
       quantization: "int8" or "fp8": the projections quantized per output channel at load
         (models/quantization.py). A compressed-tensors fp8 checkpoint (config.json's
-        quantization_config) loads its float8_e4m3fn weights and weight_scale as stored.
+        quantization_config) loads its float8_e4m3fn weights and weight_scale as stored; an
+        MXFP4 one (gpt-oss: each expert tensor as _blocks and _scales, models/mxfp4.py) is
+        dequantized as read, one tensor at a time, then stored in dtype (or as int8 with
+        its scales under quantization="int8").
 
     Returns:
       LoadedModel. tokenizer is None when there is no tokenizer.json (the engine can still
@@ -582,6 +586,9 @@ def load_hf_model(
     fp8 = _compressed_tensors_fp8(_read_json(config_path), config_path)
     if fp8:  # each quantized weight's scale (and a static input scale, unused: dynamic)
         wanted |= {n + "_scale" for n in wanted} | {n[: -len("weight")] + "input_scale" for n in wanted}
+    # gpt-oss's MXFP4 experts: W_blocks and W_scales in place of W (models/mxfp4.py)
+    packed = {n for n in wanted if n not in files and n + "_blocks" in files}
+    wanted |= {n + suffix for n in packed for suffix in ("_blocks", "_scales")}
     extra = _extra_layer_prefixes(_read_json(config_path), config.num_layers)
     unexpected = sorted(
         name
@@ -603,12 +610,17 @@ def load_hf_model(
     with contextlib.ExitStack() as stack:
 
         def read_one(name: str, shape: tuple[int, ...] | None) -> np.ndarray:
-            file = files.get(name)
-            if file is None:
-                raise ValueError(f"{weights_source}: missing tensor {name!r}")
-            if file not in handles:
-                handles[file] = stack.enter_context(_open(file))
-            array = _read_tensor(handles[file], file, name)
+            if name in packed:  # dequantized, [..., out, in] -> the float tensor's [..., in, out]
+                blocks, scales = read_one(name + "_blocks", None), read_one(name + "_scales", None)
+                file = files[name + "_blocks"]
+                array = np.swapaxes(mxfp4.dequantize(blocks, scales, name=f"{file}: {name}"), -1, -2)
+            else:
+                file = files.get(name)
+                if file is None:
+                    raise ValueError(f"{weights_source}: missing tensor {name!r}")
+                if file not in handles:
+                    handles[file] = stack.enter_context(_open(file))
+                array = _read_tensor(handles[file], file, name)
             if shape is not None and tuple(array.shape) != shape:
                 raise ValueError(
                     f"{file}: tensor {name!r} has shape {list(array.shape)}, "
@@ -660,10 +672,12 @@ def _compressed_tensors_fp8(raw: dict[str, Any], source: Path) -> bool:
     if qc is None:
         return False
     method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == "mxfp4":  # gpt-oss's experts, dequantized as read (load_hf_model)
+        return False
     if method != "compressed-tensors":
         raise ValueError(
             f"{source}: quantization_config quant_method {method!r} is not supported; "
-            "supported: compressed-tensors (fp8 weights)"
+            "supported: compressed-tensors (fp8 weights), mxfp4 (gpt-oss's experts)"
         )
     for name, group in (qc.get("config_groups") or {}).items():
         weights = (group or {}).get("weights") or {}
