@@ -203,7 +203,7 @@ def moe_mlp(x: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis=None) -> j
         biases = (layer["b_gate_exps"], layer["b_up_exps"])
     if cfg.swiglu_limit is not None:
         limit, alpha = cfg.swiglu_limit, cfg.swiglu_alpha
-        glu = lambda g, u: clamped_swiglu(g, u, limit, alpha)  # noqa: E731
+        glu = lambda g, u: clamped_swiglu(g, u, limit, alpha)
     y = grouped_mlp(xs, w_gate, w_up, w_down, group_sizes, act, biases=biases, glu=glu)
     # y: [T * k, D], sorted order
     y = jnp.where(mine[order][:, None], y, 0)
@@ -255,7 +255,7 @@ def grouped_mlp(
     if blocked is None:
         blocked = jax.default_backend() == "cpu"
     if glu is None:
-        glu = lambda g, u: act(g) * u  # noqa: E731
+        glu = lambda g, u: act(g) * u
     if blocked:
         return _blocked_mlp(xs, w_gate, w_up, w_down, group_sizes, glu, biases)
     w_gate, w_up, w_down = (dequantize(w, xs.dtype) for w in (w_gate, w_up, w_down))

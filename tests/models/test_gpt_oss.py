@@ -158,7 +158,6 @@ def test_the_sinks_window_and_clamp_each_change_transformers_logits(checkpoint):
     """transformers' logits without the sinks (-1e4: no share), the window or the clamp
     differ from the model's: the logits test above holds each of them."""
     import torch
-
     from dense_families import hf_model
 
     ids = torch.tensor([np.random.default_rng(1).integers(0, VOCAB, 23).tolist()])
