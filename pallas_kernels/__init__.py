@@ -10,8 +10,9 @@
 
 The backend is `jax.default_backend()` unless forced with `backend=`. With `interpret=True`
 and no forced backend on a CPU host, the GPU kernel runs in the Pallas interpreter (so the
-engine can exercise the kernel path without an accelerator). Soft capping and sliding
-windows are implemented in every kernel. All functions are traceable inside jit; backend
+engine can exercise the kernel path without an accelerator). Soft capping, sliding
+windows and attention sinks (gpt-oss: a logit per query head in each softmax's denominator;
+an optional input, None for the other families) are implemented in every kernel. All functions are traceable inside jit; backend
 selection happens at trace time.
 
 Quantized pages (kv_quant.QuantizedPages: int8, fp8 e4m3 or e5m2 codes and a bfloat16 scale
@@ -136,8 +137,8 @@ def paged_decode_attention(
     See reference.paged_decode_attention for the contract. `backend` forces "gpu", "tpu"
     or "cpu"; `interpret` runs a Pallas kernel in the interpreter; `gpu_kernel` picks the
     GPU kernel ("triton" or "mosaic"; None: $JPAGED_GPU_KERNEL, else "triton"). sinks:
-    one logit per query head joining each softmax's denominator (None: none; the Mosaic GPU
-    kernel takes none, so sinks run on Triton).
+    one logit per query head joining each softmax's denominator (gpt-oss; None: none). Every
+    kernel takes them, and without them traces the program it traced before they existed.
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     if sinks is not None:  # only then: the other families' kernels are traced as before
@@ -145,11 +146,8 @@ def paged_decode_attention(
     which = select_backend(
         q.shape, k_pages.shape, k_pages.dtype, interpret=interpret, backend=backend
     )
-    if sinks is not None:  # TEMP: kernels without sinks yet
-        which = "cpu"
-    if which == "gpu" and sinks is None and gpu_decode_kernel(
-        q.shape, k_pages.shape, k_pages.dtype, gpu_kernel
-    ) == "mosaic":
+    if which == "gpu" and gpu_decode_kernel(q.shape, k_pages.shape, k_pages.dtype,
+                                            gpu_kernel) == "mosaic":
         from pallas_kernels import mosaic_gpu_decode
 
         return mosaic_gpu_decode.paged_decode_attention(
@@ -200,8 +198,6 @@ def paged_prefill_attention(
     which = select_backend(
         q.shape, k_pages.shape, k_pages.dtype, interpret=interpret, backend=backend
     )
-    if sinks is not None:  # TEMP: kernels without sinks yet
-        which = "cpu"
     if which == "gpu":
         from pallas_kernels import gpu_prefill
 
