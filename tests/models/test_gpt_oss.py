@@ -22,57 +22,15 @@ from dense_families import (
     preempted_greedy,
     prompts_with_shared_prefix,
 )
+from moe_families import save_tiny_gpt_oss as save_tiny
+from moe_families import tiny_gpt_oss_config as tiny_config
 
 from models import moe, mxfp4
 from models.config import ModelConfig, YarnRopeScaling
 from models.loader import load_hf_model
 
 VOCAB = 160
-WINDOW = 4
-
-
-def tiny_config():
-    import transformers
-
-    return transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=256,
-        tie_word_embeddings=False, swiglu_limit=0.5,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False,
-                         "original_max_position_embeddings": 64, "rope_theta": 10000.0},
-        eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-
-
-def save_tiny(path, *, seed: int = 0):
-    """A random gpt-oss saved with save_pretrained: norms perturbed, biases random (they
-    initialise to zero), sinks of std 1, router weights scaled so routing is decisive, the
-    experts' and head's weights scaled so the clamp binds and tokens are clear-cut."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        tiny_config(), attn_implementation="eager", dtype=torch.float32
-    )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.1 * torch.randn_like(param))
-            if name.endswith("bias"):
-                param.copy_(0.1 * torch.randn_like(param))
-            if name.endswith("sinks"):
-                param.copy_(torch.randn_like(param))
-            if name.endswith("router.weight"):
-                param.mul_(20.0)
-            if name.endswith(("gate_up_proj", "down_proj")):
-                param.mul_(5.0)
-            if name == "lm_head.weight":
-                param.mul_(10.0)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+WINDOW = 4  # tiny_gpt_oss_config's sliding window
 
 
 @pytest.fixture(scope="module")
