@@ -225,3 +225,94 @@ def test_mxfp4_experts_load_dequantized_and_give_transformers_logits(tmp_path):
         assert isinstance(w, QuantizedWeight) and w.q.dtype == jnp.int8
         error = np.abs(np.asarray(dequantize(w)) - want)
         assert (error <= np.asarray(w.scale, np.float32) / 2 + 1e-7).all(), name
+
+
+def _write_gguf(hf_dir, out, *, mxfp4: bool) -> dict[str, np.ndarray]:
+    """The checkpoint as llama.cpp's converter (GptOssModel) writes it: gate_up_proj split
+    into ffn_gate_exps and ffn_up_exps [E, out, in] (MXFP4 blocks when mxfp4, as it repacks
+    the checkpoint's), their biases split alike, attn_sinks, YaRN's factor and original
+    length. Returns the experts as the file's own dequantization gives them."""
+    import gguf
+    from gguf import quants
+    from safetensors.numpy import load_file
+
+    from models.gguf import gguf_tensor_name
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    rope = cfg["rope_parameters"]
+    writer = gguf.GGUFWriter(str(out), "gpt-oss")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_expert_count(cfg["num_local_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(cfg["intermediate_size"])
+    writer.add_sliding_window(cfg["sliding_window"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    tensors, experts = {}, {}
+    for name, w in load_file(str(hf_dir / "model.safetensors")).items():
+        prefix, _, last = name.rpartition(".")
+        if last in ("gate_up_proj", "gate_up_proj_bias"):
+            bias = last.endswith("bias")
+            for part, half in (("gate_proj", w[..., 0::2]), ("up_proj", w[..., 1::2])):
+                tensors[f"{prefix}.{part}{'_bias' if bias else ''}"] = (
+                    half if bias else np.swapaxes(half, 1, 2)
+                )
+        else:  # down_proj [E, F, D] -> [E, D, F]; the rest as they are
+            tensors[name] = np.swapaxes(w, 1, 2) if last == "down_proj" else w
+    for name, w in tensors.items():
+        gguf_name = gguf_tensor_name(name, "gpt-oss")
+        w = np.ascontiguousarray(w, np.float32)
+        if mxfp4 and name.endswith(("gate_proj", "up_proj", "down_proj")):
+            packed = quants.quantize(w, gguf.GGMLQuantizationType.MXFP4)
+            experts[gguf_name] = quants.dequantize(packed, gguf.GGMLQuantizationType.MXFP4)
+            writer.add_tensor(gguf_name, packed, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        else:
+            writer.add_tensor(gguf_name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return experts
+
+
+@pytest.mark.needs_torch
+def test_gguf_equals_hf_directory_and_mxfp4_experts_dequantize_as_gguf_does(checkpoint, tmp_path):
+    """llama.cpp's gpt-oss GGUF: config and params equal the HF directory's (float experts;
+    the SwiGLU limit is llama.cpp's fixed 7); with MXFP4 experts, each expert weight equals
+    gguf's own dequantization of the file's blocks."""
+    import dataclasses
+
+    import jax
+
+    from models.loader import load_model
+
+    _write_gguf(checkpoint, tmp_path / "f32.gguf", mxfp4=False)
+    from_gguf, from_hf = load_model(tmp_path / "f32.gguf"), load_hf_model(checkpoint)
+    want = dataclasses.replace(from_hf.config, swiglu_limit=7.0, eos_token_ids=(),
+                               bos_token_id=None)  # fmt: skip
+    got = from_gguf.config
+    assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps)  # float32 in the file
+    assert dataclasses.replace(got, rms_norm_eps=want.rms_norm_eps) == want
+    flat_gguf = jax.tree_util.tree_leaves_with_path(from_gguf.params)
+    flat_hf = jax.tree_util.tree_leaves_with_path(from_hf.params)
+    assert [p for p, _ in flat_gguf] == [p for p, _ in flat_hf]
+    for (p, a), (_, b) in zip(flat_gguf, flat_hf, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
+
+    experts = _write_gguf(checkpoint, tmp_path / "mxfp4.gguf", mxfp4=True)
+    layer = load_model(tmp_path / "mxfp4.gguf").params["layers"][2]
+    for name, key in (("gate", "w_gate_exps"), ("up", "w_up_exps"), ("down", "w_down_exps")):
+        want = np.swapaxes(experts[f"blk.2.ffn_{name}_exps.weight"], 1, 2)
+        np.testing.assert_array_equal(np.asarray(layer[key]), want)
+    rounded = np.asarray(layer["w_up_exps"]) - np.asarray(from_hf.params["layers"][2]["w_up_exps"])
+    assert np.abs(rounded).max() > 0  # MXFP4's rounding: the blocks were read, not the floats
