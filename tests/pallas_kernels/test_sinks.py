@@ -158,3 +158,21 @@ def test_dispatcher_passes_sinks_to_the_kernel_it_picks():
     kw = {"sm_scale": case.sm_scale, "sliding_window": 5, "sinks": jnp.asarray(SINKS)}
     check(pallas_kernels.paged_prefill_attention(*_args(case), interpret=True, **kw),
           reference.paged_prefill_attention(*_args(case), **kw))  # fmt: skip
+
+
+def test_gpu_prefill_with_sinks_compiles_for_sm90_within_the_limits():
+    """The one Triton kernel the sinks change (decode's join in the merge, outside it):
+    gpt-oss's shape in bfloat16 at the engine's largest prefill bucket, compiled for sm_90
+    with the triton package: shared memory and registers within an H100's, no spills."""
+    from gpu_target import compile_sm90, triton_calls
+
+    args = (*prefill_specs(512, 32, 128, 64, 8, 64, 16, 4097, "bfloat16"),
+            spec((64,), "float32"))  # fmt: skip
+    lowered = lower_for_cuda(
+        lambda *a, **kw: gpu_prefill.paged_prefill_attention(*a[:-1], sinks=a[-1], **kw),
+        args, sm_scale=0.125, sliding_window=128,
+    )  # fmt: skip
+    (call,) = triton_calls(lowered)
+    kernel = compile_sm90(call)
+    kernel.check_limits()
+    assert kernel.spill_stores == kernel.spill_loads == 0
