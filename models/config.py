@@ -107,18 +107,23 @@ class LongRopeScaling:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class YarnRopeScaling:
-    """rope_scaling of type "yarn" (gpt-oss), as transformers computes it: each frequency
-    blends interpolation (divided by factor) and extrapolation by a linear ramp over the
-    dims between the correction range of beta_fast and beta_slow rotations in
-    original_max_position_embeddings (floored and ceiled when truncate), and cos/sin are
-    multiplied by attention_factor (0.1 ln(factor) + 1 unless given)."""
+    """rope_scaling of type "yarn" (DeepSeek-V2/V3), as transformers computes it: each
+    frequency blended between itself and itself / factor by a linear ramp over the dims
+    between the correction range of beta_fast and beta_slow rotations; cos/sin times
+    attention_factor; an MLA model's softmax scale times mscale(mscale_all_dim) squared."""
 
     factor: float
     original_max_position_embeddings: int
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    truncate: bool = True
     attention_factor: float = 1.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,7 +138,9 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | LinearRopeScaling | LongRopeScaling | YarnRopeScaling | None = None
+    rope_scaling: (
+        RopeScaling | LinearRopeScaling | LongRopeScaling | YarnRopeScaling | None
+    ) = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -478,34 +485,25 @@ def _rope_fields(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
     }
 
 
-# transformers' GptOssConfig rope when a config names none.
-_GPT_OSS_ROPE = {
-    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-    "truncate": False, "original_max_position_embeddings": 4096,
-}  # fmt: skip
-
-
 def _yarn(rs: dict[str, Any], hf: dict[str, Any]) -> YarnRopeScaling:
-    """A "yarn" rope_scaling object (KeyError for a missing field), with transformers'
-    defaults: factor from max_position_embeddings / original when absent, attention_factor
-    from factor (and mscale / mscale_all_dim when both are given)."""
+    """A "yarn" rope_scaling object's fields, with transformers' defaults."""
     original = int(rs["original_max_position_embeddings"])
     factor = rs.get("factor") or hf.get("max_position_embeddings", 2048) / original
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
+    mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
     attention = rs.get("attention_factor")
     if attention is None:
-        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
-        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        if mscale and mscale_all:
+            attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+        else:
+            attention = yarn_mscale(factor)
     return YarnRopeScaling(
         factor=float(factor),
         original_max_position_embeddings=original,
-        beta_fast=float(rs.get("beta_fast") or 32.0),
-        beta_slow=float(rs.get("beta_slow") or 1.0),
-        truncate=bool(rs.get("truncate", True)),
+        beta_fast=float(rs.get("beta_fast") or 32),
+        beta_slow=float(rs.get("beta_slow") or 1),
         attention_factor=float(attention),
+        mscale_all_dim=float(mscale_all or 0),
+        truncate=bool(rs.get("truncate", True)),
     )
 
 
@@ -603,6 +601,13 @@ def _glm4_moe_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "num_shared_experts": hf.get("n_shared_experts", 1),
         "num_dense_layers": hf.get("first_k_dense_replace", 1),
     }
+
+
+# transformers' GptOssConfig rope when a config names none.
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+    "truncate": False, "original_max_position_embeddings": 4096,
+}  # fmt: skip
 
 
 def _gpt_oss_fields(hf: dict[str, Any], sliding: int | None, source: str) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from models.config import LongRopeScaling, ModelConfig, YarnRopeScaling
+from models.config import LongRopeScaling, ModelConfig, YarnRopeScaling, yarn_mscale
 
 ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
@@ -197,7 +197,7 @@ def _gpt_oss_fields(field: Callable[..., Any], tensors: Any, num_layers: int, so
             beta_fast=float(field("rope.scaling.yarn_beta_fast", 32.0)),
             beta_slow=float(field("rope.scaling.yarn_beta_slow", 1.0)),
             truncate=False,
-            attention_factor=0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0,
+            attention_factor=yarn_mscale(factor),
         ),
         "attention_sinks": True,
         "o_bias": "blk.0.attn_output.bias" in tensors,

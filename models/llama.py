@@ -70,7 +70,7 @@ def rope_inv_freq(cfg: ModelConfig, *, local: bool = False, long: bool = False) 
     elif isinstance(rs, LongRopeScaling):
         inv_freq = inv_freq / np.asarray(rs.long_factor if long else rs.short_factor)
     elif isinstance(rs, YarnRopeScaling):
-        inv_freq = _yarn_inv_freq(inv_freq, rs, theta, dim)
+        inv_freq = _yarn_inv_freq(inv_freq, rs, dim, theta)
     elif isinstance(rs, RopeScaling):
         low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
         high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
@@ -85,22 +85,25 @@ def rope_inv_freq(cfg: ModelConfig, *, local: bool = False, long: bool = False) 
     return inv_freq.astype(np.float32)
 
 
-def _yarn_inv_freq(inv_freq: np.ndarray, rs: YarnRopeScaling, theta: float, dim: int):
-    """YaRN's blend of inv_freq (extrapolation) and inv_freq / factor (interpolation) by a
-    linear ramp over the dims between beta_fast's and beta_slow's correction dims."""
+def _yarn_inv_freq(inv_freq: np.ndarray, rs: YarnRopeScaling, dim: int, theta: float):
+    """YaRN's blend of inv_freq and inv_freq / factor (transformers' _compute_yarn_parameters):
+    dims below the correction range keep their frequency, dims above it are interpolated,
+    a linear ramp between."""
 
     def correction_dim(rotations: float) -> float:
-        ratio = rs.original_max_position_embeddings / (rotations * 2 * math.pi)
-        return dim * math.log(ratio) / (2 * math.log(theta))
+        return dim * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta)
+        )
 
     low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
     if rs.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    high = high + 0.001 if low == high else high
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-    extrapolation = 1 - ramp
-    return inv_freq / rs.factor * (1 - extrapolation) + inv_freq * extrapolation
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return inv_freq / rs.factor * (1 - keep) + inv_freq * keep
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -177,7 +180,7 @@ def _rope_tables(cfg, positions, context_lens, query_start) -> dict[bool, tuple]
             long = (context_lens[seq] > rs.original_max_position_embeddings)[:, None, None]
             cos = jnp.where(long, cos_long, cos) * rs.attention_factor
             sin = jnp.where(long, sin_long, sin) * rs.attention_factor
-        if isinstance(rs, YarnRopeScaling) and not (local and cfg.rope_local_theta is not None):
+        elif isinstance(rs, YarnRopeScaling) and not (local and cfg.rope_local_theta is not None):
             cos, sin = cos * rs.attention_factor, sin * rs.attention_factor
         tables[local] = _computed_once(cos, sin)
     return tables
