@@ -94,6 +94,14 @@ class CacheConfig:
         None, "host pages for swap preemption (instead of --swap-space-bytes)"
     )
     swap_space_bytes: int | None = setting(None, "host memory for swap preemption (default: 4 GiB)")
+    # The host tier of the prefix cache (jpaged/core/host_page_store.py): pages the device
+    # cache evicts are copied to host memory and loaded back on a hit. It shares its host
+    # pages with swap preemption (one store, sized by this when given).
+    kv_offload_bytes: int | None = setting(
+        None,
+        "host memory for KV pages evicted from the device prefix cache, loaded back on a hit "
+        "(0: off; default: off on CPU, a quarter of available host memory on an accelerator)",
+    )
 
     def __post_init__(self) -> None:
         _positive("page_size", self.page_size)
@@ -101,6 +109,14 @@ class CacheConfig:
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         _positive("num_swap_pages", self.num_swap_pages, allow_none=True)
         _positive("swap_space_bytes", self.swap_space_bytes, allow_none=True)
+        if self.kv_offload_bytes is not None and (
+            isinstance(self.kv_offload_bytes, bool)
+            or not isinstance(self.kv_offload_bytes, int)
+            or self.kv_offload_bytes < 0
+        ):
+            raise ValueError(
+                f"kv_offload_bytes must be a non-negative integer, got {self.kv_offload_bytes!r}"
+            )
         if self.num_swap_pages is not None and self.swap_space_bytes is not None:
             raise ValueError(
                 f"give num_swap_pages ({self.num_swap_pages}) or swap_space_bytes "

@@ -118,6 +118,7 @@ class ModelRunner:
         self.kv_dtype = kv_quant.storage_dtype(config.cache.kv_cache_dtype, dtype)
         self.reset_state()
         self.swap_space = None
+        self.swap_seconds, self.num_swap_steps = 0.0, 0  # swap's time, its calls with copies
         if num_swap_pages:  # zeros: the OS maps host pages on first write
             h, d = model_config.num_kv_heads, model_config.head_dim
             shape = (2, h, self.programs.num_slots, num_swap_pages + 1, self.page_size, d)
@@ -225,6 +226,7 @@ class ModelRunner:
         """Runs a plan's swap-outs (device -> host), then its swap-ins (host -> device)."""
         if not (len(plan.swap_out) or len(plan.swap_in)):
             return
+        t0 = time.perf_counter()
         gather, scatter = self._swappers()
         # [2, H, L, host pages, page_size, D] (a QuantizedPages of that and its scales
         # [2, H, L, host pages, page_size]: every leaf is moved alike).
@@ -247,6 +249,10 @@ class ModelRunner:
                 lambda a, h=host: a[:, :, :, h].reshape(*a.shape[:2], -1, *a.shape[4:]), space
             )
             self.state = scatter(self.state, dev, pages)
+        if len(plan.swap_in):
+            jax.block_until_ready(self.state)  # the load's time, not the next step's
+        self.swap_seconds += time.perf_counter() - t0
+        self.num_swap_steps += 1
 
     def execute(self, plan: StepPlan) -> SamplerOutput:
         """Runs one step; returns numpy arrays of the sampled tokens (row order of the plan)."""
