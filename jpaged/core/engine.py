@@ -43,10 +43,10 @@ import numpy as np
 from jpaged.config import EngineConfig
 from jpaged.core.beam_search import BeamSequences
 from jpaged.core.constraints import Constraints
+from jpaged.core.host_page_store import host_stats
 from jpaged.core.input_processor import InputProcessor
 from jpaged.core.memory_plan import MemoryPlan, host_page_store, kv_page_bytes, plan_memory
 from jpaged.core.output_processor import OutputProcessor, record_pooled, record_prompt_logprobs
-from jpaged.core.host_page_store import host_stats
 from jpaged.core.page_allocator import PageAllocator
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import RequestGroup, Sequence

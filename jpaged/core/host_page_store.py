@@ -149,18 +149,18 @@ class HostPageStore:
 
     def stats(self) -> dict:
         """The tier's counters (host_stats: zeros without a store)."""
-        return dict(
-            host_pages_total=self.num_usable_pages,
-            host_pages_used=self.num_used(),
-            host_pages_cached=self.num_cached(),
-            host_hit_pages=self.num_hit_pages,
-            host_offloaded_pages=self.num_offloaded,
-            host_pages_out=self.num_pages_out,
-            host_pages_in=self.num_pages_in,
-            host_bytes_out=self.num_pages_out * self.page_bytes,
-            host_bytes_in=self.num_pages_in * self.page_bytes,
-            host_offload_skipped=self.num_offload_skipped,
-        )
+        return {
+            "host_pages_total": self.num_usable_pages,
+            "host_pages_used": self.num_used(),
+            "host_pages_cached": self.num_cached(),
+            "host_hit_pages": self.num_hit_pages,
+            "host_offloaded_pages": self.num_offloaded,
+            "host_pages_out": self.num_pages_out,
+            "host_pages_in": self.num_pages_in,
+            "host_bytes_out": self.num_pages_out * self.page_bytes,
+            "host_bytes_in": self.num_pages_in * self.page_bytes,
+            "host_offload_skipped": self.num_offload_skipped,
+        }
 
 
 def host_stats(store: HostPageStore | None, copy_seconds: float, num_copy_steps: int) -> dict:

@@ -272,7 +272,12 @@ class KVCacheManager:
         if sum(needs) > self.allocator.num_free() - revived:
             return None
         return Admission(
-            computed, num_new, tuple(map(tuple, hits)), tuple(dead), tuple(needs), swapped,
+            computed,
+            num_new,
+            tuple(map(tuple, hits)),
+            tuple(dead),
+            tuple(needs),
+            swapped,
             tuple(loads),
         )
 
