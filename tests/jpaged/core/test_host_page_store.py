@@ -88,7 +88,10 @@ def test_the_store_evicts_its_least_recently_used_page_and_never_a_referenced_on
 
 
 def test_page_hashes_name_the_model_the_prefix_and_the_salt():
-    a, b = HostPageStore(1, page_bytes=1, identity="m"), HostPageStore(1, page_bytes=1, identity="n")
+    a, b = (
+        HostPageStore(1, page_bytes=1, identity="m"),
+        HostPageStore(1, page_bytes=1, identity="n"),
+    )
     h = a.page_hash(None, (1, 2), None)
     assert h == HostPageStore(1, page_bytes=1, identity="m").page_hash(None, (1, 2), None)
     assert h != b.page_hash(None, (1, 2), None)  # another model never hits
