@@ -166,6 +166,7 @@ class KVCacheManager:
         self.prefix_cache_hit_tokens = 0
         # The host tier: page hashes become its sha256 digests, and the allocator records
         # the cached pages it hands out anew, copied to the host by take_edits.
+        self._store = host_store  # its pages named by a plan are released by take_edits
         self.host = host_store if host_store is not None and host_store.offload else None
         if self.host is not None and (windows != (None,) or not allocator.enable_prefix_caching):
             self.host = None
@@ -210,8 +211,8 @@ class KVCacheManager:
         else:
             edits = PageEdits([], [], self._swap_out, self._swap_in)
         self._swap_out, self._swap_in = [], []
-        if self.host is not None:
-            self.host.end_plan(len(edits.swap_out), len(edits.swap_in))
+        if self._store is not None:
+            self._store.end_plan(len(edits.swap_out), len(edits.swap_in))
         return edits
 
     def _offload_evicted(self) -> None:
@@ -230,8 +231,8 @@ class KVCacheManager:
         every sequence's pages were freed), the host tier's too."""
         self._updates, self._copies, self._swap_out, self._swap_in = [], [], [], []
         self.allocator.reset_prefix_cache()
-        if self.host is not None:
-            self.host.restart()
+        if self._store is not None:
+            self._store.restart()
 
     # -- admission -------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, budget: int) -> Admission | None:
