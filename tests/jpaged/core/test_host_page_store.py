@@ -8,16 +8,30 @@ with a pool large enough to keep everything, with swap preemption using the same
 int8 page's values and scales come back from host as they left; every page is freed.
 """
 
+import collections
 import json
+import os
 
 import jax
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_allocator_properties import (
+    EOS,
+    MAX_MODEL_LEN,
+    OPS,
+    FakeDevice,
+    Harness,
+    contexts,
+    prompts,
+)
 from test_memory import make_engine  # page_size 4, max_model_len 64, one bucket
 from test_swap import feed
 
 from jpaged import SamplingParams
 from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
+from jpaged.core import kv_cache_manager
 from jpaged.core.host_page_store import HostPageStore
 from jpaged.core.page_allocator import PageAllocator
 from jpaged.core.scheduler import Scheduler
@@ -259,3 +273,107 @@ def test_an_int8_page_evicted_to_host_and_loaded_back_keeps_its_values_and_scale
     assert store.num_hit_pages == hits + 3
     for got, want in zip(device_pages(engine, cached(prompt)), before, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+MAX_EXAMPLES = int(os.environ.get("JPAGED_TIER_EXAMPLES", "100"))
+
+
+# -- hypothesis: the host-only harness of test_allocator_properties with the tier on --------------
+class TierHarness(Harness):
+    """Harness (test_allocator_properties) whose scheduler has the host tier: its FakeDevice's
+    host pages are the store's, the swap space too when swap is on. check() adds: every page
+    the store caches holds its entry's tokens, computed after exactly the prefix its hash
+    names."""
+
+    def __init__(self, page_size, num_pages, max_num_seqs, budget, host_pages, swap):
+        super().__init__(page_size, num_pages, max_num_seqs, budget, "paged", True)
+        config = EngineConfig(
+            cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                max_model_len=MAX_MODEL_LEN, preemption_mode="swap" if swap else "recompute",
+            ),
+        )  # fmt: skip
+        self.store = HostPageStore(host_pages, page_bytes=1, identity="tiny")
+        self.sched = Scheduler(
+            config, self.alloc, eos_token_ids=(EOS,), swap_allocator=self.store if swap else None,
+            host_store=self.store,
+        )  # fmt: skip
+        self.swap = self.store.pages if swap else None
+        table_shape = (max_num_seqs + 1, config.max_pages_per_seq)
+        self.device = FakeDevice(num_pages, page_size, table_shape, host_pages)
+
+    def check(self):
+        super().check()
+        prefixes = {}  # hash -> the tokens up to and including its page
+        ps = self.ps
+        for g in self.groups:
+            for s in g.seqs:
+                h = None
+                for i in range(len(s.token_ids) // ps):
+                    h = self.store.page_hash(
+                        h, tuple(s.token_ids[i * ps : (i + 1) * ps]), g.cache_salt
+                    )
+                    prefixes[h] = s.token_ids[: (i + 1) * ps]
+        pages = self.store.pages
+        assert pages.num_used() == (0 if self.swap is None else self.swap.num_used())
+        for page in range(1, pages.num_pages):
+            entry = pages.cached_entry(page)
+            if entry is None:
+                continue
+            prefix = prefixes[entry.hash]
+            assert self.device.host[page].tolist() == list(entry.token_ids) == prefix[-ps:]
+            assert self.device.host_ctx[page].tolist() == contexts(prefix)[-ps:]
+
+
+def run_tier_ops(data, swap):
+    ps = data.draw(st.sampled_from([1, 2, 4]), label="page_size")
+    pages_per_seq = -(-MAX_MODEL_LEN // ps)
+    max_num_seqs = data.draw(st.integers(1, 3), label="max_num_seqs")
+    h = TierHarness(
+        page_size=ps,
+        num_pages=data.draw(st.integers(pages_per_seq + 1, 2 * pages_per_seq), label="num_pages"),
+        max_num_seqs=max_num_seqs,
+        budget=data.draw(st.integers(max_num_seqs, 16), label="budget"),
+        # From fewer host pages than one sequence to room for several.
+        host_pages=data.draw(st.integers(1, 3 * pages_per_seq), label="host_pages"),
+        swap=swap,
+    )
+    for _ in range(data.draw(st.integers(5, 40), label="num_ops")):
+        op = data.draw(st.sampled_from(OPS))
+        if op == "admit":
+            prompt = data.draw(prompts)
+            salt = data.draw(st.sampled_from([None, None, "tenant"]))
+            n = data.draw(st.integers(1, max_num_seqs))  # forks fit the rows
+            h.admit(prompt, n, data.draw(st.integers(1, 10)), salt, 0)
+        elif op == "step":
+            h.step(data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=4)))
+        elif op == "abort" and h.groups:
+            h.abort(data.draw(st.integers(0, len(h.groups) - 1)))
+        elif op == "reset_prefix_cache":
+            h.alloc.reset_prefix_cache()
+        h.check()
+    h.drain_and_check_no_leaks()
+    assert h.store.num_used() == 0
+    return h
+
+
+def test_the_host_tier_keeps_every_invariant_under_admission_eviction_load_and_preemption(
+    monkeypatch,
+):
+    # The base checks recompute page hashes with the module's page_hash: the tier's here.
+    hasher = HostPageStore(1, page_bytes=1, identity="tiny")
+    monkeypatch.setattr(kv_cache_manager, "page_hash", hasher.page_hash)
+
+    seen = collections.Counter()
+
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def run(data):
+        h = run_tier_ops(data, swap=data.draw(st.booleans(), label="swap"))
+        seen["host hits"] += h.store.num_hit_pages
+        seen["offloads"] += h.store.num_offloaded
+        seen["swaps"] += h.sched.num_swaps_in
+
+    run()
+    assert min(seen.values()) > 0, seen  # the examples load, offload and swap
