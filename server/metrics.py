@@ -60,6 +60,23 @@ _SPEC_DECODE = {
     "spec_num_accepted_tokens": "Proposed tokens the target model accepted",
 }
 
+# The host tier of the KV cache (jpaged/core/host_page_store.py): stats key -> help;
+# counters jpaged_kv_host_hit_tokens_total and so on, and gauges of its pages.
+_KV_HOST_COUNTED = {
+    "host_hit_tokens": "Prompt tokens found in the host tier (also in prefix_cache_hit_tokens)",
+    "host_offloaded_pages": "Pages evicted from the device prefix cache and kept in host memory",
+    "host_pages_out": "KV pages copied device -> host (offloads and swap-outs)",
+    "host_pages_in": "KV pages copied host -> device (host hits and swap-ins)",
+    "host_bytes_out": "Bytes of KV pages copied device -> host",
+    "host_bytes_in": "Bytes of KV pages copied host -> device",
+    "host_copy_seconds": "Seconds the steps' host copies took (before their steps)",
+}
+_KV_HOST_GAUGES = {
+    "host_pages_total": "Host KV pages (the host tier and swap space)",
+    "host_pages_used": "Host KV pages held by swapped sequences",
+    "host_pages_cached": "Host KV pages holding prefix-cache content",
+}
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -110,13 +127,15 @@ class Metrics:
             "jpaged_kv_pages_cached", "Free pages still holding prefix-cache content", registry=r
         )
         self.weight_bytes = Gauge(
-            "jpaged_weight_bytes", "Resident bytes of the model weights (quantized: with scales)",
+            "jpaged_weight_bytes",
+            "Resident bytes of the model weights (quantized: with scales)",
             registry=r,
         )
         self.kv_bytes_per_token = Gauge(
             "jpaged_kv_bytes_per_token",
             "Bytes of one token's K and V in every layer (scales included), by KV page dtype",
-            ["kv_cache_dtype"], registry=r,
+            ["kv_cache_dtype"],
+            registry=r,
         )
         self.prefix_hit_rate = Gauge(
             "jpaged_prefix_cache_hit_rate",
@@ -154,8 +173,17 @@ class Metrics:
             key: Counter("jpaged_spec_decode_" + key.removeprefix("spec_"), doc, registry=r)
             for key, doc in _SPEC_DECODE.items()
         }
+        self.kv_host = {
+            key: Counter("jpaged_kv_" + key, doc, registry=r)
+            for key, doc in _KV_HOST_COUNTED.items()
+        }
+        self.kv_host_gauges = {
+            key: Gauge("jpaged_kv_" + key, doc, registry=r) for key, doc in _KV_HOST_GAUGES.items()
+        }
         # engine stats key -> the counter that follows it
-        self._counters = {k: getattr(self, a) for k, a in _COUNTED.items()} | self.spec_decode
+        self._counters = (
+            {k: getattr(self, a) for k, a in _COUNTED.items()} | self.spec_decode | self.kv_host
+        )
         self._last = dict.fromkeys(self._counters, 0)
         self._http: WSGIServer | None = None
 
@@ -172,6 +200,8 @@ class Metrics:
         if "kv_bytes_per_token" in stats:  # an engine's (fake engines may leave it out)
             dtype = stats["kv_cache_dtype"]
             self.kv_bytes_per_token.labels(kv_cache_dtype=dtype).set(stats["kv_bytes_per_token"])
+        for key, gauge in self.kv_host_gauges.items():
+            gauge.set(stats.get(key, 0))
         query, hit = stats["prefix_cache_query_tokens"], stats["prefix_cache_hit_tokens"]
         self.prefix_hit_rate.set(hit / query if query else 0.0)
         for key, counter in self._counters.items():

@@ -40,20 +40,29 @@ from jpaged.core.page_allocator import PageAllocator
 class HostPageStore:
     STAT_KEYS = (
         "host_pages_total", "host_pages_used", "host_pages_cached", "host_hit_pages",
+        "host_hit_tokens",
         "host_offloaded_pages", "host_pages_out", "host_pages_in", "host_bytes_out",
         "host_bytes_in", "host_offload_skipped",
     )  # fmt: skip
 
     def __init__(
-        self, num_pages: int, *, page_bytes: int, identity: str = "", offload: bool = True
+        self,
+        num_pages: int,
+        *,
+        page_bytes: int,
+        page_size: int = 1,
+        identity: str = "",
+        offload: bool = True,
     ) -> None:
         """num_pages: host pages (page 0 not counted); page_bytes: one page's K and V of
-        every layer, scales included; identity: the model's identity (module docstring);
-        offload: whether evicted prefix pages are kept (else swap pages only)."""
+        every layer, scales included; page_size: its tokens; identity: the model's identity
+        (module docstring); offload: whether evicted prefix pages are kept (else swap pages
+        only)."""
         if num_pages < 1:
             raise ValueError(f"a host page store needs at least one page, got {num_pages}")
         self.pages = PageAllocator(num_pages + 1, enable_prefix_caching=offload)
         self.page_bytes = page_bytes
+        self.page_size = page_size
         self.offload = offload
         self._seed = hashlib.sha256(identity.encode()).digest()
         self._named: list[int] = []  # pages named by the plan being made
@@ -154,6 +163,7 @@ class HostPageStore:
             "host_pages_used": self.num_used(),
             "host_pages_cached": self.num_cached(),
             "host_hit_pages": self.num_hit_pages,
+            "host_hit_tokens": self.num_hit_pages * self.page_size,
             "host_offloaded_pages": self.num_offloaded,
             "host_pages_out": self.num_pages_out,
             "host_pages_in": self.num_pages_in,

@@ -342,6 +342,7 @@ def host_page_store(
     return HostPageStore(
         num_host_pages,
         page_bytes=kv_page_bytes(model_config, page_size, 0, kv_dtype),
+        page_size=page_size,
         identity=identity,
         offload=bool(config.cache.kv_offload_bytes),
     )
