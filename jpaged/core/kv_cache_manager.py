@@ -24,6 +24,12 @@ recompute. The plan names the copies; the runner moves the data, swap-outs befor
 before the step, so a page freed and reused within one plan is read before it is written.
 A write into a page shared with another sequence copies it first (copy-on-write).
 
+Host tier (host_store, jpaged/core/host_page_store.py; one full group only): the allocator
+records the cached pages it hands out anew, and take_edits names their copies to host pages
+(swap_out) before the plan's swap-ins and step; a prefix lookup goes on in the host store
+after the device's last hit (_host_hits), and admission loads those pages into fresh ones
+(swap_in) and caches them on the device again. Page hashes are then the store's sha256 chain.
+
 Sliding windows (`sliding_window` W, given when every layer of the model sees only the last
 W keys): a step whose first query is at position `start` reads no key before
 start - W + 1, and later steps read even less, so each plan frees a running sequence's pages
