@@ -28,6 +28,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = (None, "reference", "pallas", "pallas_interpret")
 GENERATION_CONFIGS = ("auto", "vllm")
 DEFAULT_SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap space
+DEFAULT_KV_OFFLOAD_DIR_BYTES = 16 * 2**30  # the disk tier's files, at most
 DEFAULT_MAX_MODEL_LEN = 2048  # the cap on the model's own context length by default
 # EngineConfig.scan_layers when it is None, by platform (docs/benchmarks.md, "Scanned layers").
 SCAN_LAYERS_DEFAULT = {"cpu": True, "gpu": True, "tpu": True}
@@ -102,6 +103,12 @@ class CacheConfig:
         "host memory for KV pages evicted from the device prefix cache, loaded back on a hit "
         "(0: off; default: off on CPU, a quarter of available host memory on an accelerator)",
     )
+    kv_offload_dir: str | None = setting(
+        None, "directory for KV pages the host tier evicts, read back on a hit (the disk tier)"
+    )
+    kv_offload_dir_bytes: int = setting(
+        DEFAULT_KV_OFFLOAD_DIR_BYTES, "most bytes of page files kept in --kv-offload-dir"
+    )
 
     def __post_init__(self) -> None:
         _positive("page_size", self.page_size)
@@ -116,6 +123,12 @@ class CacheConfig:
         ):
             raise ValueError(
                 f"kv_offload_bytes must be a non-negative integer, got {self.kv_offload_bytes!r}"
+            )
+        _positive("kv_offload_dir_bytes", self.kv_offload_dir_bytes)
+        if self.kv_offload_dir is not None and self.kv_offload_bytes == 0:
+            raise ValueError(
+                f"kv_offload_dir ({self.kv_offload_dir!r}) needs the host tier, which "
+                "kv_offload_bytes=0 turns off"
             )
         if self.num_swap_pages is not None and self.swap_space_bytes is not None:
             raise ValueError(

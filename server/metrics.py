@@ -70,11 +70,18 @@ _KV_HOST_COUNTED = {
     "host_bytes_out": "Bytes of KV pages copied device -> host",
     "host_bytes_in": "Bytes of KV pages copied host -> device",
     "host_copy_seconds": "Seconds the steps' host copies took (before their steps)",
+    "disk_hit_pages": "Pages read back from the disk tier (--kv-offload-dir) into host memory",
+    "disk_pages_written": "Pages the host tier evicted, written to the disk tier",
+    "disk_bytes_written": "Bytes of page files written to the disk tier",
+    "disk_bytes_read": "Bytes of page files read from the disk tier",
+    "disk_bad_files": "Disk-tier page files found torn or corrupt (treated as misses, removed)",
 }
 _KV_HOST_GAUGES = {
     "host_pages_total": "Host KV pages (the host tier and swap space)",
     "host_pages_used": "Host KV pages held by swapped sequences",
     "host_pages_cached": "Host KV pages holding prefix-cache content",
+    "disk_files": "Page files in the disk tier",
+    "disk_bytes": "Bytes of the disk tier's page files",
 }
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -179,8 +179,8 @@ class LLMEngine:
         )  # fmt: skip
         self.kv_dtype, self.kv_groups = memory.kv_dtype, memory.kv_groups
         self.num_pages, self.num_swap_pages = memory.num_pages, memory.num_swap_pages
-        self._new_host_state()
         self.runner = _make_runner(memory, loaded, dtype, self.compilation_cache_dir)
+        self._new_host_state()
         self._arrivals = 0
         drafter = None
         if draft is not None:
@@ -222,7 +222,7 @@ class LLMEngine:
         )
         # Host pages: the prefix cache's host tier and swap space, one store.
         self.host_store = host_page_store(
-            config, self.model_config, self.num_swap_pages, self.kv_dtype
+            config, self.model_config, self.num_swap_pages, self.kv_dtype, self.runner.swap_space
         )
         self.scheduler = Scheduler(
             config,

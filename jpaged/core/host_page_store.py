@@ -32,8 +32,10 @@ from __future__ import annotations
 import hashlib
 import struct
 
+import jax
 import numpy as np
 
+from jpaged.core.disk_page_store import DiskPageStore
 from jpaged.core.page_allocator import PageAllocator
 
 
@@ -42,7 +44,9 @@ class HostPageStore:
         "host_pages_total", "host_pages_used", "host_pages_cached", "host_hit_pages",
         "host_hit_tokens",
         "host_offloaded_pages", "host_pages_out", "host_pages_in", "host_bytes_out",
-        "host_bytes_in", "host_offload_skipped",
+        "host_bytes_in", "host_offload_skipped", "disk_hit_pages", "disk_files", "disk_bytes",
+        "disk_pages_written", "disk_pages_read", "disk_bytes_written", "disk_bytes_read",
+        "disk_bad_files",
     )  # fmt: skip
 
     def __init__(
@@ -53,11 +57,15 @@ class HostPageStore:
         page_size: int = 1,
         identity: str = "",
         offload: bool = True,
+        host_array=None,
+        disk: DiskPageStore | None = None,
     ) -> None:
         """num_pages: host pages (page 0 not counted); page_bytes: one page's K and V of
         every layer, scales included; page_size: its tokens; identity: the model's identity
         (module docstring); offload: whether evicted prefix pages are kept (else swap pages
-        only)."""
+        only). host_array: the runner's host pages (a numpy array, or a pytree of them for
+        int8/fp8 pages: [2, H, L, num_pages + 1, page_size(, D)] each), which disk needs;
+        disk: the disk tier, where host pages evicted from this one are written."""
         if num_pages < 1:
             raise ValueError(f"a host page store needs at least one page, got {num_pages}")
         self.pages = PageAllocator(num_pages + 1, enable_prefix_caching=offload)
@@ -66,6 +74,10 @@ class HostPageStore:
         self.offload = offload
         self._seed = hashlib.sha256(identity.encode()).digest()
         self._named: list[int] = []  # pages named by the plan being made
+        self.disk = disk if offload and host_array is not None else None
+        self._leaves = [] if host_array is None else jax.tree.leaves(host_array)
+        if self.disk is not None:
+            self.pages.evicted = []  # spilled to disk by _spill
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -74,6 +86,7 @@ class HostPageStore:
         self.num_pages_out = 0  # device -> host copies (offloads and swap-outs)
         self.num_pages_in = 0  # host -> device copies (loads and swap-ins)
         self.num_offload_skipped = 0  # evicted pages not kept (every host page in use)
+        self.num_disk_hits = 0  # pages read back from disk into host pages
 
     # -- the swap allocator's interface (KVCacheManager.preempt, drop_swap) ------------------
     @property
@@ -94,7 +107,9 @@ class HostPageStore:
 
     def allocate(self, n: int) -> list[int]:
         """n host pages for a swap-out (least recently used cached pages are evicted)."""
-        return self.pages.allocate(n)
+        pages = self.pages.allocate(n)
+        self._spill()
+        return pages
 
     def free(self, pages: list[int]) -> None:
         """Drops swapped pages: they may be read by this plan's swap-ins, so they are
@@ -115,7 +130,37 @@ class HostPageStore:
         """The host page holding the page of hash h, token_ids and salt, or None."""
         if not self.offload:
             return None
-        return self.pages.lookup(h, token_ids, salt=salt)
+        page = self.pages.lookup(h, token_ids, salt=salt)
+        if page is None and self.disk is not None and h in self.disk:
+            page = self._read_back(h, token_ids, salt)
+        return page
+
+    def _read_back(self, h: int, token_ids: tuple[int, ...], salt) -> int | None:
+        """A page of the disk tier read into a host page (cached there; held until the plan
+        is complete), or None: no host page free, or the file is not this page's."""
+        if not self.pages.can_allocate(1):
+            return None
+        arrays = self.disk.get(h, token_ids, salt, [leaf[:, :, :, 0] for leaf in self._leaves])
+        if arrays is None:
+            return None
+        (page,) = self.pages.allocate(1)
+        self._spill()
+        for leaf, a in zip(self._leaves, arrays, strict=True):
+            leaf[:, :, :, page] = a
+        self.pages.cache_page(page, h, token_ids, salt=salt)
+        self._named.append(page)
+        self.num_disk_hits += 1
+        return page
+
+    def _spill(self) -> None:
+        """Writes the cached host pages just handed out anew to the disk tier (their bytes
+        are whole: a host page named by the plan being made is never handed out)."""
+        if self.disk is None:
+            return
+        for page, entry in self.pages.evicted:
+            arrays = [leaf[:, :, :, page] for leaf in self._leaves]
+            self.disk.put(entry.hash, entry.token_ids, entry.salt, arrays)
+        self.pages.evicted.clear()
 
     def load(self, page: int) -> None:
         """A host hit found by lookup is loaded by the plan being made: referenced until the
@@ -136,6 +181,7 @@ class HostPageStore:
             self.num_offload_skipped += 1
             return None
         (page,) = self.pages.allocate(1)
+        self._spill()
         self.pages.cache_page(page, h, token_ids, salt=salt)
         self._named.append(page)
         self.num_offloaded += 1
@@ -154,7 +200,7 @@ class HostPageStore:
         """The device state was made anew: no copy is pending and the tier is empty."""
         self.pages.free(self._named)
         self._named = []
-        self.pages.reset_prefix_cache()
+        self.pages.reset_prefix_cache()  # the disk tier's files stay: they were whole
 
     def stats(self) -> dict:
         """The tier's counters (host_stats: zeros without a store)."""
@@ -170,6 +216,8 @@ class HostPageStore:
             "host_bytes_out": self.num_pages_out * self.page_bytes,
             "host_bytes_in": self.num_pages_in * self.page_bytes,
             "host_offload_skipped": self.num_offload_skipped,
+            "disk_hit_pages": self.num_disk_hits,
+            **(self.disk.stats() if self.disk is not None else {}),
         }
 
 
@@ -177,7 +225,9 @@ def host_stats(store: HostPageStore | None, copy_seconds: float, num_copy_steps:
     """The engine's host-tier stats (llm.stats(), /metrics): the store's counters, zeros
     without one, and the seconds the plans' host copies took (ModelRunner.swap) over the
     steps that had any."""
-    stats = dict.fromkeys(HostPageStore.STAT_KEYS, 0) if store is None else store.stats()
+    stats = dict.fromkeys(HostPageStore.STAT_KEYS, 0)
+    if store is not None:
+        stats.update(store.stats())
     stats["host_copy_seconds"] = copy_seconds
     stats["host_copy_steps"] = num_copy_steps
     return stats

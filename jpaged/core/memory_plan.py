@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jpaged.config import DEFAULT_SWAP_SPACE_BYTES, CacheConfig, EngineConfig
+from jpaged.core.disk_page_store import DiskPageStore
 from jpaged.core.host_page_store import HostPageStore
 from jpaged.core.kv_cache_manager import sequence_pages
 from models.config import LongRopeScaling, ModelConfig
@@ -199,6 +200,11 @@ def resolve_kv_offload_bytes(
     window or paging groups, and with a draft model (its pool shares the page ids)."""
     wanted = cache.kv_offload_bytes
     if wanted is None:
+        if cache.kv_offload_dir is not None and platform == "cpu":
+            raise ValueError(
+                f"kv_offload_dir ({cache.kv_offload_dir!r}) needs kv_offload_bytes on CPU, "
+                "where the host tier is off by default (it stages the disk's pages)"
+            )
         avail = available_host_memory() if platform != "cpu" else None
         wanted = int(avail * HOST_OFFLOAD_SHARE) if avail else 0
     why_not = None
@@ -327,14 +333,20 @@ def plan_memory(
 
 
 def host_page_store(
-    config: EngineConfig, model_config: ModelConfig, num_host_pages: int, kv_dtype
+    config: EngineConfig, model_config: ModelConfig, num_host_pages: int, kv_dtype, host_array
 ) -> HostPageStore | None:
-    """The engine's host pages (MemoryPlan.num_swap_pages, None when 0): swap space, and the
-    prefix cache's host tier when kv_offload_bytes (resolved) is set. Its identity names the
-    model, its architecture and the pages' dtype and layout: another checkpoint never hits."""
+    """The engine's host pages (MemoryPlan.num_swap_pages, None when 0; their bytes are
+    host_array, the runner's swap_space): swap space, and the prefix cache's host tier when
+    kv_offload_bytes (resolved) is set, over the disk tier when kv_offload_dir is. Its
+    identity names the model, its architecture and the pages' dtype and layout: another
+    checkpoint never hits, in memory or on disk."""
     if not num_host_pages:
         return None
     m, page_size = model_config, config.cache.page_size
+    cache = config.cache
+    disk = None
+    if cache.kv_offload_dir is not None and cache.kv_offload_bytes:
+        disk = DiskPageStore(cache.kv_offload_dir, cache.kv_offload_dir_bytes)
     identity = (
         f"{config.model}|{config.quantization}|{m.architecture}|{np.dtype(kv_dtype).name}|"
         f"{page_size}x{m.num_layers}x{m.num_kv_heads}x{m.head_dim}"
@@ -345,4 +357,6 @@ def host_page_store(
         page_size=page_size,
         identity=identity,
         offload=bool(config.cache.kv_offload_bytes),
+        host_array=host_array,
+        disk=disk,
     )
