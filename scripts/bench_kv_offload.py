@@ -6,8 +6,10 @@ prompts and replies, then --user-tokens new tokens), --output-tokens generated p
 (greedy, EOS ignored). The device pool holds about --pool-share of the working set (every
 session's final history); with the tier on the host holds all of it. Runs in process on one
 LLMEngine per setting (no server), a random Llama of the demo model's shape with 4,096
-positions, written once into --checkpoint-dir. Reports per turn: TTFT p50/p99, prompt tokens
-computed and served from the device and from the host tier, and each run's generated tokens/s;
+positions, written once into --checkpoint-dir. Reports per turn: TTFT p50/p99, the tokens the
+steps computed (prompts less their hits, recomputation after preemptions, decode steps), the
+prompt tokens served from the device and from the host tier (hits of re-admitted preempted
+sequences included), preemptions, and each run's generated tokens/s;
 then a workload with no reuse (--sessions x --turns fresh prompts of the same lengths), on
 and off, for the tier's cost where nothing hits.
 
@@ -70,6 +72,7 @@ def run_turns(engine: LLMEngine, prompts_by_turn, args, reuse: bool) -> dict:
             engine.add_request(rid, prompt, params)
             sent[rid] = (time.perf_counter(), len(prompt))
         t0 = time.perf_counter()
+        computed = count_computed(engine)
         while engine.has_unfinished_requests():
             for out in engine.step():
                 now = time.perf_counter()
@@ -78,6 +81,7 @@ def run_turns(engine: LLMEngine, prompts_by_turn, args, reuse: bool) -> dict:
                 if out.finished:
                     done[out.request_id] = out.outputs[0].token_ids
         elapsed = time.perf_counter() - t0
+        del engine.scheduler.schedule
         stats = engine.stats()
         for s in range(args.sessions):
             if reuse:
@@ -89,7 +93,10 @@ def run_turns(engine: LLMEngine, prompts_by_turn, args, reuse: bool) -> dict:
         turns.append({
             "turn": turn + 1,
             "prompt_tokens": prompt_tokens,
-            "computed": prompt_tokens - hit,
+            # every token the steps computed: prompts less hits, recomputation after a
+            # preemption, and the decode steps (output_tokens - 1 per request)
+            "computed": sum(computed),
+            "preemptions": stats["num_preemptions"],
             "device_hit": hit - host,
             "host_hit": host,
             "ttft_p50": float(np.percentile(ttft, 50)),
@@ -103,6 +110,21 @@ def run_turns(engine: LLMEngine, prompts_by_turn, args, reuse: bool) -> dict:
     return {"turns": turns, "seconds": total, "tokens_per_s": generated / total}
 
 
+def count_computed(engine: LLMEngine) -> list[int]:
+    """A list that gains each plan's token count (until engine.scheduler.schedule is
+    deleted again)."""
+    counts = []
+    schedule = engine.scheduler.schedule
+
+    def counting(*a, **kw):
+        plan = schedule(*a, **kw)
+        counts.append(plan.num_tokens)
+        return plan
+
+    engine.scheduler.schedule = counting
+    return counts
+
+
 def workload(args) -> list[list[list[int]]]:
     rng = np.random.default_rng(args.seed)
     return [
@@ -113,12 +135,12 @@ def workload(args) -> list[list[list[int]]]:
 
 def report(name: str, r: dict) -> None:
     print(f"\n{name}: {r['seconds']:.1f} s, {r['tokens_per_s']:.1f} generated tokens/s")
-    print("turn  prompt  computed  device-hit  host-hit  ttft-p50  ttft-p99  load-s/step")
+    print("turn  prompt  computed  device-hit  host-hit  preempt  ttft-p50  ttft-p99  load-s/step")
     for t in r["turns"]:
         per_step = t["host_copy_seconds"] / max(t["host_copy_steps"], 1)
         print(
             f"{t['turn']:>4}  {t['prompt_tokens']:>6}  {t['computed']:>8}  {t['device_hit']:>10}"
-            f"  {t['host_hit']:>8}  {t['ttft_p50']:>8.3f}  {t['ttft_p99']:>8.3f}  {per_step:>11.4f}"
+            f"  {t['host_hit']:>8}  {t['preemptions']:>7}  {t['ttft_p50']:>8.3f}  {t['ttft_p99']:>8.3f}  {per_step:>11.4f}"
         )
 
 
