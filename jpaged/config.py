@@ -125,6 +125,13 @@ class CacheConfig:
                 f"kv_offload_bytes must be a non-negative integer, got {self.kv_offload_bytes!r}"
             )
         _positive("kv_offload_dir_bytes", self.kv_offload_dir_bytes)
+        if self.kv_offload_bytes and (
+            self.num_swap_pages is not None or self.swap_space_bytes is not None
+        ):
+            raise ValueError(
+                f"kv_offload_bytes ({self.kv_offload_bytes}) sizes the host pages that swap "
+                "preemption uses too: give it without num_swap_pages or swap_space_bytes"
+            )
         if self.kv_offload_dir is not None and self.kv_offload_bytes == 0:
             raise ValueError(
                 f"kv_offload_dir ({self.kv_offload_dir!r}) needs the host tier, which "

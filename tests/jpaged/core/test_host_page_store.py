@@ -116,6 +116,8 @@ def test_page_hashes_name_the_model_the_prefix_and_the_salt():
 def test_offload_flags_are_validated(tiny_checkpoints):
     with pytest.raises(ValueError, match="kv_offload_bytes must be a non-negative integer"):
         CacheConfig(kv_offload_bytes=-1)
+    with pytest.raises(ValueError, match="give it without num_swap_pages or swap_space_bytes"):
+        CacheConfig(kv_offload_bytes=1 << 20, num_swap_pages=8)
     config = engine_config_from_args(str(tiny_checkpoints["llama"]), kv_offload_bytes=4096)
     assert config.cache.kv_offload_bytes == 4096
     from jpaged.core.memory_plan import plan_memory
