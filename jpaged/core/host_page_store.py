@@ -21,6 +21,10 @@ digest, the page's tokens and the salt to match (the tokens and salt are checked
 prefix rests on the digest chain: exact up to a sha256 collision, vLLM's own promise).
 The device allocator keeps its own exactness rule (its entries' parents), whatever the hash.
 
+Disk (jpaged/core/disk_page_store.py, with the runner's host array): a cached host page
+handed out anew is first written to the disk tier (_spill), and a host miss whose page has
+a file reads it into a free host page (_read_back), cached there like an offload.
+
 Copies in a plan: a host page named by the plan being made (an offload written, a hit or a
 swapped page read) keeps a reference until the plan is complete (end_plan, from
 KVCacheManager.take_edits), so no other copy of the same plan can target it; the engine
