@@ -257,7 +257,9 @@ class EngineConfig:
         "reference, pallas or pallas_interpret (default: the best for the platform)",
         choices=ATTENTION_BACKENDS[1:],
     )
-    precompile: bool = setting(False, "compiling (and running once) every shape bucket at start-up")
+    precompile: bool = setting(
+        False, "compiling (and running once) every shape bucket at start-up"
+    )
     # Decoder layers under lax.scan over stacked weights: one traced and compiled layer per
     # step program (start-up seconds instead of minutes) against an unrolled loop of every
     # layer. None: the measured better trade of the platform (SCAN_LAYERS_DEFAULT; on CPU

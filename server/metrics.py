@@ -134,15 +134,13 @@ class Metrics:
             "jpaged_kv_pages_cached", "Free pages still holding prefix-cache content", registry=r
         )
         self.weight_bytes = Gauge(
-            "jpaged_weight_bytes",
-            "Resident bytes of the model weights (quantized: with scales)",
+            "jpaged_weight_bytes", "Resident bytes of the model weights (quantized: with scales)",
             registry=r,
         )
         self.kv_bytes_per_token = Gauge(
             "jpaged_kv_bytes_per_token",
             "Bytes of one token's K and V in every layer (scales included), by KV page dtype",
-            ["kv_cache_dtype"],
-            registry=r,
+            ["kv_cache_dtype"], registry=r,
         )
         self.prefix_hit_rate = Gauge(
             "jpaged_prefix_cache_hit_rate",

@@ -39,8 +39,7 @@ _deselected: set[str] = set()
 
 def pytest_addoption(parser):
     parser.addoption(
-        "--without-torch",
-        action="store_true",
+        "--without-torch", action="store_true",
         help="deselect the tests that need torch or transformers (tests/needs_torch.py)",
     )
 
@@ -53,9 +52,8 @@ def pytest_configure(config):
 def imports_torch(path: Path) -> bool:
     """Whether the module's top level imports torch or transformers (or a submodule)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    return any(
-        isinstance(node, ast.Import | ast.ImportFrom) and _names_torch(node) for node in tree.body
-    )
+    return any(isinstance(node, ast.Import | ast.ImportFrom) and _names_torch(node)
+               for node in tree.body)
 
 
 def _names_torch(node: ast.Import | ast.ImportFrom) -> bool:
@@ -92,7 +90,7 @@ def needs_torch(item) -> bool:
     if fn is not None and calls_torch_helper(fn):
         return True
     info = getattr(item, "_fixtureinfo", None)
-    for defs in info.name2fixturedefs.values() if info else ():
+    for defs in (info.name2fixturedefs.values() if info else ()):
         if any(calls_torch_helper(d.func) for d in defs):
             return True
     return False
@@ -140,9 +138,8 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     tr = terminalreporter
     tr.section("left out: need torch or transformers (--without-torch)")
-    tr.write_line(
-        f"modules not collected ({len(_not_collected)}): {', '.join(sorted(_not_collected))}"
-    )
+    tr.write_line(f"modules not collected ({len(_not_collected)}): "
+                  f"{', '.join(sorted(_not_collected))}")
     tr.write_line(f"tests deselected: {len(_deselected)}")
     for nodeid in sorted(_deselected):
         tr.write_line(f"  {nodeid}")

@@ -33,17 +33,9 @@ def make_llama_checkpoint(
     tokenizer = build_tokenizer()
     bos, eos = tokenizer.token_to_id(BOS_TOKEN), tokenizer.token_to_id(EOS_TOKEN)
     out = write_llama_checkpoint(
-        path,
-        seed=seed,
-        hidden=hidden,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        intermediate=intermediate,
-        vocab=tokenizer.get_vocab_size(),
-        max_position_embeddings=512,
-        bos_token_id=bos,
-        eos_token_id=eos,
+        path, seed=seed, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+        intermediate=intermediate, vocab=tokenizer.get_vocab_size(), max_position_embeddings=512,
+        bos_token_id=bos, eos_token_id=eos,
     )
     tokenizer.save(str(Path(out) / "tokenizer.json"))
     generation_config = {"bos_token_id": bos, "eos_token_id": [eos]}

@@ -40,11 +40,7 @@ def test_gpu_session_dry_run_on_cpu(tmp_path):
     )
     res = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_session.sh"), "tests", "attention", "W1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
+        env=env, capture_output=True, text=True, timeout=900, check=False,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     log = (out / "session.log").read_text()

@@ -49,9 +49,7 @@ def module_name(path: Path) -> str:
 def imports(path: Path) -> list[tuple[str, list[str], int]]:
     """(module imported, names taken from it, line) for every import statement in path."""
     tree = ast.parse(path.read_text(), str(path))
-    package = (
-        module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else module_name(path)
-    )
+    package = module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else module_name(path)
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -16,7 +16,8 @@ from jpaged.sample.sampling_params import SamplingParams
 W, PS = 6, 4  # the window and the page size of these plans
 
 
-def make_scheduler(num_pages, *, max_num_seqs=2, swap_pages=0, caching=True, budget=32, **windows):
+def make_scheduler(num_pages, *, max_num_seqs=2, swap_pages=0, caching=True, budget=32,
+                   **windows):
     """(scheduler, allocator, swap allocator or None); windows: Scheduler's sliding_window=
     or group_windows=."""
     config = EngineConfig(

@@ -226,11 +226,7 @@ class CostGovernor:
         return c.since_verify >= c.interval
 
     def record(
-        self,
-        bucket: int,
-        seconds: float,
-        tokens_per_row: float | None,
-        *,
+        self, bucket: int, seconds: float, tokens_per_row: float | None, *,
         rows_estimate: bool = False,
     ) -> None:
         """A decode step of this bucket took seconds; tokens_per_row: what a verifying step

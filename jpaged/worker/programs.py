@@ -121,9 +121,8 @@ def gather_pages(state: DeviceState, ids, *, num_layers: int):
     each page in every layer, layer-major (the host swap space's layout); a quantized pool's
     as QuantizedPages of [2, ...] rows and scales (the scales travel with their pages)."""
     every = every_layer(ids, num_layers, state.k_pages.shape[1] // num_layers)
-    return jax.tree.map(
-        lambda k, v: jnp.stack([k[:, every], v[:, every]]), state.k_pages, state.v_pages
-    )
+    return jax.tree.map(lambda k, v: jnp.stack([k[:, every], v[:, every]]),
+                        state.k_pages, state.v_pages)
 
 
 def scatter_pages(state: DeviceState, ids, pages, *, num_layers: int) -> DeviceState:
@@ -372,8 +371,7 @@ class Programs:
 
         def zeros():  # kv_quant.zeros: QuantizedPages for an int8/fp8 dtype
             return DeviceState(
-                kv_quant.zeros(shape, dtype),
-                kv_quant.zeros(shape, dtype),
+                kv_quant.zeros(shape, dtype), kv_quant.zeros(shape, dtype),
                 jnp.zeros(table_shape, jnp.int32),
             )
 

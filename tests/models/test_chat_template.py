@@ -247,18 +247,14 @@ def test_template_that_raises_names_the_message_it_was_reading():
         # A Python error inside the template's expressions: its type, words and line.
         (
             "{% for m in messages %}\n{{ m.content + m.count }}{% endfor %}",
-            (
-                'messages[1]: chat template error: TypeError: can only concatenate str (not "int") '
-                "to str (template line 2)"
-            ),
+            ('messages[1]: chat template error: TypeError: can only concatenate str (not "int") '
+            "to str (template line 2)"),
             1,
         ),
         (
             "{{ 1 // (messages | length - 2) }}",
-            (
-                "chat template error: ZeroDivisionError: integer division or modulo by zero "
-                "(template line 1)"
-            ),
+            ("chat template error: ZeroDivisionError: integer division or modulo by zero "
+            "(template line 1)"),
             None,
         ),
         (

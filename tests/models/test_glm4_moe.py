@@ -208,9 +208,7 @@ def test_int8_and_orbax_loads_of_a_dense_first_layer(tmp_path):
     layers = loaded.params["layers"]
     assert isinstance(layers["w_gate_shared"], QuantizedWeight)
     assert layers["w_gate"].q.shape == (1, 16, 24) and layers["w_up_exps"].q.shape == (2, 8, 16, 4)
-    plain = jax.tree.map(
-        dequantize, loaded.params, is_leaf=lambda a: isinstance(a, QuantizedWeight)
-    )
+    plain = jax.tree.map(dequantize, loaded.params, is_leaf=lambda a: isinstance(a, QuantizedWeight))
     ids = np.random.default_rng(2).integers(0, 32, 9).tolist()
     want = paged_logits(dataclasses.replace(loaded, params=plain), [9], ids)
     np.testing.assert_allclose(paged_logits(loaded, [9], ids), want, atol=1e-5, rtol=0)

@@ -111,16 +111,16 @@ def test_quantized_linear_equals_the_dequantized_weight(method, native):
 
 @pytest.mark.parametrize("group,offset", [(32, False), (32, True), (0, False)])
 @pytest.mark.parametrize("num_tokens", [1, 5])
-def test_tied_logits_and_embedding_rows_equal_the_dequantized_table(
-    monkeypatch, group, offset, num_tokens
-):
+def test_tied_logits_and_embedding_rows_equal_the_dequantized_table(monkeypatch, group, offset,
+                                                                    num_tokens):
     """A quantized tied table (per block of a row, with GGUF's offsets, or per row): the LM
     head's blocks of VOCAB_BLOCK rows (8 here: 5 blocks and 3 rows left over) and the
     whole-table product for one token equal x @ dequantize(table).T; embed_rows dequantizes
     the looked-up rows only, to the table's values exactly."""
     monkeypatch.setattr(quant, "VOCAB_BLOCK", 8)
     rng = np.random.default_rng(3)
-    w = quant.quantize(rng.normal(size=(43, 64)), (1,), "int8", group=group, scale_dtype=np.float16)
+    w = quant.quantize(rng.normal(size=(43, 64)), (1,), "int8", group=group,
+                       scale_dtype=np.float16)
     if offset:
         w = dataclasses.replace(w, offset=rng.normal(size=w.scale.shape).astype(np.float16))
     table = jax.tree.map(jnp.asarray, w)
@@ -271,11 +271,7 @@ def test_gguf_q8_0_loads_as_int8_with_its_blocks(q8_gguf, stacked):
     # untied LM head (output.weight) stays float32.
     embed = q8.params["embed"]
     assert isinstance(embed, quant.QuantizedWeight) and (embed.group, embed.group_axis) == (32, -1)
-    assert (embed.q.dtype, embed.scale.dtype, embed.scale.shape) == (
-        jnp.int8,
-        jnp.float16,
-        (2048, 4),
-    )
+    assert (embed.q.dtype, embed.scale.dtype, embed.scale.shape) == (jnp.int8, jnp.float16, (2048, 4))
     np.testing.assert_array_equal(quant.dequantize(embed), dense.params["embed"])
     np.testing.assert_array_equal(q8.params["lm_head"], dense.params["lm_head"])
     # Resident bytes: the projections at 1 + 2/32 bytes per weight (+ float32 norms).

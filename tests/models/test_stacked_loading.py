@@ -43,13 +43,8 @@ def test_orbax_checkpoint_loads_stacked(checkpoint, tmp_path):
 def test_the_engine_takes_the_loaded_stacked_layers_as_they_are(checkpoint):
     from jpaged import LLM, SamplingParams
 
-    kw = {
-        "max_num_seqs": 2,
-        "max_model_len": 32,
-        "max_num_batched_tokens": 16,
-        "page_size": 8,
-        "num_pages": 9,
-    }
+    kw = {"max_num_seqs": 2, "max_model_len": 32, "max_num_batched_tokens": 16,
+          "page_size": 8, "num_pages": 9}
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     scanned = LLM(str(checkpoint), **kw)
     runner = scanned.llm_engine.runner

@@ -82,15 +82,13 @@ def triton_calls(lowered) -> list[TritonCall]:
                             def i32(key, cfg=cfg):
                                 return ir.IntegerAttr(cfg[key]).value
 
-                            calls.append(
-                                TritonCall(
-                                    name=ir.StringAttr(cfg["name"]).value,
-                                    ir=ir.StringAttr(cfg["ir"]).value_bytes,
-                                    num_warps=i32("num_warps"),
-                                    num_stages=i32("num_stages"),
-                                    grid=(i32("grid_x"), i32("grid_y"), i32("grid_z")),
-                                )
-                            )
+                            calls.append(TritonCall(
+                                name=ir.StringAttr(cfg["name"]).value,
+                                ir=ir.StringAttr(cfg["ir"]).value_bytes,
+                                num_warps=i32("num_warps"),
+                                num_stages=i32("num_stages"),
+                                grid=(i32("grid_x"), i32("grid_y"), i32("grid_z")),
+                            ))
                     visit(child)
 
     visit(lowered.compiler_ir("stablehlo").operation)
@@ -120,12 +118,11 @@ class Sm90Kernel:
     def check_limits(self) -> None:
         """AssertionError naming the limit when the kernel cannot launch on an H100/H200."""
         assert self.shared_bytes <= MAX_SHARED_BYTES, (
-            f"{self.name}: {self.shared_bytes} bytes of shared memory > {MAX_SHARED_BYTES}"
-        )
+            f"{self.name}: {self.shared_bytes} bytes of shared memory > {MAX_SHARED_BYTES}")
         assert self.registers <= MAX_REGISTERS_PER_THREAD, (self.name, self.registers)
         assert self.registers * self.threads <= REGISTERS_PER_SM, (
-            f"{self.name}: {self.registers} registers x {self.threads} threads > {REGISTERS_PER_SM}"
-        )
+            f"{self.name}: {self.registers} registers x {self.threads} threads > "
+            f"{REGISTERS_PER_SM}")
 
 
 def triton_available() -> bool:
@@ -164,8 +161,7 @@ def compile_sm90(call: TritonCall) -> Sm90Kernel:
         module = tir.parse_mlir_module(str(src), ctx)
         module.context = ctx
         options = backend.parse_options(
-            {"num_warps": call.num_warps, "num_stages": call.num_stages}
-        )
+            {"num_warps": call.num_warps, "num_stages": call.num_stages})
         stages: dict = {}
         backend.add_stages(stages, options, Language.TRITON)
         metadata: dict = {}
@@ -175,17 +171,9 @@ def compile_sm90(call: TritonCall) -> Sm90Kernel:
         ptx_path = Path(tmp) / "kernel.ptx"
         ptx_path.write_text(ptx)
         res = subprocess.run(
-            [
-                get_ptxas(90).path,
-                "-v",
-                "--gpu-name=sm_90a",
-                str(ptx_path),
-                "-o",
-                str(Path(tmp) / "kernel.cubin"),
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
+            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(ptx_path), "-o",
+             str(Path(tmp) / "kernel.cubin")],
+            capture_output=True, text=True, check=False,
         )
     assert res.returncode == 0, f"ptxas failed for {call.name}:\n{res.stderr[-3000:]}"
     regs = _PTXAS_REGS.search(res.stderr)

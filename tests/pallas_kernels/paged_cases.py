@@ -30,9 +30,8 @@ class Case:
     sm_scale: float
 
 
-def make_pool(
-    rng, *, context_lens, num_kv_heads, page_size, head_dim, pages_per_seq, dtype, spare_pages=3
-):
+def make_pool(rng, *, context_lens, num_kv_heads, page_size, head_dim, pages_per_seq, dtype,
+              spare_pages=3):
     """NaN pool with each sequence's tokens written into shuffled pages."""
     context_lens = np.asarray(context_lens, np.int32)
     needed = [-(-int(n) // page_size) for n in context_lens]
@@ -44,7 +43,7 @@ def make_pool(
     table = rng.integers(0, num_pages, size=(len(context_lens), pages_per_seq)).astype(np.int32)
     taken = 0
     for s, n in enumerate(context_lens):
-        pages = ids[taken : taken + needed[s]]
+        pages = ids[taken: taken + needed[s]]
         taken += needed[s]
         table[s, : needed[s]] = pages
         for t in range(int(n)):
@@ -54,52 +53,32 @@ def make_pool(
     return jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table)
 
 
-def decode_case(
-    seed=0, *, lengths, num_kv_heads, group, page_size, head_dim, dtype, pages_per_seq=None
-):
+def decode_case(seed=0, *, lengths, num_kv_heads, group, page_size, head_dim, dtype,
+                pages_per_seq=None):
     rng = np.random.default_rng(seed)
     if pages_per_seq is None:
         pages_per_seq = max(1, -(-max(lengths) // page_size))
-    k, v, table = make_pool(
-        rng,
-        context_lens=lengths,
-        num_kv_heads=num_kv_heads,
-        page_size=page_size,
-        head_dim=head_dim,
-        pages_per_seq=pages_per_seq,
-        dtype=dtype,
-    )
+    k, v, table = make_pool(rng, context_lens=lengths, num_kv_heads=num_kv_heads,
+                            page_size=page_size, head_dim=head_dim,
+                            pages_per_seq=pages_per_seq, dtype=dtype)
     q = rng.standard_normal((len(lengths), num_kv_heads * group, head_dim))
-    return Case(
-        jnp.asarray(q, dtype), k, v, jnp.asarray(lengths, jnp.int32), table, None, head_dim**-0.5
-    )
+    return Case(jnp.asarray(q, dtype), k, v, jnp.asarray(lengths, jnp.int32), table, None,
+                head_dim**-0.5)
 
 
-def prefill_case(seed=0, *, seqs, num_kv_heads, group, page_size, head_dim, dtype, pad_tokens=3):
+def prefill_case(seed=0, *, seqs, num_kv_heads, group, page_size, head_dim, dtype,
+                 pad_tokens=3):
     """seqs: [(context_len, query_len)]; rows after the last sequence are padding."""
     rng = np.random.default_rng(seed)
     ctx = [c for c, _ in seqs]
     pages_per_seq = max(1, -(-max(ctx) // page_size))
-    k, v, table = make_pool(
-        rng,
-        context_lens=ctx,
-        num_kv_heads=num_kv_heads,
-        page_size=page_size,
-        head_dim=head_dim,
-        pages_per_seq=pages_per_seq,
-        dtype=dtype,
-    )
+    k, v, table = make_pool(rng, context_lens=ctx, num_kv_heads=num_kv_heads,
+                            page_size=page_size, head_dim=head_dim,
+                            pages_per_seq=pages_per_seq, dtype=dtype)
     qs = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
     q = rng.standard_normal((int(qs[-1]) + pad_tokens, num_kv_heads * group, head_dim))
-    return Case(
-        jnp.asarray(q, dtype),
-        k,
-        v,
-        jnp.asarray(ctx, jnp.int32),
-        table,
-        jnp.asarray(qs),
-        head_dim**-0.5,
-    )
+    return Case(jnp.asarray(q, dtype), k, v, jnp.asarray(ctx, jnp.int32), table,
+                jnp.asarray(qs), head_dim**-0.5)
 
 
 def check(out, expected):
@@ -121,23 +100,12 @@ def spec(shape, dtype) -> jax.ShapeDtypeStruct:
 def decode_specs(batch, pages_per_seq, hq, hkv, head_dim, page_size, num_pages, dtype):
     """Abstract arguments of a decode call (for lowering without data)."""
     pool = spec((hkv, num_pages, page_size, head_dim), dtype)
-    return (
-        spec((batch, hq, head_dim), dtype),
-        pool,
-        pool,
-        spec((batch,), "int32"),
-        spec((batch, pages_per_seq), "int32"),
-    )
+    return (spec((batch, hq, head_dim), dtype), pool, pool, spec((batch,), "int32"),
+            spec((batch, pages_per_seq), "int32"))
 
 
 def prefill_specs(tokens, seqs, pages_per_seq, hq, hkv, head_dim, page_size, num_pages, dtype):
     """Abstract arguments of a ragged prefill call."""
     pool = spec((hkv, num_pages, page_size, head_dim), dtype)
-    return (
-        spec((tokens, hq, head_dim), dtype),
-        pool,
-        pool,
-        spec((seqs,), "int32"),
-        spec((seqs, pages_per_seq), "int32"),
-        spec((seqs + 1,), "int32"),
-    )
+    return (spec((tokens, hq, head_dim), dtype), pool, pool, spec((seqs,), "int32"),
+            spec((seqs, pages_per_seq), "int32"), spec((seqs + 1,), "int32"))

@@ -44,23 +44,15 @@ def _matrix():
         for d in (64, 128):
             for dt in ("float32", "bfloat16"):
                 fast = (ps, d, dt) == (8, 64, "float32")
-                yield pytest.param(
-                    ps, d, dt, marks=() if fast else pytest.mark.slow, id=f"ps{ps}-d{d}-{dt}"
-                )
+                yield pytest.param(ps, d, dt, marks=() if fast else pytest.mark.slow,
+                                   id=f"ps{ps}-d{d}-{dt}")
 
 
 @pytest.mark.parametrize("impl", ["gpu", "tpu"])
 @pytest.mark.parametrize("page_size,head_dim,dtype", list(_matrix()))
 def test_decode_page_sizes_dims_dtypes(impl, page_size, head_dim, dtype):
-    case = decode_case(
-        page_size,
-        lengths=edge_lengths(page_size),
-        num_kv_heads=2,
-        group=4,
-        page_size=page_size,
-        head_dim=head_dim,
-        dtype=dtype,
-    )
+    case = decode_case(page_size, lengths=edge_lengths(page_size), num_kv_heads=2, group=4,
+                       page_size=page_size, head_dim=head_dim, dtype=dtype)
     out, expected = run(impl, case)
     check(out, expected)
     # Length 0 gives exact zeros, not NaN or garbage.
@@ -70,24 +62,15 @@ def test_decode_page_sizes_dims_dtypes(impl, page_size, head_dim, dtype):
 @pytest.mark.parametrize("impl", ["gpu", "tpu"])
 @pytest.mark.parametrize(
     "num_kv_heads,group",
-    [
-        pytest.param(4, 1, id="gqa1", marks=pytest.mark.slow),
-        pytest.param(2, 2, id="gqa2", marks=pytest.mark.slow),
-        pytest.param(2, 4, id="gqa4", marks=pytest.mark.slow),
-        pytest.param(1, 8, id="gqa8", marks=pytest.mark.slow),
-        pytest.param(1, 12, id="mqa12"),
-    ],
+    [pytest.param(4, 1, id="gqa1", marks=pytest.mark.slow),
+     pytest.param(2, 2, id="gqa2", marks=pytest.mark.slow),
+     pytest.param(2, 4, id="gqa4", marks=pytest.mark.slow),
+     pytest.param(1, 8, id="gqa8", marks=pytest.mark.slow),
+     pytest.param(1, 12, id="mqa12")],
 )
 def test_decode_gqa_and_mqa(impl, num_kv_heads, group):
-    case = decode_case(
-        group,
-        lengths=edge_lengths(16, 3),
-        num_kv_heads=num_kv_heads,
-        group=group,
-        page_size=16,
-        head_dim=64,
-        dtype="float32",
-    )
+    case = decode_case(group, lengths=edge_lengths(16, 3), num_kv_heads=num_kv_heads,
+                       group=group, page_size=16, head_dim=64, dtype="float32")
     out, expected = run(impl, case)
     check(out, expected)
 
@@ -95,21 +78,10 @@ def test_decode_gqa_and_mqa(impl, num_kv_heads, group):
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["gpu", "tpu"])
 def test_decode_soft_cap_and_sliding_window(impl):
-    case = decode_case(
-        7,
-        lengths=[0, 1, 7, 8, 9, 21, 32],
-        num_kv_heads=2,
-        group=2,
-        page_size=8,
-        head_dim=64,
-        dtype="float32",
-    )
-    for kwargs in (
-        {"soft_cap": 5.0},
-        {"sliding_window": 5},
-        {"sliding_window": 9},
-        {"soft_cap": 2.0, "sliding_window": 16},
-    ):
+    case = decode_case(7, lengths=[0, 1, 7, 8, 9, 21, 32], num_kv_heads=2, group=2,
+                       page_size=8, head_dim=64, dtype="float32")
+    for kwargs in ({"soft_cap": 5.0}, {"sliding_window": 5}, {"sliding_window": 9},
+                   {"soft_cap": 2.0, "sliding_window": 16}):
         out, expected = run(impl, case, **kwargs)
         check(out, expected)
 
@@ -126,20 +98,11 @@ def test_decode_soft_cap_and_sliding_window(impl):
 )
 def test_gpu_decode_splits_and_blocks(blocks):
     """Uneven split counts, several pages per block, blocks wider than the table."""
-    case = decode_case(
-        3,
-        lengths=[0, 1, 15, 16, 17, 40, 64, 100],
-        num_kv_heads=2,
-        group=4,
-        page_size=8,
-        head_dim=64,
-        dtype="float32",
-        pages_per_seq=13,
-    )
+    case = decode_case(3, lengths=[0, 1, 15, 16, 17, 40, 64, 100], num_kv_heads=2, group=4,
+                       page_size=8, head_dim=64, dtype="float32", pages_per_seq=13)
     args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table)
-    out = gpu_decode.paged_decode_attention(
-        *args, sm_scale=case.sm_scale, interpret=True, blocks=blocks
-    )
+    out = gpu_decode.paged_decode_attention(*args, sm_scale=case.sm_scale, interpret=True,
+                                            blocks=blocks)
     check(out, reference.paged_decode_attention(*args, sm_scale=case.sm_scale))
 
 
@@ -147,21 +110,12 @@ def test_gpu_decode_splits_and_blocks(blocks):
 @pytest.mark.parametrize("ppb", [1, 2, 4])
 def test_tpu_decode_pages_per_block(ppb):
     """Odd block counts exercise both buffer slots and the last, partly copied block."""
-    case = decode_case(
-        4,
-        lengths=[0, 1, 15, 16, 17, 40, 64, 100],
-        num_kv_heads=2,
-        group=4,
-        page_size=8,
-        head_dim=64,
-        dtype="float32",
-        pages_per_seq=13,
-    )
+    case = decode_case(4, lengths=[0, 1, 15, 16, 17, 40, 64, 100], num_kv_heads=2, group=4,
+                       page_size=8, head_dim=64, dtype="float32", pages_per_seq=13)
     args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table)
     blocks = tuning.DecodeBlocks(group_rows=8, pages_per_block=ppb, num_splits=1)
-    out = tpu_decode.paged_decode_attention(
-        *args, sm_scale=case.sm_scale, interpret=True, blocks=blocks
-    )
+    out = tpu_decode.paged_decode_attention(*args, sm_scale=case.sm_scale, interpret=True,
+                                            blocks=blocks)
     check(out, reference.paged_decode_attention(*args, sm_scale=case.sm_scale))
 
 

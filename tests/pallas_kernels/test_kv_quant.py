@@ -53,9 +53,7 @@ def test_int8_scale_rounding_and_half_to_even():
     # amax 254 -> scale 254 / 127 = 2 (exact); -127 / 2 = -63.5 rounds to even -64; 0.5 / 2
     # = 0.25 rounds to 0.
     assert round_trip([254.0, -127.0, 0.5, 0.0], INT8) == (
-        [127.0, -64.0, 0.0, 0.0],
-        2.0,
-        [254.0, -128.0, 0.0, 0.0],
+        [127.0, -64.0, 0.0, 0.0], 2.0, [254.0, -128.0, 0.0, 0.0]
     )
 
 
@@ -63,33 +61,25 @@ def test_int8_saturates_at_127_when_the_bf16_scale_rounds_down():
     # 129 / 127 = 1.015748... rounds to bf16 1.015625 (steps of 2^-7 there): 129 / 1.015625 =
     # 127.015 is clipped to 127, and 3.046875 / 1.015625 = 3 exactly.
     assert round_trip([129.0, -129.0, 3.046875, 0.0], INT8) == (
-        [127.0, -127.0, 3.0, 0.0],
-        1.015625,
-        [128.984375, -128.984375, 3.046875, 0.0],
+        [127.0, -127.0, 3.0, 0.0], 1.015625, [128.984375, -128.984375, 3.046875, 0.0]
     )
 
 
 def test_fp8_e4m3_exact_codes_and_saturation_at_448():
     # amax 896 -> scale 2: 448, -0.5 and 1.5 are e4m3 values.
     assert round_trip([896.0, -1.0, 3.0, 0.0], E4M3) == (
-        [448.0, -0.5, 1.5, 0.0],
-        2.0,
-        [896.0, -1.0, 3.0, 0.0],
+        [448.0, -0.5, 1.5, 0.0], 2.0, [896.0, -1.0, 3.0, 0.0]
     )
     # 455.5 / 448 rounds to bf16 1.015625; 455.5 / 1.015625 = 448.49 is clipped to 448.
     assert round_trip([455.5, 0.0, 0.0, 0.0], E4M3) == (
-        [448.0, 0.0, 0.0, 0.0],
-        1.015625,
-        [455.0, 0.0, 0.0, 0.0],
+        [448.0, 0.0, 0.0, 0.0], 1.015625, [455.0, 0.0, 0.0, 0.0]
     )
 
 
 def test_fp8_e5m2_exact_codes():
     # amax 57344 * 4 -> scale 4; 57344 and -1.5 * ... are e5m2 values.
     assert round_trip([229376.0, -6.0, 0.25, 0.0], E5M2) == (
-        [57344.0, -1.5, 0.0625, 0.0],
-        4.0,
-        [229376.0, -6.0, 0.25, 0.0],
+        [57344.0, -1.5, 0.0625, 0.0], 4.0, [229376.0, -6.0, 0.25, 0.0]
     )
 
 
@@ -102,11 +92,8 @@ def test_a_zero_row_has_scale_zero_and_dequantizes_to_zeros(dtype):
 @pytest.mark.parametrize("dtype", [INT8, E4M3], ids=["int8", "e4m3"])
 def test_non_finite_values_are_refused_before_they_reach_a_page(dtype, bad):
     name = dtype.name
-    with pytest.raises(
-        ValueError,
-        match=rf"refusing to write a non-finite K/V value \({bad} at "
-        rf"index \(1, 2\)\) to a {name} KV page",
-    ):
+    with pytest.raises(ValueError, match=rf"refusing to write a non-finite K/V value \({bad} at "
+                                         rf"index \(1, 2\)\) to a {name} KV page"):
         kv_quant.quantize_checked(np.asarray([[1.0, 2.0, 3.0], [4.0, 5.0, bad]]), dtype)
 
 
@@ -174,15 +161,8 @@ def quantized(case, dtype):
 
 @pytest.mark.parametrize("dtype", [INT8, E4M3, E5M2], ids=["int8", "e4m3", "e5m2"])
 def test_reference_over_quantized_pages_equals_it_over_their_dequantized_values(dtype):
-    case = decode_case(
-        0,
-        lengths=[0, 1, 7, 8, 9, 32],
-        num_kv_heads=2,
-        group=4,
-        page_size=8,
-        head_dim=64,
-        dtype="float32",
-    )
+    case = decode_case(0, lengths=[0, 1, 7, 8, 9, 32], num_kv_heads=2, group=4, page_size=8,
+                       head_dim=64, dtype="float32")
     (kq, vq), (kd, vd) = quantized(case, dtype)
     args = (case.context_lens, case.page_table)
     got = reference.paged_decode_attention(case.q, kq, vq, *args, sm_scale=case.sm_scale)
@@ -190,21 +170,13 @@ def test_reference_over_quantized_pages_equals_it_over_their_dequantized_values(
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
     assert np.all(np.asarray(got[0]) == 0.0) and np.isfinite(np.asarray(got)).all()
     # And close to the unquantized pages (how close is what the SmolLM2 tests measure).
-    exact = reference.paged_decode_attention(
-        case.q, case.k_pages, case.v_pages, *args, sm_scale=case.sm_scale
-    )
+    exact = reference.paged_decode_attention(case.q, case.k_pages, case.v_pages, *args,
+                                             sm_scale=case.sm_scale)
     atol = {INT8: 0.05, E4M3: 0.15, E5M2: 0.3}[dtype]
     np.testing.assert_allclose(np.asarray(got), np.asarray(exact), atol=atol)
 
-    pcase = prefill_case(
-        1,
-        seqs=[(9, 9), (20, 4), (5, 1)],
-        num_kv_heads=2,
-        group=4,
-        page_size=8,
-        head_dim=64,
-        dtype="float32",
-    )
+    pcase = prefill_case(1, seqs=[(9, 9), (20, 4), (5, 1)], num_kv_heads=2, group=4,
+                         page_size=8, head_dim=64, dtype="float32")
     (kq, vq), (kd, vd) = quantized(pcase, dtype)
     args = (pcase.context_lens, pcase.page_table, pcase.query_start)
     got = reference.paged_prefill_attention(pcase.q, kq, vq, *args, sm_scale=pcase.sm_scale)

@@ -56,9 +56,8 @@ def _variants():
     attention (int8 by default, fp8 with -m slow: interpret mode compiles each for seconds)."""
     for dtype in DTYPES:
         yield pytest.param(dtype, CAP_WINDOW, id=f"{dtype}-cap-window")
-        yield pytest.param(
-            dtype, {}, id=f"{dtype}-plain", marks=() if dtype == "int8" else pytest.mark.slow
-        )
+        yield pytest.param(dtype, {}, id=f"{dtype}-plain",
+                           marks=() if dtype == "int8" else pytest.mark.slow)
 
 
 def quantize_case(case, dtype):
@@ -86,22 +85,12 @@ def prefill_args(case):
 @pytest.mark.parametrize("dtype,kwargs", list(_variants()))
 @pytest.mark.parametrize("impl", ["gpu", "tpu"])
 def test_decode_kernel_on_quantized_pages_equals_the_reference(impl, dtype, kwargs):
-    case = quantize_case(
-        decode_case(
-            5,
-            lengths=[0, 1, 7, 8, 9, 21, 32],
-            num_kv_heads=2,
-            group=2,
-            page_size=8,
-            head_dim=64,
-            dtype="float32",
-        ),
-        DTYPES[dtype],
-    )
+    case = quantize_case(decode_case(5, lengths=[0, 1, 7, 8, 9, 21, 32], num_kv_heads=2,
+                                     group=2, page_size=8, head_dim=64, dtype="float32"),
+                         DTYPES[dtype])
     out = DECODE[impl](*decode_args(case), sm_scale=case.sm_scale, **kwargs)
-    expected = reference.paged_decode_attention(
-        *decode_args(case), sm_scale=case.sm_scale, **kwargs
-    )
+    expected = reference.paged_decode_attention(*decode_args(case), sm_scale=case.sm_scale,
+                                                **kwargs)
     assert_close(out, expected)
     np.testing.assert_array_equal(np.asarray(out[0]), 0.0)  # length 0
 
@@ -112,16 +101,11 @@ def test_prefill_kernel_on_quantized_pages_equals_the_reference(impl, dtype, kwa
     # An unscheduled sequence, a decode token, a whole prompt ending mid-page, a prefix
     # continued to a page end, a decode token on a full table, a chunk straddling pages.
     seqs = [(5, 0), (1, 1), (7, 7), (8, 2), (32, 1), (21, 13)]
-    case = quantize_case(
-        prefill_case(
-            6, seqs=seqs, num_kv_heads=2, group=2, page_size=8, head_dim=64, dtype="float32"
-        ),
-        DTYPES[dtype],
-    )
+    case = quantize_case(prefill_case(6, seqs=seqs, num_kv_heads=2, group=2, page_size=8,
+                                      head_dim=64, dtype="float32"), DTYPES[dtype])
     out = PREFILL[impl](*prefill_args(case), sm_scale=case.sm_scale, **kwargs)
-    expected = reference.paged_prefill_attention(
-        *prefill_args(case), sm_scale=case.sm_scale, **kwargs
-    )
+    expected = reference.paged_prefill_attention(*prefill_args(case), sm_scale=case.sm_scale,
+                                                 **kwargs)
     assert_close(out, expected)
     pad = int(case.query_start[-1])
     np.testing.assert_array_equal(np.asarray(out[pad:]), 0.0)  # padding rows
@@ -131,18 +115,8 @@ def test_prefill_kernel_on_quantized_pages_equals_the_reference(impl, dtype, kwa
 def test_decode_on_int8_pages_with_bfloat16_queries(impl):
     """The engine's GPU/TPU case: bfloat16 activations, int8 pages; the codes convert to
     bfloat16 exactly, so the bf16 tolerance (2e-2) holds against the float32 reference."""
-    case = quantize_case(
-        decode_case(
-            7,
-            lengths=[0, 7, 9, 32],
-            num_kv_heads=2,
-            group=2,
-            page_size=8,
-            head_dim=64,
-            dtype="bfloat16",
-        ),
-        np.int8,
-    )
+    case = quantize_case(decode_case(7, lengths=[0, 7, 9, 32], num_kv_heads=2, group=2,
+                                     page_size=8, head_dim=64, dtype="bfloat16"), np.int8)
     out = DECODE[impl](*decode_args(case), sm_scale=case.sm_scale)
     check(out, reference.paged_decode_attention(*decode_args(case), sm_scale=case.sm_scale))
 
@@ -150,41 +124,20 @@ def test_decode_on_int8_pages_with_bfloat16_queries(impl):
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["gpu", "tpu"])
 def test_prefill_on_int8_pages_with_bfloat16_queries(impl):
-    case = quantize_case(
-        prefill_case(
-            8,
-            seqs=[(7, 7), (21, 5)],
-            num_kv_heads=2,
-            group=2,
-            page_size=8,
-            head_dim=64,
-            dtype="bfloat16",
-        ),
-        np.int8,
-    )
+    case = quantize_case(prefill_case(8, seqs=[(7, 7), (21, 5)], num_kv_heads=2, group=2,
+                                      page_size=8, head_dim=64, dtype="bfloat16"), np.int8)
     out = PREFILL[impl](*prefill_args(case), sm_scale=case.sm_scale)
     check(out, reference.paged_prefill_attention(*prefill_args(case), sm_scale=case.sm_scale))
 
 
 def test_k_and_v_must_both_be_quantized_or_both_plain():
-    case = decode_case(
-        0, lengths=[3], num_kv_heads=1, group=2, page_size=8, head_dim=64, dtype="float32"
-    )
+    case = decode_case(0, lengths=[3], num_kv_heads=1, group=2, page_size=8, head_dim=64,
+                       dtype="float32")
     k = QuantizedPages(*kv_quant.quantize(case.k_pages, np.int8))
-    with pytest.raises(
-        ValueError,
-        match="k_pages and v_pages must both be QuantizedPages or "
-        "both plain arrays, got QuantizedPages and ",
-    ):
-        gpu_decode.paged_decode_attention(
-            case.q,
-            k,
-            case.v_pages,
-            case.context_lens,
-            case.page_table,
-            sm_scale=1.0,
-            interpret=True,
-        )
+    with pytest.raises(ValueError, match="k_pages and v_pages must both be QuantizedPages or "
+                                         "both plain arrays, got QuantizedPages and "):
+        gpu_decode.paged_decode_attention(case.q, k, case.v_pages, case.context_lens,
+                                          case.page_table, sm_scale=1.0, interpret=True)
 
 
 # --- lowering ---------------------------------------------------------------------------
@@ -193,29 +146,17 @@ HKV, NUM_PAGES, PAGE, HEAD_DIM = 8, 257, 16, 128
 
 
 def quantized_pool(dtype):
-    return QuantizedPages(
-        spec((HKV, NUM_PAGES, PAGE, HEAD_DIM), dtype), spec((HKV, NUM_PAGES, PAGE), "bfloat16")
-    )
+    return QuantizedPages(spec((HKV, NUM_PAGES, PAGE, HEAD_DIM), dtype),
+                          spec((HKV, NUM_PAGES, PAGE), "bfloat16"))
 
 
 def kernel_args(dtype):
     """Abstract decode and prefill arguments: bf16 queries (32 heads), a quantized pool."""
     pool = quantized_pool(dtype)
-    decode = (
-        spec((8, 32, HEAD_DIM), "bfloat16"),
-        pool,
-        pool,
-        spec((8,), "int32"),
-        spec((8, 32), "int32"),
-    )
-    prefill = (
-        spec((512, 32, HEAD_DIM), "bfloat16"),
-        pool,
-        pool,
-        spec((8,), "int32"),
-        spec((8, 32), "int32"),
-        spec((9,), "int32"),
-    )
+    decode = (spec((8, 32, HEAD_DIM), "bfloat16"), pool, pool, spec((8,), "int32"),
+              spec((8, 32), "int32"))
+    prefill = (spec((512, 32, HEAD_DIM), "bfloat16"), pool, pool, spec((8,), "int32"),
+               spec((8, 32), "int32"), spec((9,), "int32"))
     return decode, prefill
 
 
@@ -223,12 +164,8 @@ def lowered_text(fn, args, platform):
     kwargs = {"sm_scale": 0.125, "soft_cap": 30.0, "sliding_window": 100}
     if platform == "cuda":
         return lower_for_cuda(fn, args, **kwargs).as_text()
-    return (
-        jax.jit(lambda *a: fn(*a, **kwargs))
-        .trace(*args)
-        .lower(lowering_platforms=(platform,))
-        .as_text()
-    )
+    return jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args).lower(
+        lowering_platforms=(platform,)).as_text()
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -243,10 +180,8 @@ def test_kernels_on_quantized_pages_lower_for_cuda_and_tpu(dtype):
         ("cuda", (gpu_decode, gpu_prefill), "__gpu$xla.gpu.triton"),
         ("tpu", (tpu_decode, tpu_prefill), "tpu_custom_call"),
     ):
-        for module, args, name in (
-            (kernels[0], decode, "paged_decode_attention"),
-            (kernels[1], prefill, "paged_prefill_attention"),
-        ):
+        for module, args, name in ((kernels[0], decode, "paged_decode_attention"),
+                                   (kernels[1], prefill, "paged_prefill_attention")):
             text = lowered_text(getattr(module, name), args, platform)
             assert marker in text, (platform, name)
             assert codes in text, (platform, name)
@@ -265,10 +200,7 @@ def test_dispatch_sends_quantized_pages_to_the_kernels():
         return pallas_kernels.select_backend(q, k, pool.dtype, **kw)
 
     assert [sel(q, k, interpret=False, backend=b) for b in ("gpu", "tpu", "cpu")] == [
-        "gpu",
-        "tpu",
-        "cpu",
-    ]
+        "gpu", "tpu", "cpu"]
     assert sel(q, k, interpret=True, backend=None) == "gpu"
     # Shapes a kernel refuses still fall back, quantized or not.
     assert sel((4, 8, 80), (2, 10, 16, 80), interpret=False, backend="gpu") == "cpu"
@@ -279,36 +211,21 @@ def test_dispatch_sends_quantized_pages_to_the_kernels():
     assert pallas_kernels.gpu_decode_kernel(q, k, jnp.bfloat16, "mosaic") == "mosaic"
 
 
-@pytest.mark.parametrize(
-    "backend,kernel", [(None, "jpaged_gpu"), ("tpu", "jpaged_tpu"), ("cpu", None)]
-)
+@pytest.mark.parametrize("backend,kernel", [(None, "jpaged_gpu"), ("tpu", "jpaged_tpu"),
+                                            ("cpu", None)])
 def test_dispatcher_traces_the_kernel_for_quantized_pages(backend, kernel):
     """Which implementation the dispatcher traces for a quantized pool (interpret=True on
     this CPU host): the kernel's pallas_call on "gpu" and "tpu", none on "cpu"."""
-    case = quantize_case(
-        decode_case(
-            1, lengths=[9], num_kv_heads=1, group=2, page_size=8, head_dim=64, dtype="float32"
-        ),
-        DTYPES["e4m3"],
-    )
-    pcase = quantize_case(
-        prefill_case(
-            2, seqs=[(9, 3)], num_kv_heads=1, group=2, page_size=8, head_dim=64, dtype="float32"
-        ),
-        DTYPES["e4m3"],
-    )
+    case = quantize_case(decode_case(1, lengths=[9], num_kv_heads=1, group=2, page_size=8,
+                                     head_dim=64, dtype="float32"), DTYPES["e4m3"])
+    pcase = quantize_case(prefill_case(2, seqs=[(9, 3)], num_kv_heads=1, group=2, page_size=8,
+                                       head_dim=64, dtype="float32"), DTYPES["e4m3"])
     kw = {"sm_scale": 0.125, "interpret": True, "backend": backend}
     jaxprs = [
-        str(
-            jax.make_jaxpr(functools.partial(pallas_kernels.paged_decode_attention, **kw))(
-                *decode_args(case)
-            )
-        ),
-        str(
-            jax.make_jaxpr(functools.partial(pallas_kernels.paged_prefill_attention, **kw))(
-                *prefill_args(pcase)
-            )
-        ),
+        str(jax.make_jaxpr(functools.partial(pallas_kernels.paged_decode_attention, **kw))(
+            *decode_args(case))),
+        str(jax.make_jaxpr(functools.partial(pallas_kernels.paged_prefill_attention, **kw))(
+            *prefill_args(pcase))),
     ]
     for text, name in zip(jaxprs, ("decode", "prefill"), strict=True):
         if kernel is None:

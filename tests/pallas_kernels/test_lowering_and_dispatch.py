@@ -75,13 +75,8 @@ def test_gpu_decode_lowers_for_cuda(shape):
 
 
 def test_gpu_decode_lowers_for_cuda_with_window_and_cap():
-    text = lower_text(
-        gpu_decode.paged_decode_attention,
-        decode_specs(*DECODE_SHAPES[1]),
-        "cuda",
-        soft_cap=30.0,
-        sliding_window=100,
-    )
+    text = lower_text(gpu_decode.paged_decode_attention, decode_specs(*DECODE_SHAPES[1]),
+                      "cuda", soft_cap=30.0, sliding_window=100)
     assert "jpaged_gpu_decode" in text
 
 
@@ -134,63 +129,39 @@ def test_dispatch_backends(caplog):
         "paged attention on gpu runs the XLA reference, not a Pallas kernel: the kernels refuse "
         "q (4, 8, 128) over int8 pages (8, 262144, 16, 128) (docs/attention.md, Dispatch)"
     ]
-    assert (
-        sel((4, 8, 128), (8, 2**17, 16, 128), jnp.dtype(jnp.int8), interpret=False, backend="gpu")
-        == "gpu"
-    )  # 2**31 elements
+    assert sel((4, 8, 128), (8, 2**17, 16, 128), jnp.dtype(jnp.int8), interpret=False,
+               backend="gpu") == "gpu"  # 2**31 elements
     with pytest.raises(ValueError, match="unknown backend"):
         sel(q, k, interpret=False, backend="metal")
 
 
 def test_dispatch_cpu_is_the_reference_and_kernel_path_matches_inside_jit():
-    case = decode_case(
-        1,
-        lengths=[0, 1, 17, 33],
-        num_kv_heads=2,
-        group=2,
-        page_size=16,
-        head_dim=64,
-        dtype="float32",
-    )
+    case = decode_case(1, lengths=[0, 1, 17, 33], num_kv_heads=2, group=2, page_size=16,
+                       head_dim=64, dtype="float32")
     args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table)
     ref = reference.paged_decode_attention(*args, sm_scale=case.sm_scale)
-    out_cpu = jax.jit(lambda *a: pallas_kernels.paged_decode_attention(*a, sm_scale=case.sm_scale))(
-        *args
-    )
+    out_cpu = jax.jit(
+        lambda *a: pallas_kernels.paged_decode_attention(*a, sm_scale=case.sm_scale)
+    )(*args)
     np.testing.assert_array_equal(np.asarray(out_cpu), np.asarray(ref))
     for backend in (None, "tpu"):
         out = jax.jit(
             lambda *a, b=backend: pallas_kernels.paged_decode_attention(
-                *a, sm_scale=case.sm_scale, interpret=True, backend=b
-            )
+                *a, sm_scale=case.sm_scale, interpret=True, backend=b)
         )(*args)
         check(out, ref)
 
 
 @pytest.mark.slow
 def test_dispatch_prefill_kernel_path_inside_jit():
-    case = prefill_case(
-        2,
-        seqs=[(9, 9), (20, 1), (17, 4)],
-        num_kv_heads=2,
-        group=2,
-        page_size=8,
-        head_dim=64,
-        dtype="float32",
-    )
-    args = (
-        case.q,
-        case.k_pages,
-        case.v_pages,
-        case.context_lens,
-        case.page_table,
-        case.query_start,
-    )
+    case = prefill_case(2, seqs=[(9, 9), (20, 1), (17, 4)], num_kv_heads=2, group=2,
+                        page_size=8, head_dim=64, dtype="float32")
+    args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table,
+            case.query_start)
     ref = reference.paged_prefill_attention(*args, sm_scale=case.sm_scale)
     for backend in (None, "tpu"):
         out = jax.jit(
             lambda *a, b=backend: pallas_kernels.paged_prefill_attention(
-                *a, sm_scale=case.sm_scale, interpret=True, backend=b
-            )
+                *a, sm_scale=case.sm_scale, interpret=True, backend=b)
         )(*args)
         check(out, ref)

@@ -40,12 +40,8 @@ INTERPRETS = JAX_VERSION >= (0, 11)
     ids=["bench-64x2048", "llama1b-s32-p128", "page128-f16-window-cap"],
 )
 def test_mosaic_decode_lowers_for_cuda(shape, kwargs):
-    lowered = lower_for_cuda(
-        mosaic_gpu_decode.paged_decode_attention,
-        decode_specs(*shape),
-        sm_scale=shape[4] ** -0.5,
-        **kwargs,
-    )
+    lowered = lower_for_cuda(mosaic_gpu_decode.paged_decode_attention, decode_specs(*shape),
+                             sm_scale=shape[4] ** -0.5, **kwargs)
     text = lowered.as_text()
     assert "stablehlo.custom_call @mosaic_gpu" in text
     assert "triton" not in text
@@ -53,9 +49,8 @@ def test_mosaic_decode_lowers_for_cuda(shape, kwargs):
 
 def run_interpreted(case, blocks=None, **kwargs):
     args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table)
-    out = mosaic_gpu_decode.paged_decode_attention(
-        *args, sm_scale=case.sm_scale, interpret=True, blocks=blocks, **kwargs
-    )
+    out = mosaic_gpu_decode.paged_decode_attention(*args, sm_scale=case.sm_scale,
+                                                   interpret=True, blocks=blocks, **kwargs)
     return out, reference.paged_decode_attention(*args, sm_scale=case.sm_scale, **kwargs)
 
 
@@ -67,27 +62,15 @@ def edge_lengths(page_size, pages_per_seq=4):
 def _matrix():
     """(page_size, head_dim, kv heads, group): every page size, both head dims, GQA 1-8 and
     MQA with a group of 12 (a few seconds each in the interpreter)."""
-    for ps, d, hkv, group in [
-        (16, 64, 2, 4),
-        (8, 128, 1, 8),
-        (32, 64, 4, 1),
-        (64, 128, 1, 12),
-        (128, 64, 2, 2),
-    ]:
+    for ps, d, hkv, group in [(16, 64, 2, 4), (8, 128, 1, 8), (32, 64, 4, 1), (64, 128, 1, 12),
+                              (128, 64, 2, 2)]:
         yield pytest.param(ps, d, hkv, group, id=f"ps{ps}-d{d}-kv{hkv}g{group}")
 
 
 @pytest.mark.parametrize("page_size,head_dim,num_kv_heads,group", list(_matrix()))
 def test_mosaic_decode_interpreted_equals_reference(page_size, head_dim, num_kv_heads, group):
-    case = decode_case(
-        page_size,
-        lengths=edge_lengths(page_size),
-        num_kv_heads=num_kv_heads,
-        group=group,
-        page_size=page_size,
-        head_dim=head_dim,
-        dtype="bfloat16",
-    )
+    case = decode_case(page_size, lengths=edge_lengths(page_size), num_kv_heads=num_kv_heads,
+                       group=group, page_size=page_size, head_dim=head_dim, dtype="bfloat16")
     if not INTERPRETS:
         with pytest.raises(NotImplementedError, match="layout_cast"):
             run_interpreted(case)
@@ -100,22 +83,12 @@ def test_mosaic_decode_interpreted_equals_reference(page_size, head_dim, num_kv_
 @pytest.mark.slow
 def test_mosaic_decode_interpreted_splits_window_and_cap():
     """Uneven splits over 13 pages, and soft cap / sliding window."""
-    case = decode_case(
-        5,
-        lengths=[0, 1, 15, 16, 17, 40, 64, 100],
-        num_kv_heads=2,
-        group=4,
-        page_size=8,
-        head_dim=64,
-        dtype="bfloat16",
-        pages_per_seq=13,
-    )
-    for kwargs in (
-        {"blocks": tuning.DecodeBlocks(group_rows=64, pages_per_block=8, num_splits=3)},
-        {"soft_cap": 5.0},
-        {"sliding_window": 9},
-        {"soft_cap": 2.0, "sliding_window": 30},
-    ):
+    case = decode_case(5, lengths=[0, 1, 15, 16, 17, 40, 64, 100], num_kv_heads=2, group=4,
+                       page_size=8, head_dim=64, dtype="bfloat16", pages_per_seq=13)
+    for kwargs in ({"blocks": tuning.DecodeBlocks(group_rows=64, pages_per_block=8,
+                                                  num_splits=3)},
+                   {"soft_cap": 5.0}, {"sliding_window": 9},
+                   {"soft_cap": 2.0, "sliding_window": 30}):
         if not INTERPRETS:
             with pytest.raises(NotImplementedError, match="layout_cast"):
                 run_interpreted(case, **kwargs)
@@ -145,9 +118,8 @@ def test_dispatcher_lowers_the_chosen_kernel(monkeypatch):
     args = decode_specs(8, 32, 32, 8, 128, 16, 257, "bfloat16")
 
     def lowered(**kwargs):
-        return lower_for_cuda(
-            pallas_kernels.paged_decode_attention, args, sm_scale=0.088, backend="gpu", **kwargs
-        ).as_text()
+        return lower_for_cuda(pallas_kernels.paged_decode_attention, args, sm_scale=0.088,
+                              backend="gpu", **kwargs).as_text()
 
     assert "__gpu$xla.gpu.triton" in lowered()
     assert "@mosaic_gpu" in lowered(gpu_kernel="mosaic")

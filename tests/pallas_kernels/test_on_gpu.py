@@ -100,12 +100,9 @@ def test_decode_kernel_reads_pages_past_4_gib(dtype):
     num_pages = 2**32 // itemsize // (2 * 16 * 128) + 64
     shape = (2, num_pages, 16, 128)
     assert gpu_decode.offsets_fit(shape, jnp.dtype(dtype))
-    assert (
-        pallas_kernels.select_backend(
-            (2, 8, 128), shape, jnp.dtype(dtype), interpret=False, backend=None
-        )
-        == "gpu"
-    )
+    assert pallas_kernels.select_backend(
+        (2, 8, 128), shape, jnp.dtype(dtype), interpret=False, backend=None
+    ) == "gpu"
     assert run_decode_at_the_pool_end(num_pages, dtype) > 2**32
 
 

@@ -56,9 +56,8 @@ def run(case, **kwargs):
     args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table)
     if case.query_start is None:
         return reference.paged_decode_attention(*args, sm_scale=case.sm_scale, **kwargs)
-    return reference.paged_prefill_attention(
-        *args, case.query_start, sm_scale=case.sm_scale, **kwargs
-    )
+    return reference.paged_prefill_attention(*args, case.query_start, sm_scale=case.sm_scale,
+                                             **kwargs)
 
 
 def assert_matches(case, max_query_len=None, **kwargs):
@@ -89,33 +88,16 @@ def test_prefill_matches_dense(request, blocks, dtype):
     if blocks == "small":
         request.getfixturevalue("small_blocks")
     for pad in (1, 9):  # 72 and 80 tokens: whole blocks of 8 (the lax.map path)
-        case = prefill_case(
-            1,
-            seqs=MIXED,
-            num_kv_heads=2,
-            group=3,
-            page_size=4,
-            head_dim=16,
-            dtype=dtype,
-            pad_tokens=pad,
-        )
+        case = prefill_case(1, seqs=MIXED, num_kv_heads=2, group=3, page_size=4, head_dim=16,
+                            dtype=dtype, pad_tokens=pad)
         assert_matches(case)
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"sliding_window": 5}, {"soft_cap": 2.0}, {"sliding_window": 9, "soft_cap": 5.0}]
-)
+@pytest.mark.parametrize("kwargs", [{"sliding_window": 5}, {"soft_cap": 2.0},
+                                    {"sliding_window": 9, "soft_cap": 5.0}])
 def test_prefill_window_and_cap(small_blocks, kwargs):
-    case = prefill_case(
-        2,
-        seqs=MIXED,
-        num_kv_heads=1,
-        group=4,
-        page_size=4,
-        head_dim=8,
-        dtype="float32",
-        pad_tokens=1,
-    )
+    case = prefill_case(2, seqs=MIXED, num_kv_heads=1, group=4, page_size=4, head_dim=8,
+                        dtype="float32", pad_tokens=1)
     assert_matches(case, **kwargs)
 
 
@@ -123,15 +105,8 @@ def test_prefill_window_and_cap(small_blocks, kwargs):
 def test_decode_matches_dense(request, blocks):
     if blocks == "small":
         request.getfixturevalue("small_blocks")
-    case = decode_case(
-        3,
-        lengths=[1, 0, 17, 64, 5, 33, 48, 2],
-        num_kv_heads=2,
-        group=2,
-        page_size=4,
-        head_dim=16,
-        dtype="float32",
-    )
+    case = decode_case(3, lengths=[1, 0, 17, 64, 5, 33, 48, 2], num_kv_heads=2, group=2,
+                       page_size=4, head_dim=16, dtype="float32")
     assert_matches(case)
     assert_matches(case, sliding_window=6)
 
@@ -139,16 +114,8 @@ def test_decode_matches_dense(request, blocks):
 def test_wide_table_reads_only_what_rows_see(small_blocks):
     """A page table much wider than any sequence (a large page bucket) gives the same
     result: key blocks past every row's context are never run, and their NaN is unseen."""
-    case = decode_case(
-        4,
-        lengths=[3, 9, 1],
-        num_kv_heads=1,
-        group=2,
-        page_size=4,
-        head_dim=8,
-        dtype="float32",
-        pages_per_seq=16,
-    )
+    case = decode_case(4, lengths=[3, 9, 1], num_kv_heads=1, group=2, page_size=4,
+                       head_dim=8, dtype="float32", pages_per_seq=16)
     assert_matches(case)
 
 
@@ -164,16 +131,14 @@ def test_decode_sub_blocks_sorted_by_length_match_dense_and_the_unsorted_path(
         request.getfixturevalue("small_blocks")
     lengths = [1, 0, 17, 64, 5, 33, 48, 2, 90, 3, 0, 7, 61, 12, 1, 29,
                44, 8, 100, 0, 15, 6, 77, 21, 2, 38, 9, 55, 4, 0, 70, 11]  # fmt: skip
-    case = decode_case(
-        5, lengths=lengths, num_kv_heads=2, group=2, page_size=4, head_dim=16, dtype="float32"
-    )
+    case = decode_case(5, lengths=lengths, num_kv_heads=2, group=2, page_size=4,
+                       head_dim=16, dtype="float32")
     for kwargs in ({}, {"sliding_window": 6}):
         assert_matches(case, **kwargs)
         sorted_out = np.asarray(run(case, **kwargs))
         monkeypatch.setattr(reference, "_DECODE_SUB_BLOCK", 1 << 20)  # one block, unsorted
-        np.testing.assert_allclose(
-            sorted_out, np.asarray(run(case, **kwargs)), rtol=1e-6, atol=1e-6
-        )
+        np.testing.assert_allclose(sorted_out, np.asarray(run(case, **kwargs)), rtol=1e-6,
+                                   atol=1e-6)
         monkeypatch.setattr(reference, "_DECODE_SUB_BLOCK", 8)
 
 
@@ -190,56 +155,25 @@ def test_grouped_queries_match_dense(request, blocks, kwargs):
     padding rows zero, and the same as the per-token path up to float32 rounding."""
     if blocks == "small":
         request.getfixturevalue("small_blocks")
-    case = prefill_case(
-        6,
-        seqs=VERIFY,
-        num_kv_heads=2,
-        group=3,
-        page_size=4,
-        head_dim=16,
-        dtype="float32",
-        pad_tokens=5,
-    )
+    case = prefill_case(6, seqs=VERIFY, num_kv_heads=2, group=3, page_size=4, head_dim=16,
+                        dtype="float32", pad_tokens=5)
     assert_matches(case, max_query_len=5, **kwargs)
-    args = (
-        case.q,
-        case.k_pages,
-        case.v_pages,
-        case.context_lens,
-        case.page_table,
-        case.query_start,
-    )
+    args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table,
+            case.query_start)
     kw = {"soft_cap": None, "sliding_window": None, **kwargs}
     grouped = reference._attend_grouped(*args, max_query_len=5, sm_scale=case.sm_scale, **kw)
-    np.testing.assert_allclose(
-        np.asarray(grouped), np.asarray(run(case, **kwargs)), rtol=1e-6, atol=1e-6
-    )
+    np.testing.assert_allclose(np.asarray(grouped), np.asarray(run(case, **kwargs)),
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_grouped_queries_fall_back_when_a_sequence_has_more():
     """A step where some sequence has more query tokens than max_query_len (a prompt in a
     verification step) takes the general path: still the dense oracle's values."""
-    case = prefill_case(
-        7,
-        seqs=MIXED,
-        num_kv_heads=2,
-        group=2,
-        page_size=4,
-        head_dim=16,
-        dtype="float32",
-        pad_tokens=3,
-    )
+    case = prefill_case(7, seqs=MIXED, num_kv_heads=2, group=2, page_size=4, head_dim=16,
+                        dtype="float32", pad_tokens=3)
     assert_matches(case, max_query_len=5)
     grouped = reference._attend_grouped(
-        case.q,
-        case.k_pages,
-        case.v_pages,
-        case.context_lens,
-        case.page_table,
-        case.query_start,
-        max_query_len=5,
-        sm_scale=case.sm_scale,
-        soft_cap=None,
-        sliding_window=None,
-    )
+        case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table,
+        case.query_start, max_query_len=5, sm_scale=case.sm_scale, soft_cap=None,
+        sliding_window=None)
     assert not np.allclose(np.asarray(grouped), dense(case), atol=1e-3)  # would be wrong

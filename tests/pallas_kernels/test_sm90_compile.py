@@ -60,12 +60,8 @@ def h200_num_pages(model: str, config: EngineConfig, kv_dtype=jnp.bfloat16) -> i
     """The pages the engine's default budget gives on an H200 (each one page of every layer)."""
     layers, _, hkv, head_dim, num_params = MODELS[model]
     page_bytes = kv_quant.bytes_per_page(  # K and V, scales included when quantized
-        kv_dtype,
-        num_layers=layers,
-        num_kv_heads=hkv,
-        page_size=config.cache.page_size,
-        head_dim=head_dim,
-    )
+        kv_dtype, num_layers=layers, num_kv_heads=hkv, page_size=config.cache.page_size,
+        head_dim=head_dim)
     free = H200_BYTES_LIMIT - 2 * num_params
     return int(free * CacheConfig().kv_memory_fraction) // page_bytes + 1
 
@@ -84,17 +80,11 @@ def engine_configs(model: str) -> list[tuple[str, object, tuple]]:
     out = []
     for s in config.seq_buckets:
         for p in config.page_buckets:
-            out.append(
-                (f"decode-s{s}-p{p}", gpu_decode.paged_decode_attention, decode_specs(s, p, *pool))
-            )
+            out.append((f"decode-s{s}-p{p}", gpu_decode.paged_decode_attention,
+                        decode_specs(s, p, *pool)))
             for t in config.token_buckets:
-                out.append(
-                    (
-                        f"prefill-t{t}-s{s}-p{p}",
-                        gpu_prefill.paged_prefill_attention,
-                        prefill_specs(t, s, p, *pool),
-                    )
-                )
+                out.append((f"prefill-t{t}-s{s}-p{p}", gpu_prefill.paged_prefill_attention,
+                            prefill_specs(t, s, p, *pool)))
     return out
 
 
@@ -106,35 +96,22 @@ def grid_configs() -> list[tuple[str, object, tuple]]:
         for d in (64, 128):
             for dt in ("float32", "bfloat16"):
                 for hkv, group in ((8, 1), (2, 4), (1, 8)):
-                    out.append(
-                        (
-                            f"gpu-test-decode-ps{ps}-d{d}-{dt}-kv{hkv}g{group}",
-                            gpu_decode.paged_decode_attention,
-                            decode_specs(7, 6, hkv * group, hkv, d, ps, 7 * 6 + 4, dt),
-                        )
-                    )
+                    out.append((f"gpu-test-decode-ps{ps}-d{d}-{dt}-kv{hkv}g{group}",
+                                gpu_decode.paged_decode_attention,
+                                decode_specs(7, 6, hkv * group, hkv, d, ps, 7 * 6 + 4, dt)))
     for ps in (16, 32):
         for d in (64, 128):
             for dt in ("float32", "bfloat16"):
                 ctx = 4 * ps
-                out.append(
-                    (
-                        f"gpu-test-prefill-ps{ps}-d{d}-{dt}",
-                        gpu_prefill.paged_prefill_attention,
-                        prefill_specs(ps + 65 + 3, 5, -(-ctx // ps), 8, 2, d, ps, 40, dt),
-                    )
-                )
+                out.append((f"gpu-test-prefill-ps{ps}-d{d}-{dt}",
+                            gpu_prefill.paged_prefill_attention,
+                            prefill_specs(ps + 65 + 3, 5, -(-ctx // ps), 8, 2, d, ps, 40, dt)))
     bench = [(64, 2048, 16), (256, 1024, 16), (16, 8192, 16), (8, 512, 16)]
     bench += [(64, 2048, ps) for ps in (8, 32, 64, 128)]
     for batch, ctx, ps in bench:
         pages = ctx // ps
-        out.append(
-            (
-                f"bench-{batch}x{ctx}-ps{ps}",
-                gpu_decode.paged_decode_attention,
-                decode_specs(batch, pages, 32, 8, 128, ps, 4 * batch * pages + 1, "bfloat16"),
-            )
-        )
+        out.append((f"bench-{batch}x{ctx}-ps{ps}", gpu_decode.paged_decode_attention,
+                    decode_specs(batch, pages, 32, 8, 128, ps, 4 * batch * pages + 1, "bfloat16")))
     return out
 
 
@@ -144,12 +121,9 @@ QUANTIZED_DTYPES = {"int8": "int8", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m
 def quantize_specs(args, dtype):
     """The abstract arguments with each pool [Hkv, N, page_size, D] replaced by quantized
     pages of dtype: codes of the same shape and bfloat16 scales [Hkv, N, page_size]."""
-
     def pool(a):
-        return QuantizedPages(
-            jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype)),
-            jax.ShapeDtypeStruct(a.shape[:-1], kv_quant.SCALE_DTYPE),
-        )
+        return QuantizedPages(jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype)),
+                              jax.ShapeDtypeStruct(a.shape[:-1], kv_quant.SCALE_DTYPE))
 
     return tuple(pool(a) if len(a.shape) == 4 else a for a in args)
 
@@ -164,20 +138,11 @@ def quantized_configs() -> list[tuple[str, object, tuple]]:
     for name, dtype in QUANTIZED_DTYPES.items():
         pages = h200_pool_pages("llama-3.1-8b", config, jnp.dtype(dtype))
         pool = (hq, hkv, head_dim, config.cache.page_size, pages, "bfloat16")
-        out.append(
-            (
-                f"llama-3.1-8b-decode-s32-p128-{name}",
-                gpu_decode.paged_decode_attention,
-                quantize_specs(decode_specs(32, 128, *pool), dtype),
-            )
-        )
-        out.append(
-            (
-                f"llama-3.1-8b-prefill-t512-s32-p128-{name}",
-                gpu_prefill.paged_prefill_attention,
-                quantize_specs(prefill_specs(512, 32, 128, *pool), dtype),
-            )
-        )
+        out.append((f"llama-3.1-8b-decode-s32-p128-{name}", gpu_decode.paged_decode_attention,
+                    quantize_specs(decode_specs(32, 128, *pool), dtype)))
+        out.append((f"llama-3.1-8b-prefill-t512-s32-p128-{name}",
+                    gpu_prefill.paged_prefill_attention,
+                    quantize_specs(prefill_specs(512, 32, 128, *pool), dtype)))
     grid = {name: (kernel, args) for name, kernel, args in grid_configs()}
     for name in ("gpu-test-decode-ps64-d128-float32-kv1g8", "gpu-test-prefill-ps32-d128-float32"):
         kernel, args = grid[name]
@@ -206,18 +171,15 @@ def check_config(name, kernel, args) -> dict:
         assert f"!tt.ptr<{_TRITON_TYPES[args[1].dtype.name]}>" in ttir_text(call), name
     if args[0].dtype != jnp.float32:  # bf16, what the engine runs on a GPU: no spills either
         assert kernel_info.spill_stores == kernel_info.spill_loads == 0, (name, kernel_info)
-    return {
-        "shared": kernel_info.shared_bytes,
-        "registers": kernel_info.registers,
-        "spills": kernel_info.spill_stores,
-    }
+    return {"shared": kernel_info.shared_bytes, "registers": kernel_info.registers,
+            "spills": kernel_info.spill_stores}
 
 
 _TRITON_TYPES = {"int8": "i8", "float8_e4m3fn": "f8E4M3FN", "float8_e5m2": "f8E5M2"}
 
 
 def _chunks(configs, size):
-    return [configs[i : i + size] for i in range(0, len(configs), size)]
+    return [configs[i: i + size] for i in range(0, len(configs), size)]
 
 
 ENGINE_CHUNKS = {m: _chunks(engine_configs(m), 24) for m in MODELS}
@@ -249,9 +211,8 @@ def test_quantized_page_kernels_compile_for_sm90():
     infos = {name: check_config(name, kernel, args) for name, kernel, args in quantized_configs()}
     assert len(infos) == 8
     # 1-byte codes: the decode kernel stages less shared memory than on bfloat16 pages.
-    bf16 = check_config(
-        "llama-3.1-8b-decode-s32-p128", *_engine_config("llama-3.1-8b", "decode-s32-p128")
-    )
+    bf16 = check_config("llama-3.1-8b-decode-s32-p128", *_engine_config("llama-3.1-8b",
+                                                                        "decode-s32-p128"))
     for name in QUANTIZED_DTYPES:
         assert infos[f"llama-3.1-8b-decode-s32-p128-{name}"]["shared"] < bf16["shared"]
 
@@ -267,9 +228,8 @@ def test_default_h200_pools_pick_the_triton_kernel_and_address_it_with_int64_off
             pages = h200_pool_pages(model, config, jnp.dtype(dtype))
             k_shape = (hkv, pages, config.cache.page_size, head_dim)
             assert pages * config.cache.page_size * hkv * head_dim > 2**34, (model, dtype)
-            got = pallas_kernels.select_backend(
-                (32, hq, head_dim), k_shape, jnp.dtype(dtype), interpret=False, backend="gpu"
-            )
+            got = pallas_kernels.select_backend((32, hq, head_dim), k_shape, jnp.dtype(dtype),
+                                                interpret=False, backend="gpu")
             assert got == "gpu", (model, dtype, pages)
     args = quantize_specs(decode_specs(32, 128, *_h200_pool("llama-3.1-8b")), "float8_e4m3fn")
     assert _pool_offset_types(gpu_decode.paged_decode_attention, args) == {"i64"}
@@ -278,7 +238,8 @@ def test_default_h200_pools_pick_the_triton_kernel_and_address_it_with_int64_off
 def _h200_pool(model):
     config = default_engine()
     _, hq, hkv, head_dim, _ = MODELS[model]
-    return (hq, hkv, head_dim, config.cache.page_size, h200_pool_pages(model, config), "bfloat16")
+    return (hq, hkv, head_dim, config.cache.page_size, h200_pool_pages(model, config),
+            "bfloat16")
 
 
 def _pool_offset_types(kernel, args) -> set[str]:
@@ -293,25 +254,22 @@ def _pool_offset_types(kernel, args) -> set[str]:
     return {offset for _, ptr, offset in adds if ptr == pool_type}
 
 
-@pytest.mark.parametrize(
-    ("dtype", "pages", "lowered", "fits"),
-    [
-        ("float8_e4m3fn", 2**17, "i32", True),  # 2**31 elements in 2 GiB: the largest int32 pool
-        ("float8_e4m3fn", 2**17 + 1, "i32", False),  # past 2**31 elements, under 4 GiB: refused
-        ("float8_e4m3fn", 2**18 + 1, "i64", True),  # past 4 GiB
-        ("bfloat16", 2**17, "i32", True),  # 2**31 elements in exactly 4 GiB
-        ("bfloat16", 2**17 + 1, "i64", True),
-    ],
-)
+@pytest.mark.parametrize(("dtype", "pages", "lowered", "fits"), [
+    ("float8_e4m3fn", 2**17, "i32", True),  # 2**31 elements in 2 GiB: the largest int32 pool
+    ("float8_e4m3fn", 2**17 + 1, "i32", False),  # past 2**31 elements, under 4 GiB: refused
+    ("float8_e4m3fn", 2**18 + 1, "i64", True),  # past 4 GiB
+    ("bfloat16", 2**17, "i32", True),  # 2**31 elements in exactly 4 GiB
+    ("bfloat16", 2**17 + 1, "i64", True),
+])
 def test_the_offset_rule_follows_the_lowering(dtype, pages, lowered, fits):
     """gpu_decode.offsets_fit against what Pallas's Triton lowering emits for a pool of
     [8, pages, 16, 128] (int32 offsets up to 4 GiB, int64 past it): a pool is refused exactly
     when its int32 offsets would wrap."""
     k_shape = (8, pages, 16, 128)
     assert gpu_decode.offsets_fit(k_shape, jnp.dtype(dtype)) == fits
-    assert pallas_kernels.select_backend(
-        (32, 32, 128), k_shape, jnp.dtype(dtype), interpret=False, backend="gpu"
-    ) == ("gpu" if fits else "cpu")
+    assert pallas_kernels.select_backend((32, 32, 128), k_shape, jnp.dtype(dtype),
+                                         interpret=False, backend="gpu") == (
+        "gpu" if fits else "cpu")
     specs = decode_specs(32, 128, 32, 8, 128, 16, pages, "bfloat16")
     if dtype != "bfloat16":
         specs = quantize_specs(specs, dtype)
@@ -319,7 +277,7 @@ def test_the_offset_rule_follows_the_lowering(dtype, pages, lowered, fits):
 
 
 def _engine_config(model, name):
-    ((kernel, args),) = [(k, a) for n, k, a in engine_configs(model) if n == name]
+    (kernel, args), = [(k, a) for n, k, a in engine_configs(model) if n == name]
     return kernel, args
 
 
@@ -332,16 +290,12 @@ def test_representative_kernels_compile_for_sm90():
             if name in ("decode-s32-p128", "prefill-t512-s32-p128", "decode-s4-p4"):
                 picked[f"{model}-{name}"] = (kernel, args)
     for name, kernel, args in grid_configs():
-        if name in (
-            "bench-64x2048-ps16",
-            "gpu-test-decode-ps64-d128-float32-kv1g8",
-            "gpu-test-prefill-ps32-d128-float32",
-        ):
+        if name in ("bench-64x2048-ps16", "gpu-test-decode-ps64-d128-float32-kv1g8",
+                    "gpu-test-prefill-ps32-d128-float32"):
             picked[name] = (kernel, args)
     assert len(picked) == 9
     infos = {name: check_config(name, *ka) for name, ka in picked.items()}
     # The 8B model's decode kernel (head_dim 128, 128 tokens x 2 stages of K and V) holds the
     # most shared memory of the engine's kernels.
     assert infos["llama-3.1-8b-decode-s32-p128"]["shared"] == max(
-        v["shared"] for k, v in infos.items() if k.startswith("llama")
-    )
+        v["shared"] for k, v in infos.items() if k.startswith("llama"))

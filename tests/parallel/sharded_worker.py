@@ -130,7 +130,8 @@ def run_tp(ckpt: str, orbax_dir: str) -> dict:
         res["layout"] = _layout(replicas[0].runner)
         res["replica_steps"] = [r.runner.programs.num_compiled for r in replicas]
         res["replica_devices"] = [
-            sorted(d.id for d in r.runner.state.k_pages.sharding.device_set) for r in replicas
+            sorted(d.id for d in r.runner.state.k_pages.sharding.device_set)
+            for r in replicas
         ]
         if t > 1:
             res["collectives"] = _collectives(replicas[0].runner)

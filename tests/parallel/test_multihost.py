@@ -103,12 +103,10 @@ def _record_calls(runner, calls: list) -> None:
         )
 
     runner.programs.step = step_exe
-    runner.programs.prelude = lambda _state: (
-        lambda state, u, c: (
-            calls.append(("prelude", u, c)),
-            state,
-        )[1]
-    )
+    runner.programs.prelude = lambda _state: lambda state, u, c: (
+        calls.append(("prelude", u, c)),
+        state,
+    )[1]
 
 
 @pytest.mark.parametrize("penalties", [False, True])

@@ -47,9 +47,8 @@ def run_form(form: str) -> list[int]:
 
 
 def _subprocess(form: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, __file__, form], capture_output=True, text=True, timeout=300, check=False
-    )
+    return subprocess.run([sys.executable, __file__, form], capture_output=True, text=True,
+                          timeout=300, check=False)
 
 
 def test_padding_inside_shard_map_compiles_and_is_exact():

@@ -82,9 +82,7 @@ def test_longest_compact_form():
 @pytest.fixture(scope="module")
 def llm():
     return LLM(
-        str(ensure_smollm2(_SMOLLM2_DIR)),
-        max_num_seqs=16,
-        max_model_len=512,
+        str(ensure_smollm2(_SMOLLM2_DIR)), max_num_seqs=16, max_model_len=512,
         generation_config="vllm",
     )
 

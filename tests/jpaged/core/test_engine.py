@@ -18,10 +18,8 @@ def test_compiled_programs_stay_within_the_bucket_count(llm):
     rng = np.random.default_rng(0)
     vocab = llm.llm_engine.model_config.vocab_size
     prompts = [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(1, 100, 50)]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True)
-        for m in rng.integers(1, 24, 50)
-    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(m), ignore_eos=True)
+              for m in rng.integers(1, 24, 50)]
     outs = llm.generate(prompts, params)
     assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
     stats = llm.stats()
@@ -70,14 +68,10 @@ def test_bad_sampling_params_name_the_field(kwargs, match):
 def test_seed_gives_the_same_tokens_alone_and_in_a_batch(llm):
     p = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
     alone = llm.generate(["the seed test"], p)[0].outputs[0].token_ids
-    others = [
-        SamplingParams(temperature=0.9, max_tokens=int(5 + i), seed=i, ignore_eos=True)
-        for i in range(15)
-    ]
+    others = [SamplingParams(temperature=0.9, max_tokens=int(5 + i), seed=i, ignore_eos=True)
+              for i in range(15)]
     prompts = [f"other prompt {i} " * (i + 1) for i in range(15)]
-    batch = llm.generate(
-        prompts[:7] + ["the seed test"] + prompts[7:], others[:7] + [p] + others[7:]
-    )
+    batch = llm.generate(prompts[:7] + ["the seed test"] + prompts[7:], others[:7] + [p] + others[7:])
     assert batch[7].outputs[0].token_ids == alone
     different = llm.generate(["the seed test"], p.clone(seed=4321))[0].outputs[0].token_ids
     assert different != alone
@@ -104,16 +98,14 @@ def test_stop_token_ids_and_max_tokens(llm):
 
 
 def test_n_samples_share_the_prompt_and_differ(llm):
-    out = llm.generate(
-        ["fork me"], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=3, ignore_eos=True)
-    )[0]
+    out = llm.generate(["fork me"], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=3,
+                                                   ignore_eos=True))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     seqs = [tuple(c.token_ids) for c in out.outputs]
     assert all(len(s) == 8 for s in seqs)
     assert len(set(seqs)) > 1
-    again = llm.generate(
-        ["fork me"], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=3, ignore_eos=True)
-    )[0]
+    again = llm.generate(["fork me"], SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=3,
+                                                     ignore_eos=True))[0]
     assert [tuple(c.token_ids) for c in again.outputs] == seqs
     assert llm.stats()["pages_used"] == 0
 
@@ -149,17 +141,9 @@ def test_pool_from_free_device_memory_counts_each_device_share(monkeypatch, tp, 
 
     monkeypatch.setattr("jax.devices", lambda *a: [_FakeAccelerator()])
     cfg = ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=8,
-        num_kv_heads=4,
-        head_dim=8,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
+        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=256,
     )
     cache = CacheConfig(page_size=16, kv_memory_fraction=0.5)
     config = EngineConfig(cache=cache, parallel=ParallelConfig(tensor_parallel_size=tp))

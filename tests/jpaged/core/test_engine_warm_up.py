@@ -11,25 +11,15 @@ import pytest
 from jpaged import LLM, SamplingParams
 from jpaged.worker.step_inputs import WARM_UP_RUNS, bucket_keys
 
-SPEC = {
-    "method": "ngram",
-    "num_speculative_tokens": 2,
-    "prompt_lookup_max": 2,
-    "prompt_lookup_min": 1,
-}
+SPEC = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+        "prompt_lookup_min": 1}
 
 
 @pytest.mark.parametrize("speculative", [None, SPEC], ids=["plain", "ngram"])
 def test_a_short_request_after_warm_up_compiles_no_step_program(demo_model_dir, speculative):
-    llm = LLM(
-        str(demo_model_dir),
-        max_num_seqs=8,
-        max_model_len=256,
-        max_num_batched_tokens=256,
-        page_size=16,
-        num_pages=64,
-        speculative_config=speculative,
-    )
+    llm = LLM(str(demo_model_dir), max_num_seqs=8, max_model_len=256,
+              max_num_batched_tokens=256, page_size=16, num_pages=64,
+              speculative_config=speculative)
     engine = llm.llm_engine
     keys = engine.runner.warm_up_keys(64)
     assert len(set(keys)) == len(keys)
@@ -50,27 +40,17 @@ def test_a_short_request_after_warm_up_compiles_no_step_program(demo_model_dir, 
 
 def test_precompile_up_to_max_len_compiles_those_buckets_and_nothing_later(demo_model_dir):
     # An accelerator's step shapes (page-column buckets from 4, decode programs), on CPU.
-    llm = LLM(
-        str(demo_model_dir),
-        max_num_seqs=8,
-        max_model_len=256,
-        max_num_batched_tokens=64,
-        page_size=16,
-        num_pages=64,
-        precompile=True,
-        precompile_max_len=64,
-        min_page_bucket=4,
-        decode_programs=True,
-    )
+    llm = LLM(str(demo_model_dir), max_num_seqs=8, max_model_len=256,
+              max_num_batched_tokens=64, page_size=16, num_pages=64,
+              precompile=True, precompile_max_len=64, min_page_bucket=4, decode_programs=True)
     engine = llm.llm_engine
     programs = engine.runner.programs
     keys = bucket_keys(engine.config, 64)
     assert {k.num_page_cols for k in keys} == {4}  # 64 tokens: 4 pages
     assert set(programs.step_keys()) == set(keys)
     prompts = [[3 + i] * (5 + 7 * i) for i in range(8)]  # 5..54 tokens, up to 64 in all
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=64 - len(p), ignore_eos=True) for p in prompts
-    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=64 - len(p), ignore_eos=True)
+              for p in prompts]
     out = llm.generate(prompts, params)
     assert [len(o.outputs[0].token_ids) for o in out] == [64 - len(p) for p in prompts]
     assert set(programs.step_keys()) == set(keys)
@@ -80,13 +60,8 @@ def test_precompile_up_to_max_len_compiles_those_buckets_and_nothing_later(demo_
 def test_warm_up_runs_each_program_on_rows_that_change_nothing_a_request_reads(
     demo_model_dir, monkeypatch
 ):
-    kw = {
-        "max_num_seqs": 4,
-        "max_model_len": 64,
-        "max_num_batched_tokens": 64,
-        "page_size": 16,
-        "num_pages": 32,
-    }
+    kw = {"max_num_seqs": 4, "max_model_len": 64, "max_num_batched_tokens": 64,
+          "page_size": 16, "num_pages": 32}
     prompts = [[3, 4, 5, 6, 7], [8] * 20, [9, 10] * 6]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     cold = LLM(str(demo_model_dir), **kw)

@@ -41,16 +41,9 @@ def test_the_config_refuses_an_unknown_kv_cache_dtype():
 
 
 def test_pages_from_memory_count_the_smaller_pages():
-    smol = ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-    )  # SmolLM2-135M's attention
+    smol = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
+                       intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                       head_dim=64)  # SmolLM2-135M's attention
     f32_page = 2 * 30 * 3 * 16 * 64 * 4  # 737,280 bytes
     config = engine_config_from_args(None)
     pages = {}
@@ -89,9 +82,7 @@ def test_equal_memory_admits_twice_the_sequences_in_fp8_and_four_times_in_int8(d
         row = {"float32": 256, "bfloat16": 128}.get(name, 66)
         assert engine.stats()["kv_bytes_per_token"] == 2 * 4 * 2 * row
     assert running == {name: seqs for name, (_, seqs) in ADMITTED.items()}
-    assert (
-        running["int8"] >= 1.9 * running["float32"] and running["fp8"] >= 1.9 * running["bfloat16"]
-    )
+    assert running["int8"] >= 1.9 * running["float32"] and running["fp8"] >= 1.9 * running["bfloat16"]
 
 
 def test_a_draft_models_pool_is_quantized_and_counted_so(demo_model_dir):
@@ -114,18 +105,12 @@ def test_a_draft_models_pool_is_quantized_and_counted_so(demo_model_dir):
 def engines(demo_model_dir):
     return {
         "on": make_engine(demo_model_dir, num_pages=8 * 16 + 1, kv_cache_dtype="int8"),
-        "off": make_engine(
-            demo_model_dir, num_pages=8 * 16 + 1, kv_cache_dtype="int8", enable_prefix_caching=False
-        ),
+        "off": make_engine(demo_model_dir, num_pages=8 * 16 + 1, kv_cache_dtype="int8",
+                           enable_prefix_caching=False),
         # 16 usable pages: one max_model_len sequence; the batches below need far more.
-        "swap": make_engine(
-            demo_model_dir,
-            num_pages=17,
-            kv_cache_dtype="int8",
-            enable_prefix_caching=False,
-            preemption_mode="swap",
-            num_swap_pages=256,
-        ),
+        "swap": make_engine(demo_model_dir, num_pages=17, kv_cache_dtype="int8",
+                            enable_prefix_caching=False, preemption_mode="swap",
+                            num_swap_pages=256),
     }
 
 
@@ -145,10 +130,8 @@ def test_prefix_caching_on_an_int8_cache_changes_no_token(engines):
 def test_forks_copy_the_partial_pages_rows_and_scales(engines):
     on, off = engines["on"], engines["off"]
     prompt = random_ids(on, 10, seed=3)  # 2 full pages and a partial one every fork copies
-    forks = run(
-        on,
-        [("n4", prompt, SamplingParams(n=4, temperature=0.0, max_tokens=12, ignore_eos=True), 0)],
-    )
+    forks = run(on, [("n4", prompt, SamplingParams(n=4, temperature=0.0, max_tokens=12,
+                                                    ignore_eos=True), 0)])
     alone = run(off, [("n1", prompt, greedy(12), 0)])["n1"].outputs[0].token_ids
     assert [c.token_ids for c in forks["n4"].outputs] == [alone] * 4
 
@@ -168,15 +151,8 @@ def test_swap_preemption_moves_the_scales_with_the_pages(engines):
 
 def test_beam_search_on_an_int8_cache_is_the_same_with_prefix_caching(demo_model_dir):
     def beams(**kwargs):
-        llm = LLM(
-            str(demo_model_dir),
-            page_size=PAGE,
-            max_num_seqs=8,
-            max_model_len=64,
-            num_pages=129,
-            kv_cache_dtype="int8",
-            **kwargs,
-        )
+        llm = LLM(str(demo_model_dir), page_size=PAGE, max_num_seqs=8, max_model_len=64,
+                  num_pages=129, kv_cache_dtype="int8", **kwargs)
         prompts = [random_ids(llm.llm_engine, n, seed=40 + n) for n in (5, 9)]
         out = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=8))
         return [[(s.token_ids, round(s.cum_logprob, 4)) for s in o.sequences] for o in out]
@@ -184,20 +160,18 @@ def test_beam_search_on_an_int8_cache_is_the_same_with_prefix_caching(demo_model
     assert beams() == beams(enable_prefix_caching=False)
 
 
-NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": 3,
-    "prompt_lookup_max": 3,
-    "prompt_lookup_min": 1,
-}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
-def test_ngram_speculation_on_a_quantized_cache_is_exact_for_greedy(demo_model_dir, kv_cache_dtype):
+def test_ngram_speculation_on_a_quantized_cache_is_exact_for_greedy(demo_model_dir,
+                                                                    kv_cache_dtype):
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], [3, 4, 3, 4, 3, 4, 3, 4, 3], [9, 9, 9, 9]]
 
     def engine(**kwargs):
-        return make_engine(demo_model_dir, num_pages=64, kv_cache_dtype=kv_cache_dtype, **kwargs)
+        return make_engine(demo_model_dir, num_pages=64, kv_cache_dtype=kv_cache_dtype,
+                           **kwargs)
 
     requests = [(f"p{i}", p, greedy(24), 0) for i, p in enumerate(prompts)]
     spec = engine(speculative_config=NGRAM)

@@ -120,9 +120,8 @@ def test_the_pool_must_hold_one_sequence_counting_its_window_pages():
 
 # -- host-only plans ----------------------------------------------------------------------------
 def make_scheduler(num_pages=32, *, swap_pages=0, caching=True, windows=(None, W)):
-    return window_plans.make_scheduler(
-        num_pages, swap_pages=swap_pages, caching=caching, group_windows=windows
-    )
+    return window_plans.make_scheduler(num_pages, swap_pages=swap_pages, caching=caching,
+                                       group_windows=windows)
 
 
 def test_decoding_10x_past_the_window_keeps_every_full_page_and_3_window_pages():
@@ -170,10 +169,7 @@ def test_the_first_pages_and_the_exact_page_table_edits():
     for _ in range(3):  # positions 5, 6, 7
         feed(sched, sched.schedule())
     plan = sched.schedule()  # position 8
-    assert (plan.page_updates.tolist(), seq.tables) == (
-        [[0, 2, 5], [3, 2, 6]],
-        [[1, 2, 5], [3, 4, 6]],
-    )
+    assert (plan.page_updates.tolist(), seq.tables) == ([[0, 2, 5], [3, 2, 6]], [[1, 2, 5], [3, 4, 6]])
     assert alloc.cached_entry(1) is not None and alloc.cached_entry(3) is not None
     feed(sched, plan)
     plan = sched.schedule()  # position 9
@@ -373,14 +369,8 @@ def test_a_window_page_cached_after_another_prefix_is_a_miss(monkeypatch):
 # -- engines on tiny Gemma 2 and Gemma 3 --------------------------------------------------------
 VOCAB = 320
 WINDOW = 8  # pages of 4: a decoding window group holds at most ceil(8 / 4) + 1 = 3 pages
-ENGINE = {
-    "page_size": 4,
-    "max_num_seqs": 2,
-    "max_model_len": 128,
-    "num_pages": 72,
-    "max_num_batched_tokens": 64,
-    "min_token_bucket": 64,
-}
+ENGINE = {"page_size": 4, "max_num_seqs": 2, "max_model_len": 128, "num_pages": 72,
+          "max_num_batched_tokens": 64, "min_token_bucket": 64}
 
 
 @pytest.fixture(scope="module")
@@ -429,7 +419,7 @@ def grouped_paged_logits(loaded, chunks, token_ids, *, stacked, page=4):
     n = -(-len(token_ids) // page)
     num_pages = groups.num_groups * n + 8
     shape = (cfg.num_kv_heads, groups.slots_per_page * num_pages, page, cfg.head_dim)
-    pool = jnp.full(shape, jnp.nan).at[:, ::num_pages].set(0.0)  # each slot's null page
+    pool = jnp.full(shape, jnp.nan).at[:, :: num_pages].set(0.0)  # each slot's null page
     caches = (pool, pool)
     pages = np.random.default_rng(0).permutation(np.arange(1, num_pages))
     tables = pages[: groups.num_groups * n].reshape(groups.num_groups, 1, n).astype(np.int32)
@@ -442,9 +432,7 @@ def grouped_paged_logits(loaded, chunks, token_ids, *, stacked, page=4):
                 live[g, 0, : max(start - w + 1, 0) // page] = NULL_PAGE
         # Prefill chunks padded to the longest (one program), as dense_families.paged_logits.
         tokens, positions, slots = padded_chunk(
-            token_ids[start : start + size],
-            pos,
-            tables[:, 0, pos // page] * page + pos % page,
+            token_ids[start : start + size], pos, tables[:, 0, pos // page] * page + pos % page,
             1 if size == 1 else max(chunks),
         )
         hidden, caches = run(

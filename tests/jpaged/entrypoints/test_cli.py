@@ -141,17 +141,13 @@ def test_generate_and_chat_size_the_engine_for_their_own_sequences(demo_model_di
     monkeypatch.setenv("JPAGED_CACHE_DIR", str(demo_model_dir.parent))
     parser = build_parser()
     common = ["--model", "demo-random", "--max-model-len", "128"]  # 8 pages of 16 tokens
-    for argv, seqs in (
-        (["generate", "hi"], 1),
-        (["generate", "hi", "-n", "3"], 3),
-        (["chat"], 1),
-        (["generate", "hi", "--max-num-seqs", "4"], 4),
-    ):
-        engine = make_engine_from_args(
-            parser.parse_args(argv + common), num_seqs=3 if "-n" in argv else 1
-        )
+    for argv, seqs in ((["generate", "hi"], 1), (["generate", "hi", "-n", "3"], 3),
+                       (["chat"], 1), (["generate", "hi", "--max-num-seqs", "4"], 4)):
+        engine = make_engine_from_args(parser.parse_args(argv + common),
+                                       num_seqs=3 if "-n" in argv else 1)
         assert engine.config.scheduler.max_num_seqs == seqs, argv
         assert engine.num_pages == seqs * 8 + 1, argv
+
 
 
 def test_chat_compiles_every_program_it_can_reach_before_the_first_answer(

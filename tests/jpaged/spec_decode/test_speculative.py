@@ -334,9 +334,7 @@ def test_a_step_that_compiled_is_not_timed(demo_model_dir):
     llm = one_bucket(demo_model_dir, num_pages=128, speculative_config=NGRAM)
     engine = llm.llm_engine
     llm.generate(PROMPTS[:4], GREEDY)  # every program this test meets is compiled
-    engine.spec._governor = type(
-        engine.spec._governor
-    )()  # without the real-clock samples of that run
+    engine.spec._governor = type(engine.spec._governor)()  # without the real-clock samples of that run
     scripted_costs(engine, plain=1.0, verify=8.0)
     fetch, programs, plain_steps = engine.runner.fetch, engine.runner.programs, [0]
     scripted_clock, offset = engine.spec._clock, [0.0]

@@ -27,11 +27,7 @@ def run(model, cache_dir, env_extra=None):
     env.update(env_extra or {})
     res = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(model), str(cache_dir)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
+        capture_output=True, text=True, env=env, timeout=600, check=False,
     )
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout.strip().splitlines()[-1])

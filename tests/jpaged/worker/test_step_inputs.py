@@ -76,9 +76,9 @@ def test_a_prefill_plan_is_plain_arrays_and_packs_into_its_bucket():
     assert inputs.logits_indices.tolist() == [4, 6, 0, 0]
     cap = update_capacity(key, 4)
     assert inputs.page_updates.shape == (cap, 3)
-    assert inputs.page_updates.tolist() == [[0, 0, 1], [0, 1, 2], [1, 0, 3]] + [[SCRATCH, 0, 0]] * (
-        cap - 3
-    )
+    assert inputs.page_updates.tolist() == [[0, 0, 1], [0, 1, 2], [1, 0, 3]] + [
+        [SCRATCH, 0, 0]
+    ] * (cap - 3)
     assert inputs.page_copies.tolist() == [[0, 0]] * 4
     s = inputs.sampling
     assert s.temperature.tolist() == [0.0, 0.5, 0.0, 0.0]
@@ -176,17 +176,8 @@ def test_bucket_keys_are_the_reachable_shapes_up_to_max_len():
     assert config.page_buckets == (4, 8, 16)
     ragged = {(k.num_tokens, k.num_seqs) for k in bucket_keys(config) if not k.decode_only}
     # 9..16 rows carry at least 9 tokens, which the smallest token bucket (16) holds
-    assert ragged == {
-        (16, 4),
-        (32, 4),
-        (64, 4),
-        (16, 8),
-        (32, 8),
-        (64, 8),
-        (16, 16),
-        (32, 16),
-        (64, 16),
-    }
+    assert ragged == {(16, 4), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8), (16, 16),
+                      (32, 16), (64, 16)}
     assert len(bucket_keys(config)) == 3 * 3 + 9 * 3
     short = bucket_keys(config, max_len=100)  # 7 pages: page buckets 4 and 8
     assert {k.num_page_cols for k in short} == {4, 8}
@@ -234,23 +225,17 @@ def test_warm_up_runs_lay_a_ragged_keys_tokens_over_one_two_and_every_row():
     runs = [warm_up_inputs(_padded_inputs(key), key, 4, run) for run in range(WARM_UP_RUNS)]
     assert WARM_UP_RUNS == 3
     assert [x.query_start.tolist() for x in runs] == [
-        [0, 8, 8, 8, 8],
-        [0, 4, 8, 8, 8],
-        [0, 2, 4, 6, 8],
-    ]
-    assert [x.context_lens.tolist() for x in runs] == [[8, 0, 0, 0], [8, 8, 0, 0], [8, 8, 8, 8]]
-    assert [x.positions.tolist() for x in runs] == [list(range(8)), [4, 5, 6, 7] * 2, [6, 7] * 4]
-    assert [x.logits_indices.tolist() for x in runs] == [[7, 0, 0, 0], [3, 7, 0, 0], [1, 3, 5, 7]]
+        [0, 8, 8, 8, 8], [0, 4, 8, 8, 8], [0, 2, 4, 6, 8]]
+    assert [x.context_lens.tolist() for x in runs] == [
+        [8, 0, 0, 0], [8, 8, 0, 0], [8, 8, 8, 8]]
+    assert [x.positions.tolist() for x in runs] == [
+        list(range(8)), [4, 5, 6, 7] * 2, [6, 7] * 4]
+    assert [x.logits_indices.tolist() for x in runs] == [
+        [7, 0, 0, 0], [3, 7, 0, 0], [1, 3, 5, 7]]
     assert [x.sampling.temperature.tolist() for x in runs] == [
-        [0, 0, 0, 0],
-        [1, 1, 0, 0],
-        [1, 1, 1, 1],
-    ]
+        [0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
     assert [x.sampling.top_p.tolist() for x in runs] == [
-        [1, 1, 1, 1],
-        [1, 1, 1, 1],
-        pytest.approx([0.9] * 4),
-    ]
+        [1, 1, 1, 1], [1, 1, 1, 1], pytest.approx([0.9] * 4)]
     assert [bool(x.sampling.use_bitmask) for x in runs] == [False, False, True]
     assert (runs[2].sampling.token_bitmask == -1).all()  # the mask allows every token
     padded = _padded_inputs(key)
@@ -318,24 +303,12 @@ def test_on_cpu_one_page_bucket_and_decode_steps_on_the_ragged_programs():
     keys = bucket_keys(cpu)
     assert all(not k.decode_only and k.num_page_cols == 16 for k in keys)
     assert {(k.num_tokens, k.num_seqs) for k in keys} == {
-        (16, 4),
-        (32, 4),
-        (64, 4),
-        (16, 8),
-        (32, 8),
-        (64, 8),
-        (16, 16),
-        (32, 16),
-        (64, 16),
+        (16, 4), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8), (16, 16), (32, 16), (64, 16)
     }
     assert len(keys) == 9 and len(bucket_keys(gpu)) == 3 * 3 + 9 * 3
     # A decode step of 1..16 rows pads to (16 tokens, its row bucket), keys precompiled.
     assert [(k.num_tokens, k.num_seqs) for k in warm_up_keys(cpu, 64)] == [
-        (16, 4),
-        (16, 8),
-        (16, 16),
-        (32, 4),
-        (64, 4),
+        (16, 4), (16, 8), (16, 16), (32, 4), (64, 4)
     ]
     assert set(warm_up_keys(cpu, 64)) <= set(keys)
 
