@@ -192,13 +192,18 @@ def group_pages(num_pages: int, groups: KVGroups, num_layers: int) -> int:
 
 
 def resolve_kv_offload_bytes(
-    cache: CacheConfig, platform: str, groups: KVGroups, *, draft: bool
+    cache: CacheConfig, platform: str, groups: KVGroups, *, draft: bool, replicas: int = 1
 ) -> int:
     """The host tier's bytes (jpaged/core/host_page_store.py; 0: off): kv_offload_bytes, or
-    by default none on CPU (the pool already lives in host memory) and HOST_OFFLOAD_SHARE of
-    the available host memory on an accelerator. Off without prefix caching, with a sliding
-    window or paging groups, and with a draft model (its pool shares the page ids)."""
+    by default none on CPU (the pool already lives in host memory), none where the swap space
+    was sized (num_swap_pages, swap_space_bytes), and else HOST_OFFLOAD_SHARE of the available
+    host memory on an accelerator, split over the data-parallel replicas. Off without prefix
+    caching, with a sliding window or paging groups, with a draft model (its pool shares the
+    page ids) and across processes (host copies are not broadcast)."""
     wanted = cache.kv_offload_bytes
+    swap_sized = cache.num_swap_pages is not None or cache.swap_space_bytes is not None
+    if wanted is None and swap_sized:
+        wanted = 0
     if wanted is None:
         if cache.kv_offload_dir is not None and platform == "cpu":
             raise ValueError(
@@ -206,7 +211,7 @@ def resolve_kv_offload_bytes(
                 "where the host tier is off by default (it stages the disk's pages)"
             )
         avail = available_host_memory() if platform != "cpu" else None
-        wanted = int(avail * HOST_OFFLOAD_SHARE) if avail else 0
+        wanted = int(avail * HOST_OFFLOAD_SHARE) // replicas if avail else 0
     why_not = None
     if not cache.enable_prefix_caching:
         why_not = "prefix caching is off"
@@ -214,6 +219,8 @@ def resolve_kv_offload_bytes(
         why_not = "the model has sliding-window layers"
     elif draft:
         why_not = "a draft model shares the pool's page ids"
+    elif jax.process_count() > 1:
+        why_not = "the model spans processes"
     if wanted and why_not is not None:
         if cache.kv_offload_bytes:
             logger.warning("the host KV tier (kv_offload_bytes) is off: %s", why_not)
@@ -317,8 +324,9 @@ def plan_memory(
         cache = dataclasses.replace(config.cache, enable_prefix_caching=False)
         config = dataclasses.replace(config, cache=cache)
     offload = resolve_kv_offload_bytes(
-        config.cache, platform, groups, draft=draft_config is not None
-    )
+        config.cache, platform, groups, draft=draft_config is not None,
+        replicas=config.parallel.data_parallel_size,
+    )  # fmt: skip
     config = dataclasses.replace(
         config, cache=dataclasses.replace(config.cache, kv_offload_bytes=offload)
     )

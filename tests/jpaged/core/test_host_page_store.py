@@ -134,6 +134,29 @@ def test_offload_flags_are_validated(tiny_checkpoints):
     assert plan_memory(off, model, np.float32, "cpu").num_swap_pages == 0  # off on CPU
 
 
+def test_the_default_tier_on_an_accelerator_is_a_share_of_host_memory(monkeypatch):
+    from jpaged.core import memory_plan
+    from models.kv_groups import kv_groups
+
+    monkeypatch.setattr(memory_plan, "available_host_memory", lambda: 64 << 30)
+    full = kv_groups((None, None), free_window_pages=True, max_model_len=64)
+    windowed = kv_groups((8, 8), free_window_pages=True, max_model_len=64)
+
+    def resolve(cache, groups=full, draft=False, replicas=1):
+        return memory_plan.resolve_kv_offload_bytes(
+            cache, "gpu", groups, draft=draft, replicas=replicas
+        )
+
+    assert resolve(CacheConfig()) == 16 << 30  # a quarter
+    assert resolve(CacheConfig(), replicas=2) == 8 << 30  # split over data-parallel replicas
+    assert resolve(CacheConfig(swap_space_bytes=1 << 30)) == 0  # the swap space was sized
+    assert resolve(CacheConfig(kv_offload_bytes=0)) == 0
+    assert resolve(CacheConfig(), groups=windowed) == 0  # sliding windows: off
+    assert resolve(CacheConfig(kv_offload_bytes=1 << 20), draft=True) == 0
+    assert resolve(CacheConfig(enable_prefix_caching=False)) == 0
+    assert memory_plan.resolve_kv_offload_bytes(CacheConfig(), "cpu", full, draft=False) == 0
+
+
 # -- engines on the tiny checkpoint ------------------------------------------------------------
 OFFLOAD_BYTES = 300 * 2048  # 2 KiB pages (float32): 299 host pages
 
