@@ -49,6 +49,7 @@ from jpaged.core.output_processor import OutputProcessor, record_pooled, record_
 from jpaged.core.page_allocator import PageAllocator
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import RequestGroup, Sequence
+from jpaged.lora import LoRAManager, LoRARequest
 from jpaged.outputs import RequestOutput
 from jpaged.pooling import PoolingParams, sentence_transformers_pooling
 from jpaged.sample.sampler import SamplerOutput
@@ -114,6 +115,7 @@ def _make_runner(memory: MemoryPlan, loaded, dtype, cache_dir) -> ModelRunner:
         broadcast=broadcast,
         cache_dir=cache_dir,
         kv_groups=memory.kv_groups if memory.kv_groups.grouped else None,
+        lora_config=memory.config.lora if memory.config.lora.enable_lora else None,
     )
 
 
@@ -178,6 +180,9 @@ class LLMEngine:
         )  # fmt: skip
         self.kv_dtype, self.kv_groups = memory.kv_dtype, memory.kv_groups
         self.num_pages, self.num_swap_pages = memory.num_pages, memory.num_swap_pages
+        # LoRA adapters' host state and device slots (jpaged/lora), None without --enable-lora.
+        lora = config.lora
+        self.loras = LoRAManager(lora, self.model_config) if lora.enable_lora else None
         self._new_host_state()
         self.runner = _make_runner(memory, loaded, dtype, self.compilation_cache_dir)
         self._arrivals = 0
@@ -233,6 +238,7 @@ class LLMEngine:
         self.scheduler.admission_check = lambda demands: (
             self.runner.cap_refusal(needs_key(demands, config)) is None
         )
+        self.scheduler.loras = self.loras  # adapters wait for a device slot at admission
         self.output_processor = OutputProcessor(self.tokenizer)
         # Structured outputs: one matcher per constrained sequence (jpaged/core/constraints.py).
         self.constraints = Constraints(
@@ -268,6 +274,8 @@ class LLMEngine:
             sched.abort(group)
             self._release(group)
         sched.restart()
+        if self.loras is not None:
+            self.loras.restart()
         self._in_flight = None
         self.spec = self.spec.renewed()
         self.runner.reset_state()
@@ -302,10 +310,17 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         pooling: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queues a request. params.output_kind says what step() returns for it. With
         pooling, an embedding request (jpaged/pooling.py): params must ask for one token
-        (max_tokens=1, n=1), and its finished output carries the embedding."""
+        (max_tokens=1, n=1), and its finished output carries the embedding. lora_request:
+        the adapter it runs on (LoRAError, a ValueError, if it cannot be read)."""
+        adapter = None
+        if lora_request is not None:
+            if self.loras is None:
+                raise ValueError("lora_request given but LoRA is not enabled (enable_lora)")
+            adapter = self.loras.resolve(lora_request)
         text, token_ids, pooler = self.inputs.validate(
             request_id, prompt, params, cache_salt=cache_salt, pooling=pooling,
             in_use=isinstance(request_id, str) and request_id in self._groups, unservable=self.scheduler.unservable,
@@ -319,10 +334,12 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             arrival=self._arrivals,
-            cache_salt=cache_salt,
+            cache_salt=LoRAManager.salt(cache_salt, adapter),  # no prefix hit across adapters
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
             pooler=pooler,
         )
+        if adapter is not None:
+            self.loras.attach(group, adapter)
         self._arrivals += 1
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         self._groups[request_id] = group
@@ -467,6 +484,8 @@ class LLMEngine:
         self.output_processor.release(group)
         self.spec.release([seq.seq_id for seq in group.seqs])
         self.constraints.release(group)
+        if self.loras is not None:
+            self.loras.release(group)
 
     def _take_early_outputs(self) -> list[RequestOutput]:
         outputs, self._early_outputs = self._early_outputs, []
@@ -553,6 +572,7 @@ class LLMEngine:
             kv_cache_dtype=self.kv_dtype.name,
             kv_bytes_per_token=kv_page_bytes(self.model_config, 1, 0, self.kv_dtype),
             **self.spec.stats(),
+            **(self.loras.stats() if self.loras is not None else {}),
         )
 
     def reset_stats(self) -> None:

@@ -113,6 +113,7 @@ class Scheduler:
         # Set by the engine: whether the running sequences and one more can step together
         # (a compiled program holds them at Linux's mapping cap); None admits all.
         self.admission_check: Callable[[list[Demand]], bool] | None = None
+        self.loras = None  # set by the engine with LoRA on: a jpaged.lora.LoRAManager
 
     @property
     def num_swaps_out(self) -> int:
@@ -274,6 +275,7 @@ class Scheduler:
             swap_out=edits.swap_out,
             swap_in=edits.swap_in,
             num_groups=self.num_groups,
+            lora_loads=self.loras.take_loads() if self.loras is not None else (),
         )
 
     def _row(self, seq: Sequence, num_new: int, row: int, proposals=None) -> ScheduledRow:
@@ -317,8 +319,8 @@ class Scheduler:
             if not self.admission_check(demands):
                 return 0  # it waits for a batch a compiled program holds
         admission = self.kv.can_allocate(seq, budget)
-        if admission is None:
-            return 0
+        if admission is None or (self.loras is not None and not self.loras.admit(seq.group)):
+            return 0  # (no adapter slot free: it waits)
         self.waiting.remove(seq)
         seq.table_row = self._free_rows.pop()
         if seq.needs_fork:
