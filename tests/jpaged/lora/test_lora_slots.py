@@ -1,0 +1,62 @@
+"""LoRAManager's slots without a device: admission holds a slot per request, evicts only
+unheld slots (least recently admitted first), writes each load once, and refuses to unload
+an adapter a request uses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from lora_adapters import write_adapter
+
+from jpaged.config import LoRAConfig
+from jpaged.core.sequence import RequestGroup
+from jpaged.lora import LoRAError, LoRAManager, LoRARequest
+from jpaged.sample.sampling_params import SamplingParams
+from models.config import ModelConfig
+
+
+@pytest.fixture
+def manager(tiny_checkpoints, tmp_path):
+    base = tiny_checkpoints["llama"]
+    cfg = ModelConfig.from_hf_config(json.loads((base / "config.json").read_text()))
+    m = LoRAManager(LoRAConfig(enable_lora=True, max_loras=2, max_lora_rank=8), cfg)
+    reqs = [LoRARequest(f"a{i}", i + 1, str(write_adapter(tmp_path / f"a{i}", base, rank=4,
+                                                           seed=i))) for i in range(3)]  # fmt: skip
+    return m, reqs
+
+
+def _group(rid: str):
+    return RequestGroup(rid, None, [1, 2], SamplingParams(), 0)
+
+
+def test_slots_are_held_until_release_and_evicted_lru(manager):
+    m, (a0, a1, a2) = manager
+    groups = {}
+    for rid, req in (("r0", a0), ("r1", a1), ("r2", a2)):
+        groups[rid] = _group(rid)
+        m.attach(groups[rid], m.resolve(req))
+    assert m.admit(groups["r0"]) and m.admit(groups["r1"])
+    assert (groups["r0"].lora_slot, groups["r1"].lora_slot) == (0, 1)
+    assert [s for s, _ in m.take_loads()] == [0, 1]
+    assert not m.admit(groups["r2"])  # both slots held: it waits
+    assert m.take_loads() == ()
+    m.release(groups["r1"])
+    assert m.admit(groups["r2"]) and groups["r2"].lora_slot == 1  # r1's slot, now unheld
+    assert [(s, a.name) for s, a in m.take_loads()] == [(1, "a2")]
+    again = _group("r3")
+    m.attach(again, m.resolve(a0))
+    assert m.admit(again) and again.lora_slot == 0 and m.take_loads() == ()  # resident
+
+
+def test_unload_refused_while_in_use(manager):
+    m, (a0, *_) = manager
+    m.add(a0)
+    g = _group("r0")
+    m.attach(g, m.resolve(a0))
+    with pytest.raises(LoRAError, match="'a0': in use by 1 request"):
+        m.remove("a0")
+    m.release(g)
+    m.remove("a0")
+    with pytest.raises(LoRAError, match="no adapter of that name"):
+        m.remove("a0")
