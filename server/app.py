@@ -74,6 +74,8 @@ class Server:
         # /v1/responses: the chat pipeline under OpenAI's Responses shapes, its store here
         self.responses = ResponsesAPI(self.openai, store_size=options.responses_store_size)
         self.openai.add_v1_routes(self.responses.add_routes)
+        for name, path in options.lora_modules:  # --lora-modules: before the engine thread
+            self.openai.adapters.load_now(name, path)
         self.state = "warming_up"  # then "serving", then "draining"
         self.health = health.aio.HealthServicer()
         self.grpc_server: grpc.aio.Server | None = None

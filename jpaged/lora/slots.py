@@ -41,7 +41,7 @@ class LoRAManager:
         self._slot_order: collections.OrderedDict[int, None] = collections.OrderedDict(
             (s, None) for s in range(self.num_slots)
         )  # least recently admitted first
-        self._users: collections.Counter[int] = collections.Counter()  # uid -> requests
+        self._users: collections.Counter[str] = collections.Counter()  # name -> requests
         self._pending: dict[int, HostAdapter] = {}  # slot -> adapter to write before the step
         self.num_loads = 0  # adapters read from disk
         self.num_slot_writes = 0
@@ -64,12 +64,19 @@ class LoRAManager:
             self._host.popitem(last=False)
         return adapter
 
-    def add(self, request: LoRARequest) -> HostAdapter:
+    def add(self, request: LoRARequest, adapter: HostAdapter | None = None) -> HostAdapter:
         """Registers a named adapter (the server's --lora-modules and load endpoint): read
-        and checked now; a name already registered is an error."""
+        and checked now (or adapter, read already by load_adapter); a name already
+        registered is an error."""
         if request.lora_name in self.registered:
             raise LoRAError(request.lora_name, "an adapter of that name is already loaded")
-        adapter = self.resolve(request)
+        if adapter is None:
+            adapter = self.resolve(request)
+        else:
+            self._host[request.lora_name] = adapter
+            self._host.move_to_end(request.lora_name)
+            while len(self._host) > self.config.num_cpu_loras:
+                self._host.popitem(last=False)
         self.registered[request.lora_name] = request
         return adapter
 
@@ -78,24 +85,22 @@ class LoRAManager:
         (LoRAError) while a request uses it."""
         if name not in self.registered:
             raise LoRAError(name, "no adapter of that name is loaded")
-        adapter = self._host.get(name)
-        if adapter is not None and self._users[adapter.uid]:
-            n = self._users[adapter.uid]
+        if self._users[name]:
+            n = self._users[name]
             raise LoRAError(name, f"in use by {n} request(s); unload it when they finish")
         del self.registered[name]
-        if adapter is not None:
-            del self._host[name]
-            for slot, resident in enumerate(self._slot_adapter):
-                if resident is adapter:
-                    self._slot_adapter[slot] = None
-                    self._pending.pop(slot, None)
+        self._host.pop(name, None)
+        for slot, resident in enumerate(self._slot_adapter):
+            if resident is not None and resident.name == name:
+                self._slot_adapter[slot] = None
+                self._pending.pop(slot, None)
 
     # -- requests ----------------------------------------------------------------------------
     def attach(self, group, adapter: HostAdapter) -> None:
         """group (a RequestGroup) runs on adapter until `release`."""
         group.lora = adapter
         group.lora_slot = -1
-        self._users[adapter.uid] += 1
+        self._users[adapter.name] += 1
 
     def admit(self, group) -> bool:
         """Whether group's adapter has a device slot for it now (True for the base model and
@@ -125,9 +130,9 @@ class LoRAManager:
             self._holders[group.lora_slot].discard(group.request_id)
         group.lora_slot = -1
         group.lora = None
-        self._users[adapter.uid] -= 1
-        if not self._users[adapter.uid]:
-            del self._users[adapter.uid]
+        self._users[adapter.name] -= 1
+        if not self._users[adapter.name]:
+            del self._users[adapter.name]
 
     def take_loads(self) -> tuple[tuple[int, HostAdapter], ...]:
         """The slot writes the next step must make first (each once)."""
