@@ -67,6 +67,10 @@ class LoRAAdapters:
             manager.add(request)
         self._register(request)
 
+    def find(self, name: str) -> LoRARequest | None:
+        """The adapter served under name, or None."""
+        return self._adapters.get(name)
+
     def request_for(self, model: str | None) -> LoRARequest | None:
         """The adapter `model` names, None for the base model; APIError 404 otherwise."""
         if model is None or model == self._base:

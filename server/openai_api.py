@@ -84,6 +84,7 @@ class OpenAIServer:
         enable_auto_tool_choice: bool = False,
         reasoning_parser: str | None = None,
         state: Callable[[], str] = lambda: "serving",
+        adapters: LoRAAdapters | None = None,
     ) -> None:
         self._loop = loop
         self._model_name = model_name
@@ -99,7 +100,7 @@ class OpenAIServer:
         self._max_model_len = int(loop.engine.max_model_len)
         self._created = int(time.time())
         # LoRA adapters by name (server/lora_api.py): the `model` field may name one.
-        self.adapters = LoRAAdapters(loop, base_name=model_name)
+        self.adapters = adapters or LoRAAdapters(loop, base_name=model_name)
         # --reasoning-parser: chats' (and responses') text split into reasoning and content
         self._reasoning = None if reasoning_parser is None else get_parser(reasoning_parser)
         self.app = self._make_app()

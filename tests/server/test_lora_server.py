@@ -5,10 +5,11 @@ offline API) or the base, and unknown models / bad adapters as 4xx errors."""
 
 from __future__ import annotations
 
+import grpc
 import httpx
 import pytest
 from lora_adapters import write_adapter
-from serving_helpers import RunningServer
+from serving_helpers import RunningServer, collect, request
 
 from jpaged import LLM, LoRARequest, SamplingParams
 
@@ -91,3 +92,17 @@ def test_bad_adapter_is_400_naming_it_and_server_serves_on(setup):
     names = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
     assert "bad" not in names
     assert _complete(server, "a1").json()["choices"][0]["token_ids"] == want["a1"]
+
+
+def test_grpc_lora_name_selects_adapter_and_unknown_is_not_found(setup):
+    server, want, *_ = setup
+    for name, key in (("a1", "a1"), ("tiny", "base")):
+        req = request(PROMPT, temperature=0, max_tokens=5)
+        req.lora_name = name
+        assert collect(server.stub, req).token_ids[0] == want[key]
+    req = request(PROMPT, temperature=0, max_tokens=5)
+    req.lora_name = "nope"
+    with pytest.raises(grpc.RpcError) as err:
+        collect(server.stub, req)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "no LoRA adapter 'nope'" in err.value.details()
