@@ -60,3 +60,23 @@ def test_unload_refused_while_in_use(manager):
     m.remove("a0")
     with pytest.raises(LoRAError, match="no adapter of that name"):
         m.remove("a0")
+
+
+def test_memory_plan_counts_the_slot_bytes(tiny_checkpoints):
+    import jax.numpy as jnp
+
+    from jpaged.config import EngineConfig
+    from jpaged.core.memory_plan import lora_slot_bytes
+    from models import lora
+    from models.llama import init_params
+
+    base = tiny_checkpoints["qwen2"]
+    cfg = ModelConfig.from_hf_config(json.loads((base / "config.json").read_text()))
+    config = EngineConfig(lora=LoRAConfig(enable_lora=True, max_loras=3, max_lora_rank=8))
+    params = lora.with_slots(init_params(cfg), cfg, 3, 8, jnp.float32)
+    slots = lora.split_slots(params)[1]
+    want = sum(a.nbytes for layer in slots for a in layer.values())
+    assert lora_slot_bytes(cfg, config, 4) == want > 0
+    assert lora_slot_bytes(cfg, EngineConfig(), 4) == 0
+    with pytest.raises(ValueError, match="max_cpu_loras \\(2\\) must be >= max_loras \\(3\\)"):
+        LoRAConfig(max_loras=3, max_cpu_loras=2)
