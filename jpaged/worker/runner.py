@@ -110,8 +110,9 @@ class ModelRunner:
         )
         self.lora_config = lora_config
         if lora_config is not None:
-            if model_config.num_experts:
-                raise ValueError("LoRA adapters on mixture-of-experts models are not supported yet")
+            if model_config.num_experts or mesh is not None:
+                what = "tensor parallelism" if mesh is not None else "mixture-of-experts models"
+                raise ValueError(f"LoRA adapters with {what} are not supported yet")
             params = lora.with_slots(
                 params, model_config, lora_config.max_loras, lora_config.max_lora_rank, dtype
             )

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from lora_adapters import write_adapter
 
 from jpaged.config import LoRAConfig
@@ -80,3 +82,50 @@ def test_memory_plan_counts_the_slot_bytes(tiny_checkpoints):
     assert lora_slot_bytes(cfg, EngineConfig(), 4) == 0
     with pytest.raises(ValueError, match="max_cpu_loras \\(2\\) must be >= max_loras \\(3\\)"):
         LoRAConfig(max_loras=3, max_cpu_loras=2)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "admit", "release", "step", "unload"]),
+                              st.integers(0, 5), st.integers(0, 2)), max_size=60))  # fmt: skip
+def test_interleavings_never_serve_the_wrong_adapter(manager, ops):
+    """Requests arrive on adapters (or the base), are admitted, stepped, released, and
+    adapters are unloaded, in any order: every step's rows read their own adapter from the
+    device slots (the slot writes applied in step order), a held slot is never rewritten,
+    and an unload of an adapter in use is refused."""
+    m0, reqs = manager
+    m = LoRAManager(m0.config, m0.model_config)  # fresh for each example
+    for r in reqs:
+        m.registered[r.lora_name] = r
+    device: list = [None] * m.num_slots  # what each device slot holds, writes applied
+    groups: dict[int, RequestGroup] = {}  # waiting or admitted, by request number
+    admitted: set[int] = set()
+    for op, g, a in ops:
+        if op == "add" and g not in groups:
+            group = groups[g] = _group(f"r{g}")
+            if a < 2:  # adapter a; 2: the base model
+                m.attach(group, m.resolve(reqs[a]))
+        elif op == "admit" and g in groups and m.admit(groups[g]):
+            admitted.add(g)
+        elif op == "release" and g in groups:
+            m.release(groups.pop(g))
+            admitted.discard(g)
+        elif op == "step":
+            for slot, adapter in m.take_loads():
+                holders = [groups[i] for i in admitted if groups[i].lora_slot == slot]
+                assert all(h.lora is adapter for h in holders)  # no held slot rewritten
+                device[slot] = adapter
+            for i in admitted:
+                group = groups[i]
+                if group.lora is None:
+                    assert group.lora_slot == -1
+                else:
+                    assert device[group.lora_slot] is group.lora
+        elif op == "unload":
+            name = reqs[a].lora_name
+            in_use = any(x.lora is not None and x.lora.name == name for x in groups.values())
+            if in_use:
+                with pytest.raises(LoRAError, match="in use"):
+                    m.remove(name)
+            elif name in m.registered:
+                m.remove(name)
+                m.registered[name] = reqs[a]  # registered again for the next ops
