@@ -8,22 +8,25 @@ weights, shaped like them over the layers, one slice per device slot (N = max_lo
 
 An adapter of a smaller rank is zero-padded to r, and a module it does not adapt is zero, so
 every slot holds the same shapes and writing one (write_slots, a slot index traced) never
-recompiles. Each row carries its slot (-1: the base model); step_batch turns those into the
-step's distinct slots `used` (k of them) and each token's place among them, and the update is
+recompiles. Each token carries its slot (-1: the base model; token_slots expands the rows'),
+and the update is
 
-    y += ((x @ A[used]) * [r-block j == token's place]) @ B[used]        A[used]: [in, k, r]
+    y += ((x @ A_all) * [slot of each r-block == token's slot]) @ B_all
 
-two dense matmuls over the k adapters the step uses, gathered into the smallest of 1, 4, 16
-or N that holds them (lax.switch: one program; a step with none skips the update). Measured
-on the 2-core CPU (in 576, out 1536, r 16), dense over slots with the others masked beat
-lax.ragged_dot over tokens sorted by slot (T = 512, 16 slots: 14.3 against 20.4 ms) and
-per-token gathered A and B (45 ms); reading only the step's adapters instead of all N slots
-took SmolLM2's one-adapter throughput from 0.53x to the figure in docs/benchmarks.md.
+two dense matmuls over all N slots at once (x @ A_all is [T, N * r]), the other slots'
+columns masked to zero, with no conditional: its cost grows with N * r, not with the adapters
+a step uses. Measured on the 2-core CPU (loaded; medians of interleaved runs):
+- one projection, in 576, out 1536, r 16, T = 512, 16 slots: 14.3 ms against 20.4 ms for
+  lax.ragged_dot over tokens sorted by slot, 45 ms for per-token gathered A and B and 41 ms
+  for a loop over slots;
+- 30 SmolLM2-shaped layers of the seven projections, 16 decode tokens on one adapter: the
+  base 158 ms, this 221 ms (N 16) and 135 against 106 ms (N 4); gathering only the step's
+  adapters into 1/4/16/N columns under lax.switch took 291 and 157 ms (XLA:CPU's
+  conditionals cost more than the masked columns: a switch whose branch does nothing already
+  took 128 against 94 ms), and a lax.cond skipping steps without adapters likewise.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,13 +77,6 @@ def adapter_shapes(cfg: ModelConfig, rank: int) -> dict[str, tuple[int, ...]]:
         shapes[a_name(module)] = (cfg.num_layers, n_in, rank)
         shapes[b_name(module)] = (cfg.num_layers, rank, n_out)
     return shapes
-
-
-def num_slots(params: dict) -> int:
-    """N, the slots of params' LoRA slot params (either layers layout)."""
-    layers = params["layers"]
-    first = layers if isinstance(layers, dict) else layers[0]
-    return first[b_name(MODULES[0])].shape[-3]
 
 
 def with_slots(params: dict, cfg: ModelConfig, num_slots: int, rank: int, dtype) -> dict:
@@ -136,63 +132,26 @@ def write_slots(slots, index: jax.Array, weights: dict):
 
 
 def token_slots(row_slots: jax.Array, query_start: jax.Array, num_tokens: int) -> jax.Array:
-    """int32[T]: each token's value of its row's (row_slots int32[S]; query_start int32[S + 1]);
-    tokens past the rows (padding) get -1."""
+    """int32[T]: each token's adapter slot, its row's (row_slots int32[S], -1: the base;
+    query_start int32[S + 1]); tokens past the rows (padding) get -1."""
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
     row = jnp.searchsorted(query_start[1:], tokens, side="right")  # S for padding
     return jnp.concatenate([row_slots, jnp.full((1,), -1, row_slots.dtype)])[row]
 
 
-class Batch(NamedTuple):
-    """One step's adapters (step_batch): the distinct slots its rows use, and each token's."""
-
-    token_index: jax.Array  # int32[T]: the token's adapter's place in `used`; -1: the base
-    used: jax.Array  # int32[N]: the step's distinct slots, ascending, first num_used valid
-    num_used: jax.Array  # int32[]
-
-
-def step_batch(row_slots: jax.Array, query_start: jax.Array, num_tokens: int, num_slots: int):
-    """The Batch of a step whose rows use row_slots (int32[S], -1: the base model)."""
-    none = num_slots  # sorts after every slot
-    distinct = jnp.unique(jnp.where(row_slots >= 0, row_slots, none), size=num_slots + 1,
-                          fill_value=none)  # fmt: skip
-    num_used = jnp.sum(distinct < none).astype(jnp.int32)
-    row_index = jnp.where(row_slots >= 0, jnp.searchsorted(distinct, row_slots), -1)
-    used = jnp.minimum(distinct[:num_slots], num_slots - 1).astype(jnp.int32)
-    return Batch(token_slots(row_index.astype(jnp.int32), query_start, num_tokens), used, num_used)
-
-
-def used_sizes(num_slots: int) -> tuple[int, ...]:
-    """The adapter counts a step's update is specialised for (1, 4, 16, N; those <= N)."""
-    return tuple(sorted({min(k, num_slots) for k in (1, 4, 16)} | {num_slots}))
-
-
-def add(y: jax.Array, x: jax.Array, layer: dict, module: str, batch: Batch | None):
-    """y (the projection of x, [T, ...out]) plus the LoRA update of each token's adapter;
-    y as it is when LoRA is off (batch None) or the layer has no slot params for module.
-
-    Only the step's distinct adapters are read: their A and B are gathered into the
-    smallest of used_sizes that holds them (lax.switch over those sizes; none: no update)."""
+def add(y: jax.Array, x: jax.Array, layer: dict, module: str, slots: jax.Array | None):
+    """y (the projection of x, [T, ...out]) plus the LoRA update of each token's adapter
+    (slots int32[T], -1: none; token_slots); y as it is when LoRA is off (slots None) or the
+    layer has no slot params for module. Dense over all N slots, the others masked: no
+    conditional (see the module docstring)."""
     a = layer.get(a_name(module))
-    if batch is None or a is None:
+    if slots is None or a is None:
         return y
     b = layer[b_name(module)]  # [N, r, out]
-    sizes = used_sizes(b.shape[0])
-    xf = x.reshape(x.shape[0], -1)  # [T, in]
-
-    def update(k: int):
-        def run(y):
-            used = batch.used[:k]
-            a_k = jnp.take(a, used, axis=1)  # [in, k, r]
-            b_k = jnp.take(b, used, axis=0)  # [k, r, out]
-            h = jnp.einsum("ti,ikr->tkr", xf.astype(a.dtype), a_k)  # [T, k, r]
-            mine = batch.token_index[:, None] == jnp.arange(k, dtype=jnp.int32)[None, :]
-            h = jnp.where(mine[:, :, None], h, 0).reshape(x.shape[0], k * b.shape[1])
-            delta = h @ b_k.reshape(k * b.shape[1], -1)  # [T, out]
-            return y + delta.reshape(y.shape).astype(y.dtype)
-
-        return run
-
-    branch = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), batch.num_used) + 1
-    branch = jnp.where(batch.num_used == 0, 0, branch)
-    return jax.lax.switch(branch, [lambda y: y] + [update(k) for k in sizes], y)
+    num_slots, rank = b.shape[0], b.shape[1]
+    xf = x.reshape(x.shape[0], -1).astype(a.dtype)  # [T, in]
+    h = jnp.einsum("ti,inr->tnr", xf, a)  # [T, N, r]
+    mine = slots[:, None] == jnp.arange(num_slots, dtype=slots.dtype)[None, :]  # [T, N]
+    h = jnp.where(mine[:, :, None], h, 0).reshape(x.shape[0], num_slots * rank)
+    delta = h @ b.reshape(num_slots * rank, -1)  # [T, out]
+    return y + delta.reshape(y.shape).astype(y.dtype)

@@ -161,12 +161,9 @@ def step(
         blocks = stride * jnp.arange(num_groups, dtype=jnp.int32)
         rows = inputs.table_rows[None, :] + blocks[:, None]
         table = page_table[rows, : key.num_page_cols]
-    lora_batch = None  # the step's adapters and each token's (models/lora.py), from its row's
+    lora_slots = None  # each token's adapter slot (models/lora.py), from its row's
     if inputs.lora_slots is not None:
-        num_slots = lora.num_slots(params)
-        lora_batch = lora.step_batch(
-            inputs.lora_slots, inputs.query_start, key.num_tokens, num_slots
-        )
+        lora_slots = lora.token_slots(inputs.lora_slots, inputs.query_start, key.num_tokens)
     hidden, kv_pages = forward(
         params,
         model_config,
@@ -182,7 +179,7 @@ def step(
         max_query_len=key.spec_k + 1 if key.spec_k else None,
         attention_backend=backend,
         tp_axis=tp_axis,
-        lora_slots=lora_batch,
+        lora_slots=lora_slots,
     )
     if key.draft:
         logits = compute_logits(params, model_config, hidden[inputs.logits_indices], tp_axis)
