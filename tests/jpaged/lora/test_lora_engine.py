@@ -175,3 +175,17 @@ def test_bad_adapter_is_one_line_error_and_engine_serves_on(llama, tmp_path, cha
 def test_lora_request_without_enable_lora_is_refused(demo_llm, tmp_path):
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         demo_llm.generate(["hi"], GREEDY, lora_request=LoRARequest("x", 1, str(tmp_path)))
+
+
+def test_speculative_decoding_with_adapters_keeps_the_tokens(llama):
+    """n-gram speculation verifies proposals with each row's adapter: the same greedy tokens
+    as without speculation, in a batch mixing two adapters and the base."""
+    base, _, requests, llm = llama
+    prompts = [[7, 8, 9, 7, 8, 9, 7, 8], [4, 5, 4, 5, 4, 5], PROMPTS[0]]
+    loras = [requests["all8"], requests["attn4"], None]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    want = _tokens(llm.generate(prompts, params, lora_request=loras))
+    spec = _llm(base, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                          "prompt_lookup_max": 2, "prompt_lookup_min": 1})  # fmt: skip
+    assert _tokens(spec.generate(prompts, params, lora_request=loras)) == want
+    assert spec.stats()["spec_num_draft_tokens"] > 0
