@@ -115,7 +115,7 @@ def _make_runner(memory: MemoryPlan, loaded, dtype, cache_dir) -> ModelRunner:
         broadcast=broadcast,
         cache_dir=cache_dir,
         kv_groups=memory.kv_groups if memory.kv_groups.grouped else None,
-        lora_config=memory.config.lora if memory.config.lora.enable_lora else None,
+        **({"lora_config": memory.config.lora} if memory.config.lora.enable_lora else {}),
     )
 
 
