@@ -61,7 +61,6 @@ from jpaged.worker import compilation_cache, executable_cache
 from jpaged.worker.host_memory import release_free_memory
 from jpaged.worker.model_loading import load_for_config
 from jpaged.worker.runner import InFlightStep, ModelRunner
-from jpaged.worker.step_inputs import needs_key
 from jpaged.worker.step_plan import StepPlan
 from models import quantization
 from models.config import ModelConfig
@@ -183,8 +182,8 @@ class LLMEngine:
         # LoRA adapters' host state and device slots (jpaged/lora), None without --enable-lora.
         lora = config.lora
         self.loras = LoRAManager(lora, self.model_config) if lora.enable_lora else None
-        self._new_host_state()
         self.runner = _make_runner(memory, loaded, dtype, self.compilation_cache_dir)
+        self._new_host_state()  # after the runner: the scheduler asks it what it admits
         self._arrivals = 0
         drafter = None
         if draft is not None:
@@ -233,12 +232,9 @@ class LLMEngine:
             self.eos_token_ids,
             swap_allocator=swap_allocator,
             group_windows=self.kv_groups.windows,
+            admits=self.runner.admits,  # at Linux's mapping cap: batches a program holds
+            loras=self.loras,  # adapters wait for a device slot at admission
         )
-        # At Linux's mapping cap, sequences join only batches a compiled program holds.
-        self.scheduler.admission_check = lambda demands: (
-            self.runner.cap_refusal(needs_key(demands, config)) is None
-        )
-        self.scheduler.loras = self.loras  # adapters wait for a device slot at admission
         self.output_processor = OutputProcessor(self.tokenizer)
         # Structured outputs: one matcher per constrained sequence (jpaged/core/constraints.py).
         self.constraints = Constraints(
@@ -416,7 +412,7 @@ class LLMEngine:
         if not len(plan):
             return None
         bitmask = None
-        if plan.sampling.constrained is not None:
+        if plan.constrained is not None:
             bitmask = self.constraints.bitmask(plan, self.scheduler.sequence)
         step = self.runner.dispatch(plan, prev, bitmask, draft_probs=draft_probs)
         self.scheduler.dispatched(plan)
@@ -435,9 +431,9 @@ class LLMEngine:
 
     def _can_overlap(self, plan: StepPlan) -> bool:
         """Whether the next plan may be made before plan's tokens are on the host."""
-        sync = plan.sampling.uses_penalties
-        if plan.sampling.constrained is not None:  # a grammar's next mask needs the token
-            sync = sync | plan.sampling.constrained
+        sync = plan.uses_penalties
+        if plan.constrained is not None:  # a grammar's next mask needs the token
+            sync = sync | plan.constrained
         return (
             self.config.async_scheduling
             and self.runner.broadcast is None

@@ -333,6 +333,11 @@ class ModelRunner:
             return None
         return self.programs.compile_refusal("its step program")
 
+    def admits(self, demands: list[Demand]) -> bool:
+        """Whether these sequences can step together: a compiled program holds their steps,
+        or compiling one is allowed (the Scheduler's admission check)."""
+        return self.cap_refusal(needs_key(demands, self.config)) is None
+
     def refusal_at_cap(
         self, params, num_prompt_tokens: int = 0, *, pooling: bool = False
     ) -> str | None:
@@ -341,7 +346,7 @@ class ModelRunner:
         alone (its prompt at once, its n rows, its context of prompt + max_tokens at most
         max_model_len, its features: logprobs, penalties, logit_bias, prompt_logprobs). The
         engine refuses such a request alone, before it is queued; the scheduler admits the
-        others only into batches a compiled program holds (Scheduler.admission_check)."""
+        others only into batches a compiled program holds (ModelRunner.admits)."""
         s = self.config.scheduler
         end = min(num_prompt_tokens + (params.max_tokens or s.max_model_len), s.max_model_len)
         demand = Demand(params=params, num_prompt_tokens=num_prompt_tokens,
