@@ -31,7 +31,13 @@ import numpy as np
 
 import pallas_kernels
 from models import lora, moe, quantization
-from models.config import LinearRopeScaling, LongRopeScaling, ModelConfig, RopeScaling
+from models.config import (
+    LinearRopeScaling,
+    LongRopeScaling,
+    ModelConfig,
+    RopeScaling,
+    YarnRopeScaling,
+)
 from models.kv_groups import KVGroups, single_group
 from pallas_kernels import kv_quant
 
@@ -63,6 +69,8 @@ def rope_inv_freq(cfg: ModelConfig, *, local: bool = False, long: bool = False) 
         inv_freq = inv_freq / rs.factor
     elif isinstance(rs, LongRopeScaling):
         inv_freq = inv_freq / np.asarray(rs.long_factor if long else rs.short_factor)
+    elif isinstance(rs, YarnRopeScaling):
+        inv_freq = _yarn_inv_freq(inv_freq, rs, dim, theta)
     elif isinstance(rs, RopeScaling):
         low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
         high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
@@ -75,6 +83,27 @@ def rope_inv_freq(cfg: ModelConfig, *, local: bool = False, long: bool = False) 
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = np.where(medium, smoothed, scaled)
     return inv_freq.astype(np.float32)
+
+
+def _yarn_inv_freq(inv_freq: np.ndarray, rs: YarnRopeScaling, dim: int, theta: float):
+    """YaRN's blend of inv_freq and inv_freq / factor (transformers' _compute_yarn_parameters):
+    dims below the correction range keep their frequency, dims above it are interpolated,
+    a linear ramp between."""
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta)
+        )
+
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return inv_freq / rs.factor * (1 - keep) + inv_freq * keep
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -151,6 +180,8 @@ def _rope_tables(cfg, positions, context_lens, query_start) -> dict[bool, tuple]
             long = (context_lens[seq] > rs.original_max_position_embeddings)[:, None, None]
             cos = jnp.where(long, cos_long, cos) * rs.attention_factor
             sin = jnp.where(long, sin_long, sin) * rs.attention_factor
+        elif isinstance(rs, YarnRopeScaling) and not (local and cfg.rope_local_theta is not None):
+            cos, sin = cos * rs.attention_factor, sin * rs.attention_factor
         tables[local] = _computed_once(cos, sin)
     return tables
 
@@ -316,17 +347,21 @@ def forward(
         k_pages = _write_kv(k_pages, k, slots)
         v_pages = _write_kv(v_pages, v, slots)
         table = page_table[group] + offset
+        # gpt-oss's sink logits per query head (None: the other families' programs unchanged)
+        kw = attn_kwargs if "sinks" not in layer else {**attn_kwargs, "sinks": layer["sinks"]}
         if decode_only:
             attn = pallas_kernels.paged_decode_attention(
-                q, k_pages, v_pages, context_lens, table, sliding_window=window, **attn_kwargs
+                q, k_pages, v_pages, context_lens, table, sliding_window=window, **kw
             )
         else:
             attn = pallas_kernels.paged_prefill_attention(
                 q, k_pages, v_pages, context_lens, table, query_start,
-                max_query_len=max_query_len, sliding_window=window, **attn_kwargs
+                max_query_len=max_query_len, sliding_window=window, **kw
             )
         out = quantization.einsum("thk,hkd->td", attn, layer["wo"])
         out = _reduce(lora.add(out, attn, layer, "o_proj", lora_slots), tp_axis)
+        if "bo" in layer:  # after the reduce: added once, not once per device
+            out = out + layer["bo"]
         if cfg.post_norms:
             out = norm(out, layer["attn_out_norm"], cfg.rms_norm_eps)
         x = x + out
@@ -520,6 +555,10 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float
         }
         if cfg.attention_bias:
             layer.update(bq=w(hq, dh), bk=w(hkv, dh), bv=w(hkv, dh))
+        if cfg.o_bias:
+            layer.update(bo=w(d))
+        if cfg.attention_sinks:
+            layer.update(sinks=w(hq))
         if cfg.qk_norm:
             layer.update(q_norm=ones(dh), k_norm=ones(dh))
         if cfg.qk_norm_full:
@@ -535,6 +574,10 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float
             )
             if cfg.router_bias:
                 layer.update(router_bias=w(e))
+            if cfg.router_logit_bias:
+                layer.update(b_router=w(e))
+            if cfg.expert_bias:
+                layer.update(b_gate_exps=w(e, fe), b_up_exps=w(e, fe), b_down_exps=w(e, d))
             if fs:
                 layer.update(w_gate_shared=w(d, fs), w_up_shared=w(d, fs), w_down_shared=w(fs, d))
         layers.append(layer)

@@ -43,8 +43,9 @@ import numpy as np
 from jpaged.config import EngineConfig
 from jpaged.core.beam_search import BeamSequences
 from jpaged.core.constraints import Constraints
+from jpaged.core.host_page_store import host_stats
 from jpaged.core.input_processor import InputProcessor
-from jpaged.core.memory_plan import MemoryPlan, kv_page_bytes, plan_memory
+from jpaged.core.memory_plan import MemoryPlan, host_page_store, kv_page_bytes, plan_memory
 from jpaged.core.output_processor import OutputProcessor, record_pooled, record_prompt_logprobs
 from jpaged.core.page_allocator import PageAllocator
 from jpaged.core.scheduler import Scheduler
@@ -223,17 +224,19 @@ class LLMEngine:
         self.allocator = PageAllocator(
             self.num_pages, enable_prefix_caching=config.cache.enable_prefix_caching
         )
-        swap_allocator = None
-        if self.num_swap_pages:  # host pages; the allocator's page 0 stays unused
-            swap_allocator = PageAllocator(self.num_swap_pages + 1, enable_prefix_caching=False)
+        # Host pages: the prefix cache's host tier and swap space, one store.
+        self.host_store = host_page_store(
+            config, self.model_config, self.num_swap_pages, self.kv_dtype, self.runner.swap_space
+        )
         self.scheduler = Scheduler(
             config,
             self.allocator,
             self.eos_token_ids,
-            swap_allocator=swap_allocator,
+            swap_allocator=self.host_store,
             group_windows=self.kv_groups.windows,
             admits=self.runner.admits,  # at Linux's mapping cap: batches a program holds
             loras=self.loras,  # adapters wait for a device slot at admission
+            host_store=self.host_store,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Structured outputs: one matcher per constrained sequence (jpaged/core/constraints.py).
@@ -569,9 +572,13 @@ class LLMEngine:
             kv_bytes_per_token=kv_page_bytes(self.model_config, 1, 0, self.kv_dtype),
             **self.spec.stats(),
             **(self.loras.stats() if self.loras is not None else {}),
+            **host_stats(self.host_store, self.runner.swap_seconds, self.runner.num_swap_steps),
         )
 
     def reset_stats(self) -> None:
         self.peak_pages_used = self.allocator.num_used()
         self.scheduler.reset_stats()
         self.spec.reset_stats()
+        self.runner.swap_seconds, self.runner.num_swap_steps = 0.0, 0
+        if self.host_store is not None:
+            self.host_store.reset_stats()

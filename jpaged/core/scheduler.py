@@ -73,6 +73,7 @@ class Scheduler:
         group_windows: tuple[int | None, ...] | None = None,
         admits: Callable[[list[Demand]], bool] | None = None,
         loras=None,
+        host_store=None,
     ) -> None:
         """admits: whether the running sequences and one more can step together (at Linux's
         mapping cap, the runner's: a compiled program holds them); None admits all.
@@ -103,7 +104,9 @@ class Scheduler:
         if self.sched.preemption_mode == "swap" and swap_allocator is None:
             raise ValueError('preemption_mode="swap" needs a swap_allocator (host swap pages)')
         self.swap_allocator = swap_allocator if self.sched.preemption_mode == "swap" else None
-        self.kv = KVCacheManager(config, allocator, windows, swap_allocator=self.swap_allocator)
+        self.kv = KVCacheManager(  # host_store: the prefix cache's host tier, or None
+            config, allocator, windows, swap_allocator=self.swap_allocator, host_store=host_store
+        )
         self.eos_token_ids = frozenset(eos_token_ids)
         self._eos_list = list(eos_token_ids)
         self.waiting: collections.deque[Sequence] = collections.deque()

@@ -15,6 +15,7 @@ module); `slot_weights` pads them to the slots' rank (models/lora.py's layout).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -33,7 +34,7 @@ _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
     r"(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
-_UIDS = itertools.count(1)  # one per adapter read: the prefix cache's salt
+_UIDS = itertools.count(1)  # one per adapter read
 
 
 class LoRAError(ValueError):
@@ -47,12 +48,14 @@ class LoRAError(ValueError):
 @dataclasses.dataclass(frozen=True, eq=False)
 class HostAdapter:
     """One adapter read into host memory. weights: (layer, module) -> (A [in, r], scaled
-    B [r, out]) float32; uid: unique per read (a re-read adapter is a new uid)."""
+    B [r, out]) float32; digest: sha256 of its two files (what the prefix cache's salt
+    names, also across processes: the KV disk tier); uid: unique per read."""
 
     request: LoRARequest
     rank: int
     scale: float
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+    digest: str = ""
     uid: int = dataclasses.field(default_factory=lambda: next(_UIDS))
 
     @property
@@ -193,4 +196,8 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> HostA
         if not (np.isfinite(a).all() and np.isfinite(b).all()):
             raise LoRAError(name, f"layer {layer} {module} has non-finite weights")
         weights[(layer, module)] = (np.ascontiguousarray(a), np.ascontiguousarray(b))
-    return HostAdapter(request=request, rank=rank, scale=scale, weights=weights)
+    digest = hashlib.sha256()
+    for file in (CONFIG_FILE, WEIGHTS_FILE):
+        digest.update((Path(request.lora_path) / file).read_bytes())
+    return HostAdapter(request=request, rank=rank, scale=scale, weights=weights,
+                       digest=digest.hexdigest())  # fmt: skip

@@ -152,10 +152,11 @@ class LoRAManager:
     @staticmethod
     def salt(cache_salt: str | None, adapter: HostAdapter | None) -> str | None:
         """The prefix cache's salt of a request on adapter: no page is shared across
-        adapters (nor across two reads of one name)."""
+        adapters (by the digest of its files, so also not through the KV disk tier, across
+        processes)."""
         if adapter is None:
             return cache_salt
-        return f"{cache_salt or ''}\x00lora:{adapter.uid}"
+        return f"{cache_salt or ''}\x00lora:{adapter.digest}"
 
     def stats(self) -> dict:
         return {
