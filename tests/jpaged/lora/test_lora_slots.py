@@ -17,11 +17,19 @@ from jpaged.lora import LoRAError, LoRAManager, LoRARequest
 from jpaged.sample.sampling_params import SamplingParams
 from models.config import ModelConfig
 
+# A tiny Llama's config.json alone: adapters need no weights (and no torch) to be written
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 512,
+          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}  # fmt: skip
+
 
 @pytest.fixture
-def manager(tiny_checkpoints, tmp_path):
-    base = tiny_checkpoints["llama"]
-    cfg = ModelConfig.from_hf_config(json.loads((base / "config.json").read_text()))
+def manager(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps(CONFIG))
+    cfg = ModelConfig.from_hf_config(CONFIG)
     m = LoRAManager(LoRAConfig(enable_lora=True, max_loras=2, max_lora_rank=8), cfg)
     reqs = [LoRARequest(f"a{i}", i + 1, str(write_adapter(tmp_path / f"a{i}", base, rank=4,
                                                            seed=i))) for i in range(3)]  # fmt: skip
@@ -64,7 +72,7 @@ def test_unload_refused_while_in_use(manager):
         m.remove("a0")
 
 
-def test_memory_plan_counts_the_slot_bytes(tiny_checkpoints):
+def test_memory_plan_counts_the_slot_bytes():
     import jax.numpy as jnp
 
     from jpaged.config import EngineConfig
@@ -72,8 +80,8 @@ def test_memory_plan_counts_the_slot_bytes(tiny_checkpoints):
     from models import lora
     from models.llama import init_params
 
-    base = tiny_checkpoints["qwen2"]
-    cfg = ModelConfig.from_hf_config(json.loads((base / "config.json").read_text()))
+    cfg = ModelConfig.from_hf_config({**CONFIG, "architectures": ["Qwen2ForCausalLM"],
+                                      "model_type": "qwen2", "num_key_value_heads": 1})  # fmt: skip
     config = EngineConfig(lora=LoRAConfig(enable_lora=True, max_loras=3, max_lora_rank=8))
     params = lora.with_slots(init_params(cfg), cfg, 3, 8, jnp.float32)
     slots = lora.split_slots(params)[1]
