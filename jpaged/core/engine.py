@@ -180,9 +180,6 @@ class LLMEngine:
         )  # fmt: skip
         self.kv_dtype, self.kv_groups = memory.kv_dtype, memory.kv_groups
         self.num_pages, self.num_swap_pages = memory.num_pages, memory.num_swap_pages
-        # LoRA adapters' host state and device slots (jpaged/lora), None without --enable-lora.
-        lora = config.lora
-        self.loras = LoRAManager(lora, self.model_config) if lora.enable_lora else None
         self.runner = _make_runner(memory, loaded, dtype, self.compilation_cache_dir)
         self._new_host_state()  # after the runner: the scheduler asks it what it admits
         self._arrivals = 0
@@ -221,6 +218,9 @@ class LLMEngine:
     def _new_host_state(self) -> None:
         """Fresh page allocators, scheduler, output processor and request table."""
         config = self.config
+        # LoRA adapters' host state and device slots (jpaged/lora), None without --enable-lora.
+        lora = config.lora
+        self.loras = LoRAManager(lora, self.model_config) if lora.enable_lora else None
         self.allocator = PageAllocator(
             self.num_pages, enable_prefix_caching=config.cache.enable_prefix_caching
         )
