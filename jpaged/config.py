@@ -231,6 +231,33 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """Multi-LoRA serving (jpaged/lora/): adapters live in max_loras fixed-shape device slots
+    of rank max_lora_rank (so loading one never recompiles), up to max_cpu_loras in host
+    memory; a request names its adapter, and one step mixes adapters and the base model."""
+
+    enable_lora: bool = setting(False, "LoRA adapters (PEFT) served on the base model")
+    max_loras: int = setting(4, "adapters resident on the device at once (its slots)")
+    max_lora_rank: int = setting(16, "the largest adapter rank a slot holds")
+    max_cpu_loras: int | None = setting(
+        None, "adapters kept loaded in host memory (LRU; default: max_loras * 4)"
+    )
+
+    def __post_init__(self) -> None:
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        _positive("max_cpu_loras", self.max_cpu_loras, allow_none=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras * 4 if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model: str | None = setting(
         None,
@@ -308,6 +335,7 @@ class EngineConfig:
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:

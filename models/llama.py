@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from models import moe, quantization
+from models import lora, moe, quantization
 from models.config import (
     LinearRopeScaling,
     LongRopeScaling,
@@ -274,6 +274,7 @@ def forward(
     max_query_len: int | None = None,
     attention_backend: str | None = None,
     tp_axis: str | tuple[str, ...] | None = None,
+    lora_slots: jax.Array | None = None,  # int32[T]: each token's adapter slot (-1: none)
 ) -> tuple[jax.Array, KVPool]:
     """Runs the decoder over a ragged batch; returns final hidden states [T, D] and the pool.
 
@@ -291,6 +292,7 @@ def forward(
     max_query_len (static): the query tokens per sequence the step usually has at most (a
     verification step's k + 1; None: no bound), a hint for the CPU attention.
     tp_axis (static): the shard_map axis params and pools are split over (None: unsplit).
+    lora_slots: with LoRA slot params in the layers (models/lora.py), each token's adapter.
     """
     attn_kwargs = dict(
         sm_scale=cfg.sm_scale,
@@ -323,9 +325,10 @@ def forward(
         window, local, experts = kind  # static: a layer group's own
         cos, sin = ropes[local]
         h = norm(x, layer["input_norm"], cfg.rms_norm_eps)
-        q = quantization.einsum("td,dhk->thk", h, layer["wq"])
-        k = quantization.einsum("td,dhk->thk", h, layer["wk"])
-        v = quantization.einsum("td,dhk->thk", h, layer["wv"])
+        q, k, v = (
+            lora.add(quantization.einsum("td,dhk->thk", h, layer[w]), h, layer, m, lora_slots)
+            for w, m in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"))
+        )
         if cfg.attention_bias:
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
         if cfg.qk_norm:
@@ -355,14 +358,15 @@ def forward(
                 q, k_pages, v_pages, context_lens, table, query_start,
                 max_query_len=max_query_len, sliding_window=window, **kw
             )
-        out = _reduce(quantization.einsum("thk,hkd->td", attn, layer["wo"]), tp_axis)
+        out = quantization.einsum("thk,hkd->td", attn, layer["wo"])
+        out = _reduce(lora.add(out, attn, layer, "o_proj", lora_slots), tp_axis)
         if "bo" in layer:  # after the reduce: added once, not once per device
             out = out + layer["bo"]
         if cfg.post_norms:
             out = norm(out, layer["attn_out_norm"], cfg.rms_norm_eps)
         x = x + out
         h = norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)
-        out = _mlp(h, layer, cfg, act, tp_axis, experts)
+        out = _mlp(h, layer, cfg, act, tp_axis, experts, lora_slots)
         if cfg.post_norms:
             out = norm(out, layer["mlp_out_norm"], cfg.rms_norm_eps)
         x = x + out
@@ -468,14 +472,18 @@ def compute_logits(
     return logits
 
 
-def _mlp(h: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis, experts: bool) -> jax.Array:
+def _mlp(
+    h: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis, experts: bool, lora_slots=None
+) -> jax.Array:
     """The feed-forward of normed h [T, D]: the gated MLP, or (experts: static, the layer's
-    kind) the experts (models/moe.py)."""
+    kind) the experts (models/moe.py); lora_slots: each token's adapter (models/lora.py)."""
     if experts:
         return moe.moe_mlp(h, layer, cfg, act, tp_axis)
     mm = quantization.matmul
-    gate = act(mm(h, layer["w_gate"]))
-    return _reduce(mm(gate * mm(h, layer["w_up"]), layer["w_down"]), tp_axis)
+    gate = act(lora.add(mm(h, layer["w_gate"]), h, layer, "gate_proj", lora_slots))
+    gated = gate * lora.add(mm(h, layer["w_up"]), h, layer, "up_proj", lora_slots)
+    out = lora.add(mm(gated, layer["w_down"]), gated, layer, "down_proj", lora_slots)
+    return _reduce(out, tp_axis)
 
 
 def _kv_axis(tp_axis):

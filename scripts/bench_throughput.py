@@ -6,6 +6,7 @@
     python scripts/bench_throughput.py --preset smollm2          # the real SmolLM2-135M, 32 x 128 x 64
     python scripts/bench_throughput.py --preset smollm2 --workload W2 --scale 32 --skip-startup
     python scripts/bench_throughput.py --preset qwen3moe-cpu --num-requests 32   # MoE, 32 x 128 x 64
+    python scripts/bench_throughput.py --lora 16 --num-requests 32 --skip-transformers  # LoRA
     python scripts/bench_throughput.py --preset gptoss-cpu --num-requests 32     # gpt-oss's shape
     python scripts/bench_throughput.py --preset cpu-tp --tensor-parallel-size 4 \
         --simulate-cpu-devices 8 --skip-transformers             # sharded, simulated CPU devices
@@ -664,6 +665,14 @@ def parse_args(argv=None):
     )
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument(
+        "--lora",
+        type=int,
+        default=None,
+        metavar="N",
+        help="multi-LoRA mode (scripts/bench_lora.py): the workload on the base model, then on "
+        "1, 4 and 16 (<= N) distinct rank-16 adapters in N device slots; tokens/s vs the base",
+    )
+    p.add_argument(
         "--skip-startup",
         action="store_true",
         help="skip the cold/warm start-up-to-first-token processes",
@@ -740,6 +749,13 @@ def main() -> None:
     if args.max_num_seqs is None:
         args.max_num_seqs = min(_MAX_NUM_SEQS[args.workload], len(workload.prompts))
     args.max_num_batched_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+    if args.lora:
+        from bench_lora import run_lora
+
+        kwargs = engine_kwargs(args, workload)
+        lora = run_lora(args.model, workload.prompts, workload.output_lens, args.lora, kwargs, vocab)
+        print("RESULT_JSON " + json.dumps({"workload": workload.describe(), "lora": lora}))
+        return None
     tmp = Path(tempfile.mkdtemp(prefix="jpaged-bench-"))
     workload_file = tmp / "workload.json"
     workload_file.write_text(

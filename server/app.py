@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from server.auth import ApiKeyInterceptor
 from server.engine_loop import EngineLoop
+from server.lora_api import LoRAAdapters
 from server.metrics import Metrics
 from server.openai_api import HttpServer, OpenAIServer
 from server.options import ServerOptions, add_server_args, port_arg, read_chat_template  # noqa: F401
@@ -48,6 +49,8 @@ class Server:
         self.engine_loop = EngineLoop(engine, max_waiting=options.max_waiting, metrics=self.metrics)
         # The serve command's sampling flags over the model's own defaults.
         defaults = {**getattr(engine, "sampling_defaults", {}), **options.sampling_defaults}
+        # LoRA adapters by name, shared by both APIs (server/lora_api.py)
+        self.adapters = LoRAAdapters(self.engine_loop, base_name=model_name)
         self.service = GenerationService(
             self.engine_loop,
             model_name=model_name,
@@ -57,6 +60,7 @@ class Server:
             chat_template=options.chat_template,
             tool_call_parser=options.tool_call_parser,
             enable_auto_tool_choice=options.enable_auto_tool_choice,
+            adapters=self.adapters,
         )
         self.openai = OpenAIServer(
             self.engine_loop,
@@ -70,10 +74,13 @@ class Server:
             enable_auto_tool_choice=options.enable_auto_tool_choice,
             reasoning_parser=options.reasoning_parser,
             state=lambda: self.state,
+            adapters=self.adapters,
         )
         # /v1/responses: the chat pipeline under OpenAI's Responses shapes, its store here
         self.responses = ResponsesAPI(self.openai, store_size=options.responses_store_size)
         self.openai.add_v1_routes(self.responses.add_routes)
+        for name, path in options.lora_modules:  # --lora-modules: before the engine thread
+            self.adapters.load_now(name, path)
         self.state = "warming_up"  # then "serving", then "draining"
         self.health = health.aio.HealthServicer()
         self.grpc_server: grpc.aio.Server | None = None

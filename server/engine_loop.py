@@ -222,6 +222,7 @@ class EngineLoop:
         prepare: Callable[[Any], tuple[str | list[int], SamplingParams]] | None = None,
         event: asyncio.Event | None = None,
         pooling: PoolingParams | None = None,
+        lora_request=None,
     ) -> RequestHandle:
         """Queues a request for the engine. Raises Draining, Overloaded or DuplicateRequestId.
 
@@ -233,6 +234,7 @@ class EngineLoop:
           must stay the same. Its ValueError rejects the request as the engine's would.
         event: the handle's change event, to share one among the handles of one call.
         pooling: an embedding request (jpaged/pooling.py); its handle gets the embedding.
+        lora_request: the LoRA adapter it runs on (jpaged.LoRARequest), None: the base model.
         """
         if self._draining:
             raise Draining("the server is shutting down")
@@ -249,7 +251,9 @@ class EngineLoop:
         with self._lock:
             self._num_queued_adds += 1
         params = params.clone(output_kind=RequestOutputKind.DELTA)
-        self._commands.put(("add", engine_id, prompt, params, cache_salt, prepare, pooling))
+        extra = {"pooling": pooling, "lora_request": lora_request}
+        extra = {k: v for k, v in extra.items() if v is not None}
+        self._commands.put(("add", engine_id, prompt, params, cache_salt, prepare, extra))
         return handle
 
     def release(self, handle: RequestHandle) -> None:
@@ -364,12 +368,11 @@ class EngineLoop:
         """Carries out one command; returns True for "stop"."""
         kind = cmd[0]
         if kind == "add":
-            _, engine_id, prompt, params, salt, prepare, pooling = cmd
+            _, engine_id, prompt, params, salt, prepare, extra = cmd
             try:
                 if prepare is not None:
                     prompt, params = prepare(self.engine)
                     params = params.clone(output_kind=RequestOutputKind.DELTA)
-                extra = {} if pooling is None else {"pooling": pooling}
                 self.engine.add_request(engine_id, prompt, params, cache_salt=salt, **extra)
                 self._active.add(engine_id)
                 accepted.append((engine_id, None if isinstance(prompt, str) else len(prompt)))

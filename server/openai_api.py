@@ -44,6 +44,7 @@ from server.engine_loop import (
     Overloaded,
     new_request_id,
 )
+from server.lora_api import LoRAAdapters
 from server.metrics import Metrics, outcome_of, record_rejection, record_request
 from server.openai_embeddings import EmbeddingRequest
 from server.openai_protocol import (
@@ -83,6 +84,7 @@ class OpenAIServer:
         enable_auto_tool_choice: bool = False,
         reasoning_parser: str | None = None,
         state: Callable[[], str] = lambda: "serving",
+        adapters: LoRAAdapters | None = None,
     ) -> None:
         self._loop = loop
         self._model_name = model_name
@@ -97,6 +99,8 @@ class OpenAIServer:
         self._vocab_size = int(loop.engine.model_config.vocab_size)
         self._max_model_len = int(loop.engine.max_model_len)
         self._created = int(time.time())
+        # LoRA adapters by name (server/lora_api.py): the `model` field may name one.
+        self.adapters = adapters or LoRAAdapters(loop, base_name=model_name)
         # --reasoning-parser: chats' (and responses') text split into reasoning and content
         self._reasoning = None if reasoning_parser is None else get_parser(reasoning_parser)
         self.app = self._make_app()
@@ -117,6 +121,7 @@ class OpenAIServer:
         v1.add_api_route("/completions", self.completions, methods=["POST"])
         v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
         v1.add_api_route("/embeddings", self.embeddings, methods=["POST"])
+        self.adapters.add_routes(v1)
         app.include_router(v1)
         app.add_api_route(
             "/tokenize", self.tokenize, methods=["POST"], dependencies=[Depends(self._check_key)]
@@ -167,11 +172,13 @@ class OpenAIServer:
         }
 
     async def list_models(self) -> dict:
-        return {"object": "list", "data": [self._model_card()]}
+        loras = self.adapters.cards(self._max_model_len)
+        return {"object": "list", "data": [self._model_card(), *loras]}
 
     async def get_model(self, model_id: str) -> dict:
-        self._check_model(model_id)
-        return self._model_card()
+        if self._check_model(model_id) is None:
+            return self._model_card()
+        return next(c for c in self.adapters.cards(self._max_model_len) if c["id"] == model_id)
 
     async def health(self) -> JSONResponse:
         state = self._state()
@@ -181,14 +188,10 @@ class OpenAIServer:
         body = self._metrics.render() if self._metrics is not None else b""
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self._model_name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist (this server serves `{self._model_name}`).",
-                param="model",
-                code="model_not_found",
-            )
+    def _check_model(self, model: str | None):
+        """The LoRARequest of the adapter `model` names, None for the base model; an unknown
+        model is an APIError 404 (model_not_found)."""
+        return self.adapters.request_for(model)
 
     async def _validation_error(self, request: Request, exc: RequestValidationError):
         error = proto.from_validation_errors(list(exc.errors()))
@@ -271,7 +274,8 @@ class OpenAIServer:
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> JSONResponse:
         """OpenAI's /v1/embeddings (server/openai_embeddings.py)."""
         rid = _request_id(request, "embd")
-        self._check_model(body.model)
+        if self._check_model(body.model) is not None:
+            raise APIError(400, "embeddings of a LoRA adapter are not supported", param="model")
         try:
             result = await openai_embeddings.embeddings(
                 self._loop, body, request_id=rid, model_name=self._model_name
@@ -285,7 +289,7 @@ class OpenAIServer:
     async def completions(self, body: CompletionRequest, request: Request):
         rid = _request_id(request, "cmpl")
         try:
-            self._check_model(body.model)
+            lora = self._check_model(body.model)
             params = self._params(body)
             plans = [
                 self._plan(proto.completion_renderer(p, echo=body.echo), params, body, "prompt")
@@ -294,17 +298,17 @@ class OpenAIServer:
         except APIError as e:
             self._reject(rid, e)
             raise
-        return await self._run("completion", rid, body, plans, request)
+        return await self._run("completion", rid, body, plans, request, lora=lora)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         rid = _request_id(request, "chatcmpl")
         try:
-            self._check_model(body.model)
+            lora = self._check_model(body.model)
             tools, plans = await self._chat_plans(body)
         except APIError as e:
             self._reject(rid, e)
             raise
-        return await self._run("chat", rid, body, plans, request, tool_plan=tools)
+        return await self._run("chat", rid, body, plans, request, tool_plan=tools, lora=lora)
 
     async def _chat_plans(
         self, body: ChatCompletionRequest
@@ -355,17 +359,18 @@ class OpenAIServer:
         return plan.reasoning if isinstance(plan, ReasoningPromptPlan) else None
 
     async def _run(
-        self, kind: str, rid: str, body, plans: list[proto.PromptPlan], request, tool_plan=None
+        self, kind: str, rid: str, body, plans: list[proto.PromptPlan], request, tool_plan=None,
+        lora=None,
     ):
         start = time.monotonic()
-        handles = await self._submit(rid, body, plans)
+        handles = await self._submit(rid, body, plans, lora=lora)
         echo = [p.prompt_text for p in plans] if getattr(body, "echo", False) else None
         options = body.stream_options or proto.StreamOptions()
         assembler = PromptScores if proto.scores_prompt_only(body) else Assembler
         asm = assembler(
             kind,
             rid,
-            self._model_name,
+            self._model_name if lora is None else lora.lora_name,
             handles,
             echo_texts=echo,
             num_logprobs=plans[0].params.logprobs,
@@ -390,8 +395,9 @@ class OpenAIServer:
         finally:
             self._finish(call)
 
-    async def _submit(self, rid: str, body, plans: list[proto.PromptPlan]):
-        """Submits every prompt and waits until the engine took or refused each."""
+    async def _submit(self, rid: str, body, plans: list[proto.PromptPlan], *, lora=None):
+        """Submits every prompt (on the LoRA adapter lora, None: the base model) and waits
+        until the engine took or refused each."""
         handles = []
         shared = asyncio.Event()  # one wake-up for all the call's handles
         try:
@@ -405,6 +411,7 @@ class OpenAIServer:
                         body.cache_salt,
                         prepare=plan.prepare,
                         event=shared,
+                        lora_request=lora,
                     )
                 )
             while not all(h.accepted or h.error is not None for h in handles):

@@ -39,6 +39,8 @@ class ServerOptions:
     responses_store_size: int = 1024
     # SamplingParams fields for requests that leave them unset (the serve command's flags).
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
+    # LoRA adapters served from the start, (name, PEFT directory) (--lora-modules name=path)
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("port", "http_port", "metrics_port"):
@@ -89,7 +91,19 @@ class ServerOptions:
             reasoning_parser=args.reasoning_parser,
             responses_store_size=args.responses_store_size,
             sampling_defaults=dict(sampling_defaults or {}),
+            lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
         )
+
+
+def parse_lora_modules(values: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """--lora-modules entries name=path -> ((name, path), ...); ValueError naming a bad one."""
+    out = []
+    for value in values or ():
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules entries are name=path, got {value!r}")
+        out.append((name, path))
+    return tuple(out)
 
 
 def port_arg(text: str) -> int | None:
@@ -206,6 +220,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-n", type=int, default=64, help="largest n a request may ask for (default: 64)"
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served under NAME from the start; needs "
+        "--enable-lora (more at run time: POST /v1/load_lora_adapter)",
     )
     g.add_argument("--log-level", default="INFO", help="(default: INFO)")
     g.add_argument(

@@ -264,7 +264,7 @@ class ResponsesAPI:
         start = time.monotonic()
         conv = None
         try:
-            srv._check_model(body.model)
+            lora = srv._check_model(body.model)
             _check_fields(body)
             previous = None
             if body.previous_response_id is not None:
@@ -280,7 +280,7 @@ class ResponsesAPI:
             srv._reject(rid, error)
             raise error from None
         try:
-            handles = await srv._submit(rid, chat, plans)
+            handles = await srv._submit(rid, chat, plans, lora=lora)
         except APIError as e:
             raise conv.renamed(e) from None
         call = _Call(Assembler("chat", rid, srv._model_name, handles), start)

@@ -56,8 +56,11 @@ class GenerationService:
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
+        adapters=None,
     ) -> None:
+        """adapters: the served LoRA adapters (server/lora_api.py LoRAAdapters), None: none."""
         self._loop = loop
+        self._adapters = adapters
         self._chat_template = chat_template
         self._tool_call_parser = tool_call_parser
         self._auto_tools = enable_auto_tool_choice
@@ -91,12 +94,15 @@ class GenerationService:
             await self._reject(
                 context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", e, client_id
             )
+        lora = await self._lora(request, context, client_id)
         fits = None  # max_tokens the client set must fit; a default one stops at the limit
         if request.sampling.HasField("max_tokens"):
             fits = functools.partial(_fits_context, prompt=prompt, params=params)
 
         def submit() -> RequestHandle:
-            return self._loop.submit(client_id, prompt, params, salt, prepare=fits)
+            return self._loop.submit(
+                client_id, prompt, params, salt, prepare=fits, lora_request=lora
+            )
 
         async for message in self._serve(context, client_id, start, submit, _response):
             yield message
@@ -122,15 +128,29 @@ class GenerationService:
             await self._reject(
                 context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", e, client_id
             )
+        lora = await self._lora(request, context, client_id)
         respond = functools.partial(
             _response, response_cls=pb.ChatResponse, read=grpc_chat.ChatReader(tools, params.n)
         )
 
         def submit() -> RequestHandle:
-            return self._loop.submit(client_id, None, params, salt, prepare=prepare)
+            return self._loop.submit(
+                client_id, None, params, salt, prepare=prepare, lora_request=lora
+            )
 
         async for message in self._serve(context, client_id, start, submit, respond):
             yield message
+
+    async def _lora(self, request, context, client_id: str):
+        """The LoRA adapter request.lora_name names (None: unset or the base model's name);
+        an unknown name is NOT_FOUND."""
+        if not request.HasField("lora_name") or request.lora_name == self._model_name:
+            return None
+        lora = None if self._adapters is None else self._adapters.find(request.lora_name)
+        if lora is None:
+            error = LookupError(f"lora_name: no LoRA adapter {request.lora_name!r} is served")
+            await self._reject(context, grpc.StatusCode.NOT_FOUND, "not_found", error, client_id)
+        return lora
 
     async def _serve(self, context, client_id: str, start: float, submit, respond):
         """Submits a request and yields respond(handle, final=...) as it progresses."""

@@ -31,6 +31,7 @@ FORBIDDEN = {
 JPAGED_FLOORS = (
     ("entrypoints", "interface"),
     ("core",),
+    ("lora",),
     ("spec_decode",),
     ("worker",),
     ("sample",),

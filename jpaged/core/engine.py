@@ -50,6 +50,7 @@ from jpaged.core.output_processor import OutputProcessor, record_pooled, record_
 from jpaged.core.page_allocator import PageAllocator
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import RequestGroup, Sequence
+from jpaged.lora import LoRAManager, LoRARequest
 from jpaged.outputs import RequestOutput
 from jpaged.pooling import PoolingParams, sentence_transformers_pooling
 from jpaged.sample.sampler import SamplerOutput
@@ -114,6 +115,7 @@ def _make_runner(memory: MemoryPlan, loaded, dtype, cache_dir) -> ModelRunner:
         broadcast=broadcast,
         cache_dir=cache_dir,
         kv_groups=memory.kv_groups if memory.kv_groups.grouped else None,
+        **({"lora_config": memory.config.lora} if memory.config.lora.enable_lora else {}),
     )
 
 
@@ -216,6 +218,9 @@ class LLMEngine:
     def _new_host_state(self) -> None:
         """Fresh page allocators, scheduler, output processor and request table."""
         config = self.config
+        # LoRA adapters' host state and device slots (jpaged/lora), None without --enable-lora.
+        lora = config.lora
+        self.loras = LoRAManager(lora, self.model_config) if lora.enable_lora else None
         self.allocator = PageAllocator(
             self.num_pages, enable_prefix_caching=config.cache.enable_prefix_caching
         )
@@ -230,6 +235,7 @@ class LLMEngine:
             swap_allocator=self.host_store,
             group_windows=self.kv_groups.windows,
             admits=self.runner.admits,  # at Linux's mapping cap: batches a program holds
+            loras=self.loras,  # adapters wait for a device slot at admission
             host_store=self.host_store,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -267,6 +273,8 @@ class LLMEngine:
             sched.abort(group)
             self._release(group)
         sched.restart()
+        if self.loras is not None:
+            self.loras.restart()
         self._in_flight = None
         self.spec = self.spec.renewed()
         self.runner.reset_state()
@@ -301,10 +309,17 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         pooling: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queues a request. params.output_kind says what step() returns for it. With
         pooling, an embedding request (jpaged/pooling.py): params must ask for one token
-        (max_tokens=1, n=1), and its finished output carries the embedding."""
+        (max_tokens=1, n=1), and its finished output carries the embedding. lora_request:
+        the adapter it runs on (LoRAError, a ValueError, if it cannot be read)."""
+        adapter = None
+        if lora_request is not None:
+            if self.loras is None:
+                raise ValueError("lora_request given but LoRA is not enabled (enable_lora)")
+            adapter = self.loras.resolve(lora_request)
         text, token_ids, pooler = self.inputs.validate(
             request_id, prompt, params, cache_salt=cache_salt, pooling=pooling,
             in_use=isinstance(request_id, str) and request_id in self._groups, unservable=self.scheduler.unservable,
@@ -318,10 +333,12 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             arrival=self._arrivals,
-            cache_salt=cache_salt,
+            cache_salt=LoRAManager.salt(cache_salt, adapter),  # no prefix hit across adapters
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
             pooler=pooler,
         )
+        if adapter is not None:
+            self.loras.attach(group, adapter)
         self._arrivals += 1
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         self._groups[request_id] = group
@@ -466,6 +483,8 @@ class LLMEngine:
         self.output_processor.release(group)
         self.spec.release([seq.seq_id for seq in group.seqs])
         self.constraints.release(group)
+        if self.loras is not None:
+            self.loras.release(group)
 
     def _take_early_outputs(self) -> list[RequestOutput]:
         outputs, self._early_outputs = self._early_outputs, []
@@ -552,6 +571,7 @@ class LLMEngine:
             kv_cache_dtype=self.kv_dtype.name,
             kv_bytes_per_token=kv_page_bytes(self.model_config, 1, 0, self.kv_dtype),
             **self.spec.stats(),
+            **(self.loras.stats() if self.loras is not None else {}),
             **host_stats(self.host_store, self.runner.swap_seconds, self.runner.num_swap_steps),
         )
 

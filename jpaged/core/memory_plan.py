@@ -27,6 +27,7 @@ from jpaged.core.host_page_store import HostPageStore
 from jpaged.core.kv_cache_manager import sequence_pages
 from models.config import LongRopeScaling, ModelConfig
 from models.kv_groups import KVGroups, kv_groups
+from models.lora import module_dims
 from pallas_kernels import kv_quant
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ def resolve_num_pages(
     *,
     extra_bytes_per_page: int = 0,
     kv_dtype=None,
+    reserved_bytes: int = 0,
 ) -> int:
     """Pool size, logged once with why: num_pages if given, else from the memory budget
     (kv_cache_memory_bytes: the whole pool's bytes); on CPU with neither, what the
@@ -87,7 +89,8 @@ def resolve_num_pages(
         if not stats or "bytes_limit" not in stats:
             num_pages, why = _host_pool(config, per_page)
         else:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            # reserved_bytes: what is allocated after the plan (LoRA slots) comes off first
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - reserved_bytes
             shards = min(config.parallel.tensor_parallel_size, model_config.num_kv_heads)
             per_device_page = -(-per_page // shards)
             num_pages = max(2, int(free * cache.kv_memory_fraction) // per_device_page + 1)
@@ -98,6 +101,16 @@ def resolve_num_pages(
         num_pages * per_page >> 20, why,
     )  # fmt: skip
     return num_pages
+
+
+def lora_slot_bytes(model_config: ModelConfig, config: EngineConfig, itemsize: int) -> int:
+    """Device bytes of the LoRA slots (models/lora.py: A [in, N, r] and B [N, r, out] for every
+    projection of every layer, in the activations' dtype); 0 with LoRA off."""
+    lora = config.lora
+    if not lora.enable_lora:
+        return 0
+    per_rank = sum(i + o for i, o in module_dims(model_config).values())
+    return model_config.num_layers * lora.max_loras * lora.max_lora_rank * per_rank * itemsize
 
 
 def kv_page_bytes(model_config: ModelConfig, page_size: int, itemsize: int, kv_dtype=None) -> int:
@@ -264,6 +277,7 @@ class MemoryPlan:
     kv_groups: KVGroups  # the paging groups (one, unless windowed pages are freed)
     num_pages: int  # page ids of the device pool, the null page included
     num_swap_pages: int  # host swap pages (0: no swap), the unused page 0 not counted
+    lora_bytes: int = 0  # the LoRA slots' device bytes (lora_slot_bytes), off the pool's budget
 
     @property
     def group_windows(self) -> tuple[int | None, ...] | None:
@@ -298,10 +312,11 @@ def plan_memory(
         max_model_len=config.scheduler.max_model_len,
     )
     num_layers = model_config.num_layers
+    lora_bytes = lora_slot_bytes(model_config, config, itemsize)
     num_pages = group_pages(
         resolve_num_pages(
             config.cache, config, model_config, itemsize, extra_bytes_per_page=extra,
-            kv_dtype=kv_dtype,
+            kv_dtype=kv_dtype, reserved_bytes=lora_bytes,
         ),
         groups,
         num_layers,
@@ -337,6 +352,7 @@ def plan_memory(
         kv_groups=groups,
         num_pages=num_pages,
         num_swap_pages=group_pages(swap_pages + 1, groups, num_layers) - 1,
+        lora_bytes=lora_bytes,
     )
 
 

@@ -85,12 +85,16 @@ class DataParallelEngine:
         *,
         cache_salt: str | None = None,
         pooling=None,
+        lora_request=None,
     ) -> None:
         """LLMEngine.add_request on the replica with the fewest unfinished requests."""
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
         replica = min(self.replicas, key=lambda r: r.num_unfinished_requests())
-        replica.add_request(request_id, prompt, params, cache_salt=cache_salt, pooling=pooling)
+        replica.add_request(
+            request_id, prompt, params, cache_salt=cache_salt, pooling=pooling,
+            lora_request=lora_request,
+        )  # fmt: skip
         self._owner[request_id] = replica
 
     def tokenize_prompt(self, prompt):

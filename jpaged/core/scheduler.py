@@ -72,10 +72,13 @@ class Scheduler:
         sliding_window: int | None = None,
         group_windows: tuple[int | None, ...] | None = None,
         admits: Callable[[list[Demand]], bool] | None = None,
+        loras=None,
         host_store=None,
     ) -> None:
         """admits: whether the running sequences and one more can step together (at Linux's
         mapping cap, the runner's: a compiled program holds them); None admits all.
+        loras: a jpaged.lora.LoRAManager (LoRA on): a sequence on an adapter is admitted
+        only with a device slot for it (LoRAManager.admit); None: no adapters.
         swap_allocator: host swap pages, required when preemption_mode is "swap".
         sliding_window: the window W every layer attends within, whose older pages are freed
         (module docstring); None keeps every page. group_windows: instead, one window (or
@@ -117,6 +120,7 @@ class Scheduler:
         self._passed: dict[int, int] = {}  # seq_id -> steps it was passed over while waiting
         self.num_preemptions = 0
         self._admits = admits
+        self.loras = loras
 
     @property
     def num_swaps_out(self) -> int:
@@ -278,6 +282,7 @@ class Scheduler:
             swap_out=edits.swap_out,
             swap_in=edits.swap_in,
             num_groups=self.num_groups,
+            lora_loads=self.loras.take_loads() if self.loras is not None else (),
         )
 
     def _row(self, seq: Sequence, num_new: int, row: int, proposals=None) -> ScheduledRow:
@@ -321,8 +326,8 @@ class Scheduler:
             if not self._admits(demands):
                 return 0  # it waits for a batch a compiled program holds
         admission = self.kv.can_allocate(seq, budget)
-        if admission is None:
-            return 0
+        if admission is None or (self.loras is not None and not self.loras.admit(seq.group)):
+            return 0  # (no adapter slot free: it waits)
         self.waiting.remove(seq)
         seq.table_row = self._free_rows.pop()
         if seq.needs_fork:

@@ -40,6 +40,8 @@ class RequestGroup:
     prompt_logprobs: list | None = None
     error: str | None = None  # a constraint's error that ended a sequence ("error")
     pooler: Pooler | None = None  # an embedding request's running sums (jpaged/pooling.py)
+    lora: object | None = None  # its LoRA adapter (jpaged/lora: a HostAdapter), None: base
+    lora_slot: int = -1  # the device slot its adapter holds while admitted (LoRAManager)
 
     @property
     def finished(self) -> bool:

@@ -15,10 +15,15 @@ import dataclasses
 import difflib
 from typing import Any
 
-from jpaged.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from jpaged.config import CacheConfig, EngineConfig, LoRAConfig, ParallelConfig, SchedulerConfig
 
 # Flat name -> (section of EngineConfig, or None for its own fields; the field).
-_SECTIONS = (("cache", CacheConfig), ("scheduler", SchedulerConfig), ("parallel", ParallelConfig))
+_SECTIONS = (
+    ("cache", CacheConfig),
+    ("scheduler", SchedulerConfig),
+    ("parallel", ParallelConfig),
+    ("lora", LoRAConfig),
+)
 _NESTED = {name for name, _ in _SECTIONS}
 
 

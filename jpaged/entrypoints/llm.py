@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from jpaged.core.beam_search import BeamSearchOutput, beam_search
 from jpaged.core.parallel import make_engine
 from jpaged.entrypoints.engine_args import engine_config_from_args
+from jpaged.lora import LoRARequest
 from jpaged.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jpaged.pooling import PoolingParams
 from jpaged.sample.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -46,11 +47,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns RequestOutputs in prompt order.
 
         All prompts are validated before any is queued: a bad one raises ValueError (naming
-        its index) and nothing is submitted.
+        its index) and nothing is submitted. lora_request: the LoRA adapter every prompt
+        runs on, or one per prompt (None: the base model); needs enable_lora=True. A bad
+        adapter raises LoRAError (a ValueError naming it) before anything is queued.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -88,12 +92,35 @@ class LLM:
                     engine.max_model_len,
                     engine.max_model_len - len(ids),
                 )
+        loras = self._lora_requests(lora_request, len(prompts))
         ids = []
-        for p, sp in zip(prompts, params, strict=True):
+        for p, sp, lora in zip(prompts, params, loras, strict=True):
             rid = f"offline-{next(self._ids)}"
-            engine.add_request(rid, p, sp.clone(output_kind=RequestOutputKind.FINAL_ONLY))
+            kind = RequestOutputKind.FINAL_ONLY
+            engine.add_request(rid, p, sp.clone(output_kind=kind), lora_request=lora)
             ids.append(rid)
         return self._run(ids, use_tqdm)
+
+    def _lora_requests(self, lora_request, n: int) -> list:
+        """One LoRARequest (or None) per prompt, each adapter read and checked now."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * n
+        else:
+            loras = list(lora_request)
+            if len(loras) != n:
+                raise ValueError(f"got {len(loras)} lora requests for {n} prompts")
+        managers = getattr(self.llm_engine, "replicas", [self.llm_engine])
+        for lora in dict.fromkeys(x for x in loras if x is not None):
+            for engine in managers:
+                if engine.loras is None:
+                    raise ValueError("lora_request given but LoRA is not enabled (enable_lora)")
+                engine.loras.resolve(lora)
+        return loras
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Reads and checks an adapter now (vLLM's LLM.add_lora); True when it is ready."""
+        self._lora_requests(lora_request, 1)
+        return True
 
     def chat(
         self,

@@ -39,7 +39,7 @@ from jpaged.sample.sampler import SamplerOutput, prompt_logprobs, sample
 from jpaged.worker.executable_cache import ExecutableCache, cache_key
 from jpaged.worker.map_count import MapBudget, MapCountError
 from jpaged.worker.step_inputs import StepInputs, StepKey
-from models import sharding
+from models import lora, sharding
 from models.config import ModelConfig
 from models.kv_groups import KVGroups
 from models.llama import compute_logits, forward, stack_layers, unstack_layers
@@ -161,6 +161,9 @@ def step(
         blocks = stride * jnp.arange(num_groups, dtype=jnp.int32)
         rows = inputs.table_rows[None, :] + blocks[:, None]
         table = page_table[rows, : key.num_page_cols]
+    lora_slots = None  # each token's adapter slot (models/lora.py), from its row's
+    if inputs.lora_slots is not None:
+        lora_slots = lora.token_slots(inputs.lora_slots, inputs.query_start, key.num_tokens)
     hidden, kv_pages = forward(
         params,
         model_config,
@@ -176,6 +179,7 @@ def step(
         max_query_len=key.spec_k + 1 if key.spec_k else None,
         attention_backend=backend,
         tp_axis=tp_axis,
+        lora_slots=lora_slots,
     )
     if key.draft:
         logits = compute_logits(params, model_config, hidden[inputs.logits_indices], tp_axis)
@@ -297,6 +301,7 @@ class Programs:
         self._steps: dict[StepKey, object] = {}
         self._prelude = None
         self._swappers = None
+        self._lora_writer = None
         # Every program made ready (traced and compiled, or loaded from the executable cache),
         # the prelude and swap copies included, and the seconds it took; the split below.
         self.num_compiles = 0
@@ -345,7 +350,8 @@ class Programs:
     @property
     def num_compiled(self) -> int:
         swap = 2 if self._swappers is not None else 0
-        return len(self._steps) + (self._prelude is not None) + swap
+        writer = self._lora_writer is not None
+        return len(self._steps) + (self._prelude is not None) + swap + writer
 
     def step_keys(self) -> list[StepKey]:
         return list(self._steps)
@@ -505,6 +511,18 @@ class Programs:
                 self._compiled(scatter, state, ids, pages, name="swap scatter"),
             )
         return self._swappers
+
+    def lora_writer(self, slots, weights):
+        """The LoRA slot write (models/lora.py write_slots: slots donated, the slot index
+        traced), compiled once: loading an adapter at run time compiles nothing."""
+        if self._lora_writer is None:
+            if self.mesh is not None:
+                raise ValueError("LoRA adapters are not supported with tensor parallelism yet")
+            fn = jax.jit(lora.write_slots, donate_argnums=(0,))
+            self._lora_writer = self._compiled(
+                fn, slots, np.int32(0), weights, name="lora slot write"
+            )
+        return self._lora_writer
 
     def _state_specs(self, dtype) -> DeviceState:
         """The state's shardings for a pool of dtype: a quantized pool's scales split over KV

@@ -29,7 +29,7 @@ import time
 import jax
 import numpy as np
 
-from jpaged.config import EngineConfig
+from jpaged.config import EngineConfig, LoRAConfig
 from jpaged.sample.sampler import SamplerOutput
 from jpaged.worker.map_count import MapCountError
 from jpaged.worker.programs import PRELUDE_COPIES, PRELUDE_UPDATES, SWAP_PAGES, Programs
@@ -49,6 +49,7 @@ from jpaged.worker.step_inputs import (
     warm_up_keys,
 )
 from jpaged.worker.step_plan import StepPlan, empty_plan
+from models import lora
 from models.config import ModelConfig
 from models.kv_groups import KVGroups
 from pallas_kernels import kv_quant
@@ -79,13 +80,15 @@ class ModelRunner:
         broadcast=None,
         cache_dir: str | None = None,
         kv_groups: KVGroups | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """mesh: the replica's Mesh (models/sharding.py) params are sharded over, or None.
         num_swap_pages: host pages of swap space (0: no swap). broadcast: a StepBroadcast
         when the model spans processes, else None. cache_dir: the compilation cache's
         directory, which also keeps compiled programs to load without tracing
         (executable_cache.py); None: none. kv_groups: the layers' paging groups, one page
-        table each (models/kv_groups.py); None: one group."""
+        table each (models/kv_groups.py); None: one group. lora_config: LoRA slots in the
+        params (models/lora.py), written by the plans' lora_loads; None: no LoRA."""
         if num_swap_pages and broadcast is not None:
             raise ValueError('preemption_mode="swap" is not supported across processes')
         self.config = config
@@ -105,7 +108,17 @@ class ModelRunner:
             cache_dir=cache_dir,
             kv_groups=kv_groups,
         )
+        self.lora_config = lora_config
+        if lora_config is not None:
+            if model_config.num_experts or mesh is not None:
+                what = "tensor parallelism" if mesh is not None else "mixture-of-experts models"
+                raise ValueError(f"LoRA adapters with {what} are not supported yet")
+            params = lora.with_slots(
+                params, model_config, lora_config.max_loras, lora_config.max_lora_rank, dtype
+            )
         self.params = self.programs.layout_params(params)
+        if lora_config is not None:  # compiled now: no adapter load compiles anything
+            self._write_loras(())
         self._warmed: set[StepKey] = set()  # step programs precompile has run (warm_up_inputs)
         # Keys run on a bigger program at the mapping cap, and that program (chosen once: the
         # cap does not recede, and /proc/self/maps is not read again for them).
@@ -219,6 +232,7 @@ class ModelRunner:
             page_size=self.page_size,
             mask_words=self.mask_words,
             num_groups=self.num_groups,
+            lora=self.lora_config is not None,
             **kwargs,
         )
 
@@ -310,6 +324,8 @@ class ModelRunner:
                 pad_rows(upd, PRELUDE_UPDATES, (self.scratch_row, 0, 0)),
                 pad_rows(cps, PRELUDE_COPIES, (0, 0)),
             )
+        if plan.lora_loads and self.lora_config is not None:
+            self._write_loras(plan.lora_loads)
         if len(updates) != len(plan.page_updates) or len(copies) != len(plan.page_copies):
             plan = dataclasses.replace(plan, page_updates=updates, page_copies=copies)
         inputs = self._pack(plan, key, prev_plan=prev_plan, token_bitmask=token_bitmask)
@@ -318,6 +334,20 @@ class ModelRunner:
         if key.draft:
             inputs.draft_offset = np.int32(draft_offset)
         return InFlightStep(key, plan, self.run_step(key, inputs))
+
+    def _write_loras(self, loads) -> None:
+        """Writes each (slot, HostAdapter) of loads into its device slot (none: compiles
+        the writer)."""
+        cfg, rank = self.model_config, self.lora_config.max_lora_rank
+        params, slots = lora.split_slots(self.params)
+        if not loads:
+            shapes = lora.adapter_shapes(cfg, rank)
+            self.programs.lora_writer(slots, {k: np.zeros(s, np.float32) for k, s in shapes.items()})
+            return
+        for slot, adapter in loads:
+            weights = adapter.slot_weights(cfg, rank)
+            slots = self.programs.lora_writer(slots, weights)(slots, np.int32(slot), weights)
+        self.params = lora.join_slots(params, slots)
 
     def cap_refusal(self, needs: StepKey) -> MapCountError | None:
         """None when a compiled step program holds a step of `needs` (step_inputs.holds) or

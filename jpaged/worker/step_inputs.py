@@ -64,6 +64,7 @@ class StepInputs:
     # device already (jpaged/spec_decode/draft_model.py), set after packing.
     draft_probs: jax.Array | None = None
     draft_offset: jax.Array | None = None  # int32[] (key.draft): the proposal's index
+    lora_slots: jax.Array | None = None  # int32[S]: each row's adapter slot, -1: none (LoRA on)
 
 
 def holds(program: StepKey, key: StepKey) -> bool:
@@ -309,6 +310,7 @@ def pack(
     prev_plan: StepPlan | None = None,
     token_bitmask: np.ndarray | None = None,
     num_groups: int = 1,
+    lora: bool = False,
 ) -> StepInputs:
     """The plan padded to key's shapes.
 
@@ -323,6 +325,7 @@ def pack(
       token_bitmask: int32[len(plan), mask_words] of the constrained rows (others all ones),
         or None when no row is constrained.
       num_groups: paging groups (models/kv_groups.py): rows of slot_mapping.
+      lora: the programs take each row's adapter slot (padding rows: -1).
     """
     t_pad, s_pad = key.num_tokens, key.num_seqs
     t, s = plan.num_tokens, len(plan)
@@ -378,7 +381,14 @@ def pack(
         prompt_targets=_prompt_targets(plan, key),
         proposals=proposals,
         num_proposed=num_proposed,
+        lora_slots=_lora_slots(plan, s_pad) if lora else None,
     )
+
+
+def _lora_slots(plan: StepPlan, s_pad: int) -> np.ndarray:
+    if plan.lora_slots is None:
+        return np.full(s_pad, -1, np.int32)
+    return _padded(plan.lora_slots.astype(np.int32), s_pad, -1)
 
 
 def _prompt_targets(plan: StepPlan, key: StepKey) -> np.ndarray | None:

@@ -69,6 +69,10 @@ class StepPlan:
     num_proposed: np.ndarray | None = None
     pools: bool = False  # some row computes prompt tokens of an embedding request
     constrained: np.ndarray | None = None  # bool[S]: the row has a structured-output grammar
+    # LoRA (jpaged/lora): int32[S] each row's adapter slot (-1: the base model), and the
+    # (slot, HostAdapter) writes the runner makes before the step.
+    lora_slots: np.ndarray | None = None
+    lora_loads: tuple = ()
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -141,6 +145,7 @@ def build(
     swap_out: list[tuple[int, int]],
     swap_in: list[tuple[int, int]],
     num_groups: int = 1,
+    lora_loads: tuple = (),
 ) -> StepPlan:
     """The plan of the scheduled rows.
 
@@ -150,6 +155,7 @@ def build(
       page_size: tokens per page.
       num_groups: paging groups: each sequence's len(tables).
       eos_token_ids: banned with the stop tokens while a row has fewer than min_tokens.
+      lora_loads: (slot, adapter) writes to make before the step (LoRAManager.take_loads).
     """
     tok: list[int] = []
     pos: list[int] = []
@@ -289,6 +295,8 @@ def build(
         num_proposed=num_proposed,
         pools=pools,
         constrained=is_constrained,
+        lora_slots=np.fromiter((r.seq.group.lora_slot for r in rows), np.int32, count=s),
+        lora_loads=lora_loads,
     )
 
 
