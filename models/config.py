@@ -57,7 +57,11 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
     "Glm4MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
+# Multi-head latent attention (models/mla.py): the pool holds a latent per token, not K/V.
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Expert layers' router scores: softmax over all experts (Qwen3-MoE, Mixtral, OLMoE) or an
 # independent sigmoid per expert (DeepSeek-V3, GLM-4.5).
 MOE_SCORINGS = ("softmax", "sigmoid")
@@ -96,6 +100,27 @@ class LongRopeScaling:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class YarnRopeScaling:
+    """rope_scaling of type "yarn" (DeepSeek-V2/V3), as transformers computes it: each
+    frequency blended between itself and itself / factor by a linear ramp over the dims
+    between the correction range of beta_fast and beta_slow rotations; cos/sin times
+    attention_factor; an MLA model's softmax scale times mscale(mscale_all_dim) squared."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -107,7 +132,9 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | LinearRopeScaling | LongRopeScaling | None = None
+    rope_scaling: (
+        RopeScaling | LinearRopeScaling | LongRopeScaling | YarnRopeScaling | None
+    ) = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -157,6 +184,21 @@ class ModelConfig:
     num_dense_layers: int = 0
     qk_norm_full: bool = False  # q/k RMSNorm over the whole projection (OLMoE), not per head
     clip_qkv: float | None = None  # q, k, v clamped to [-it, it] (OLMoE)
+    # Multi-head latent attention (DeepSeek-V2/V3, models/mla.py), kv_lora_rank > 0: the pool
+    # holds per token the normed latent [kv_lora_rank] and the rotated shared key
+    # [qk_rope_head_dim], one row split in halves over the K and V pools, so num_kv_heads is
+    # 1 and head_dim is (kv_lora_rank + qk_rope_head_dim) / 2 (the pool's geometry); a query
+    # head has qk_nope_head_dim + qk_rope_head_dim dims, a value head v_head_dim; q_lora_rank
+    # > 0: the query goes through a low-rank projection with its norm.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the checkpoint's rotary dims in pairs (models/mla.py)
+    # The router's group score (DeepSeek-V2's group_limited_greedy: the group's best score;
+    # else the sum of its best two).
+    group_score: str = "top2"
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -219,6 +261,8 @@ class ModelConfig:
             self._check_routing()
         elif self.expert_parallel:
             raise ValueError(f"expert parallelism needs experts; {self.architecture} has none")
+        if self.kv_lora_rank:
+            self._check_mla()
         rs = self.rope_scaling
         if isinstance(rs, LongRopeScaling):
             for name in ("short_factor", "long_factor"):
@@ -253,6 +297,8 @@ class ModelConfig:
                 f"topk_group ({topk}) groups of {self.num_experts // groups} experts hold "
                 f"fewer than num_experts_per_tok ({self.num_experts_per_tok})"
             )
+        if self.group_score not in ("top2", "max"):
+            raise ValueError(f"group_score must be 'top2' or 'max', got {self.group_score!r}")
         for name in ("num_shared_experts", "num_dense_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
@@ -261,6 +307,24 @@ class ModelConfig:
             raise ValueError(
                 f"first_k_dense_replace ({self.num_dense_layers}) exceeds the "
                 f"{self.num_layers} layers"
+            )
+
+    def _check_mla(self) -> None:
+        """The latent attention's dims (the class comment) and the pool geometry they set."""
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        row = self.kv_lora_rank + self.qk_rope_head_dim
+        if row % 2 or self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"kv_lora_rank + qk_rope_head_dim ({row}) and qk_rope_head_dim "
+                f"({self.qk_rope_head_dim}) must be even (the latent row is split in halves)"
+            )
+        if (self.num_kv_heads, self.head_dim) != (1, row // 2):
+            raise ValueError(
+                f"a latent-attention pool has 1 KV head of {row // 2} dims, got "
+                f"{self.num_kv_heads} of {self.head_dim}"
             )
 
     def has_experts(self, layer: int) -> bool:
@@ -286,7 +350,10 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Dims of each head that rope rotates (the first ones)."""
+        """Dims of each head that rope rotates (the first ones; latent attention: the
+        decoupled rotary dims of every query head and of the shared key)."""
+        if self.kv_lora_rank:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -295,6 +362,12 @@ class ModelConfig:
         reads per token besides the embedding and head."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = self.hidden_size * (2 * q + 2 * kv)  # q, k, v, o
+        if self.kv_lora_rank:  # the latent attention's projections (models/mla.py)
+            h, d, r, dq = self.num_heads, self.hidden_size, self.kv_lora_rank, self.q_lora_rank
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = dq * (d + h * qk) if dq else d * h * qk
+            attention = q + d * (r + self.qk_rope_head_dim) + r * h * (
+                self.qk_nope_head_dim + self.v_head_dim) + h * self.v_head_dim * d
         dense = 3 * self.hidden_size * self.intermediate_size
         if not self.num_experts:
             return self.num_layers * (attention + dense)
@@ -314,6 +387,12 @@ class ModelConfig:
 
     @property
     def sm_scale(self) -> float:
+        if self.kv_lora_rank:  # a query head's dims, and YaRN's mscale (transformers')
+            scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+            rs = self.rope_scaling
+            if isinstance(rs, YarnRopeScaling) and rs.mscale_all_dim:
+                scale *= yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
+            return scale
         if self.query_pre_attn_scalar is not None:
             return self.query_pre_attn_scalar**-0.5
         return self.head_dim**-0.5
@@ -347,6 +426,8 @@ class ModelConfig:
             sliding = None
         family = _family_fields(arch, hf, sliding, source)
         family.update(_moe_fields(arch, hf, source))
+        family.setdefault("num_kv_heads", hf.get("num_key_value_heads") or num_heads)
+        family.setdefault("head_dim", head_dim)
         return cls(
             architecture=arch,
             vocab_size=need("vocab_size"),
@@ -354,8 +435,6 @@ class ModelConfig:
             intermediate_size=need("intermediate_size"),
             num_layers=need("num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             **rope,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
@@ -424,6 +503,8 @@ def _rope_fields(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
                 original_max_position_embeddings=original,
                 attention_factor=float(attention),
             )
+        elif rtype == "yarn":
+            rope_scaling = _yarn(rs, hf)
         elif rtype != "default":
             raise ValueError(f"{source}: {rope_key} type {rtype!r} is not supported")
     except KeyError as e:
@@ -434,6 +515,28 @@ def _rope_fields(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
         "rope_local_theta": None if local_theta is None else float(local_theta),
         "partial_rotary_factor": float(partial),
     }
+
+
+def _yarn(rs: dict[str, Any], hf: dict[str, Any]) -> YarnRopeScaling:
+    """A "yarn" rope_scaling object's fields, with transformers' defaults."""
+    original = int(rs["original_max_position_embeddings"])
+    factor = rs.get("factor") or hf.get("max_position_embeddings", 2048) / original
+    mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+    attention = rs.get("attention_factor")
+    if attention is None:
+        if mscale and mscale_all:
+            attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+        else:
+            attention = yarn_mscale(factor)
+    return YarnRopeScaling(
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(rs.get("beta_fast") or 32),
+        beta_slow=float(rs.get("beta_slow") or 1),
+        attention_factor=float(attention),
+        mscale_all_dim=float(mscale_all or 0),
+        truncate=bool(rs.get("truncate", True)),
+    )
 
 
 # Layer types of transformers' "layer_types" that jpaged runs.
@@ -480,6 +583,8 @@ def _moe_fields(arch: str, hf: dict[str, Any], source: str) -> dict[str, Any]:
     families)."""
     if arch == "Glm4MoeForCausalLM":
         return _glm4_moe_fields(hf, source)
+    if arch in MLA_ARCHITECTURES:
+        return _deepseek_fields(arch, hf, source)
     if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"):
         return {}
     # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts, as Mixtral's.
@@ -525,4 +630,51 @@ def _glm4_moe_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
         "num_shared_experts": hf.get("n_shared_experts", 1),
         "num_dense_layers": hf.get("first_k_dense_replace", 1),
+    }
+
+
+def _deepseek_fields(arch: str, hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """DeepSeek-V2/V3's latent attention and expert fields, with transformers' defaults
+    (V3: GLM-4.5's noaux_tc routing; V2: softmax scores, greedy or group_limited_greedy top-k,
+    never renormalised)."""
+    v3 = arch == "DeepseekV3ForCausalLM"
+    r, dr = hf.get("kv_lora_rank", 512), hf.get("qk_rope_head_dim", 64)
+    fields = {
+        "kv_lora_rank": r,
+        "q_lora_rank": hf.get("q_lora_rank", 1536) or 0,
+        "qk_nope_head_dim": hf.get("qk_nope_head_dim", 128),
+        "qk_rope_head_dim": dr,
+        "v_head_dim": hf.get("v_head_dim", 128),
+        "rope_interleave": bool(hf.get("rope_interleave", True)) if v3 else True,
+        "num_kv_heads": 1,
+        "head_dim": (r + dr) // 2,
+    }
+    if hf.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias is not supported for {arch}")
+    if not hf.get("n_routed_experts", 256 if v3 else 64):
+        return {**fields, "num_dense_layers": 0}
+    if v3:
+        moe = _glm4_moe_fields({"first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
+                                "routed_scaling_factor": 2.5, "n_routed_experts": 256,
+                                "moe_intermediate_size": 2048, **hf}, source)  # fmt: skip
+        return {**fields, **moe}
+    method = hf.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(
+            f"{source}: topk_method {method!r} is not supported; supported: greedy, "
+            "group_limited_greedy"
+        )
+    grouped = method == "group_limited_greedy"
+    return {
+        **fields,
+        "num_experts": hf.get("n_routed_experts", 64),
+        "num_experts_per_tok": hf.get("num_experts_per_tok") or 6,
+        "moe_intermediate_size": hf.get("moe_intermediate_size", 1407),
+        "norm_topk_prob": False,
+        "num_expert_groups": (hf.get("n_group") or 1) if grouped else 1,
+        "topk_groups": (hf.get("topk_group") or 1) if grouped else 1,
+        "group_score": "max",
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+        "num_shared_experts": hf.get("n_shared_experts", 2),
+        "num_dense_layers": hf.get("first_k_dense_replace", 0),
     }

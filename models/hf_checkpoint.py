@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from models import mla
 from models.config import ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -179,6 +180,9 @@ def tensor_specs(cfg: ModelConfig) -> dict[tuple, TensorSpec]:
             name = p + "mlp.gate_up_proj.weight"
             layer["w_gate"] = _fused_rows(name, (2 * f, d), 0, f, (d, f))
             layer["w_up"] = _fused_rows(name, (2 * f, d), f, 2 * f, (d, f))
+        if cfg.kv_lora_rank:  # latent attention (models/mla.py)
+            del layer["wq"], layer["wk"], layer["wv"], layer["wo"]
+            layer.update({k: TensorSpec(*t) for k, t in mla.hf_tensors(cfg, p).items()})
         if cfg.has_experts(i):
             del layer["w_gate"], layer["w_up"], layer["w_down"]
             layer.update(_expert_specs(cfg, p))
@@ -200,6 +204,8 @@ _EXPERT_NAMES = {
     "Qwen3MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
     "OlmoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
     "Glm4MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+    "DeepseekV2ForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+    "DeepseekV3ForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
 }
 
 

@@ -30,8 +30,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from models import moe, quantization
-from models.config import LinearRopeScaling, LongRopeScaling, ModelConfig, RopeScaling
+from models import mla, moe, quantization
+from models.config import (
+    LinearRopeScaling,
+    LongRopeScaling,
+    ModelConfig,
+    RopeScaling,
+    YarnRopeScaling,
+)
 from models.kv_groups import KVGroups, single_group
 from pallas_kernels import kv_quant
 
@@ -63,6 +69,8 @@ def rope_inv_freq(cfg: ModelConfig, *, local: bool = False, long: bool = False) 
         inv_freq = inv_freq / rs.factor
     elif isinstance(rs, LongRopeScaling):
         inv_freq = inv_freq / np.asarray(rs.long_factor if long else rs.short_factor)
+    elif isinstance(rs, YarnRopeScaling):
+        inv_freq = _yarn_inv_freq(inv_freq, rs, dim, theta)
     elif isinstance(rs, RopeScaling):
         low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
         high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
@@ -75,6 +83,27 @@ def rope_inv_freq(cfg: ModelConfig, *, local: bool = False, long: bool = False) 
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = np.where(medium, smoothed, scaled)
     return inv_freq.astype(np.float32)
+
+
+def _yarn_inv_freq(inv_freq: np.ndarray, rs: YarnRopeScaling, dim: int, theta: float):
+    """YaRN's blend of inv_freq and inv_freq / factor (transformers' _compute_yarn_parameters):
+    dims below the correction range keep their frequency, dims above it are interpolated,
+    a linear ramp between."""
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rs.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta)
+        )
+
+    low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return inv_freq / rs.factor * (1 - keep) + inv_freq * keep
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -151,6 +180,8 @@ def _rope_tables(cfg, positions, context_lens, query_start) -> dict[bool, tuple]
             long = (context_lens[seq] > rs.original_max_position_embeddings)[:, None, None]
             cos = jnp.where(long, cos_long, cos) * rs.attention_factor
             sin = jnp.where(long, sin_long, sin) * rs.attention_factor
+        elif isinstance(rs, YarnRopeScaling) and not (local and cfg.rope_local_theta is not None):
+            cos, sin = cos * rs.attention_factor, sin * rs.attention_factor
         tables[local] = _computed_once(cos, sin)
     return tables
 
@@ -292,6 +323,15 @@ def forward(
         window, local, experts = kind  # static: a layer group's own
         cos, sin = ropes[local]
         h = norm(x, layer["input_norm"], cfg.rms_norm_eps)
+        if cfg.kv_lora_rank:  # latent attention (models/mla.py)
+            out, k_pages, v_pages = mla.attention(
+                h, layer, cfg, cos, sin, k_pages, v_pages,
+                slot_mapping[group] + offset * page_size, page_table[group] + offset,
+                context_lens, query_start, norm=norm, rotate=rotate, decode_only=decode_only,
+                max_query_len=max_query_len, attn_kwargs=attn_kwargs,
+            )  # fmt: skip
+            return _feed_forward(x + _reduce(out, tp_axis), layer, cfg, norm, act, tp_axis,
+                                 experts, (k_pages, v_pages))  # fmt: skip
         q = quantization.einsum("td,dhk->thk", h, layer["wq"])
         k = quantization.einsum("td,dhk->thk", h, layer["wk"])
         v = quantization.einsum("td,dhk->thk", h, layer["wv"])
@@ -326,12 +366,7 @@ def forward(
         if cfg.post_norms:
             out = norm(out, layer["attn_out_norm"], cfg.rms_norm_eps)
         x = x + out
-        h = norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)
-        out = _mlp(h, layer, cfg, act, tp_axis, experts)
-        if cfg.post_norms:
-            out = norm(out, layer["mlp_out_norm"], cfg.rms_norm_eps)
-        x = x + out
-        return (x, k_pages, v_pages), None
+        return _feed_forward(x, layer, cfg, norm, act, tp_axis, experts, (k_pages, v_pages))
 
     carry = (x, k_pages, v_pages)
     layers = params["layers"]
@@ -433,6 +468,15 @@ def compute_logits(
     return logits
 
 
+def _feed_forward(x, layer, cfg, norm, act, tp_axis, experts, pool):
+    """A layer's second half: x plus the (post-normed) MLP of normed x, as run_layer's carry."""
+    h = norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)
+    out = _mlp(h, layer, cfg, act, tp_axis, experts)
+    if cfg.post_norms:
+        out = norm(out, layer["mlp_out_norm"], cfg.rms_norm_eps)
+    return (x + out, *pool), None
+
+
 def _mlp(h: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis, experts: bool) -> jax.Array:
     """The feed-forward of normed h [T, D]: the gated MLP, or (experts: static, the layer's
     kind) the experts (models/moe.py)."""
@@ -518,6 +562,10 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float
             layer.update(q_norm=ones(hq, dh), k_norm=ones(hkv, dh))
         if cfg.post_norms:
             layer.update(attn_out_norm=ones(d), mlp_out_norm=ones(d))
+        if cfg.kv_lora_rank:
+            for name in ("wq", "wk", "wv", "wo"):
+                del layer[name]
+            layer.update(mla.init_attention(cfg, w, ones))
         if cfg.has_experts(i):
             e, fe, fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_intermediate_size
             del layer["w_gate"], layer["w_up"], layer["w_down"]

@@ -129,14 +129,23 @@ def paged_decode_attention(
     interpret: bool = False,
     backend: str | None = None,
     gpu_kernel: str | None = None,
+    latent: bool = False,
 ) -> jax.Array:  # [batch, num_q_heads, head_dim], q's dtype
     """Decode attention (one query per sequence at position lengths[b] - 1), dispatched.
 
     See reference.paged_decode_attention for the contract. `backend` forces "gpu", "tpu"
     or "cpu"; `interpret` runs a Pallas kernel in the interpreter; `gpu_kernel` picks the
-    GPU kernel ("triton" or "mosaic"; None: $JPAGED_GPU_KERNEL, else "triton").
+    GPU kernel ("triton" or "mosaic"; None: $JPAGED_GPU_KERNEL, else "triton"). latent:
+    multi-head latent attention (reference.paged_prefill_attention), its own kernels (mla).
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
+    if latent:
+        from pallas_kernels import mla
+
+        return mla.paged_decode_attention(
+            q, k_pages, v_pages, lengths, page_table, interpret=interpret, backend=backend,
+            **kwargs,
+        )  # fmt: skip
     which = select_backend(
         q.shape, k_pages.shape, k_pages.dtype, interpret=interpret, backend=backend
     )
@@ -176,16 +185,22 @@ def paged_prefill_attention(
     interpret: bool = False,
     backend: str | None = None,
     max_query_len: int | None = None,
+    latent: bool = False,
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim], q's dtype
     """Ragged paged attention (prefill chunks and decode tokens in one call), dispatched.
 
     See reference.paged_prefill_attention for the contract. max_query_len (static): the
     query tokens per sequence a step usually has at most (a verification step's k + 1); the
     reference then attends each sequence's queries as one group when they fit (the kernels
-    take no hint).
+    take no hint). latent: multi-head latent attention; the reference serves it (prefill
+    is compute-bound: the latent kernels are decode's, pallas_kernels/mla.py).
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     args = (q, k_pages, v_pages, context_lens, page_table, query_start)
+    if latent:
+        return reference.paged_prefill_attention(
+            *args, max_query_len=max_query_len, latent=True, **kwargs
+        )
     which = select_backend(
         q.shape, k_pages.shape, k_pages.dtype, interpret=interpret, backend=backend
     )
