@@ -59,7 +59,8 @@ def main(root: str, families: list[str]) -> dict:
                         str(layer[name].sharding.spec),
                         list(layer[name].addressable_shards[0].data.shape),
                     ]
-                    for name in ("w_gate_exps", "w_down_exps", "router", "w_gate", "w_gate_shared")
+                    for name in ("w_gate_exps", "w_down_exps", "router", "w_gate", "w_gate_shared",
+                                 "wkv_b", "wq_b", "wkv_a")
                     if name in layer
                 },
             }
