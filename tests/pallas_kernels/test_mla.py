@@ -1,8 +1,8 @@
 """Multi-head latent attention's paged attention (pallas_kernels/mla.py, reference.py latent):
 the reference against a dense per-head softmax over the latent rows; the GPU (Triton) latent
-decode kernel in the Pallas interpreter against the reference, on plain and int8 pages, with
-head blocks and half rows of several power-of-two chunks; its lowering for 'cuda' at
-DeepSeek-V3's shape (128 heads, half row 288 = 256 + 32)."""
+decode kernel and the TPU (Mosaic) one in the Pallas interpreter against the reference, on
+plain and int8 pages, with head blocks and half rows of several power-of-two chunks; their
+lowering for 'cuda' and 'tpu' at DeepSeek-V3's shape (128 heads, half row 288 = 256 + 32)."""
 
 from __future__ import annotations
 
@@ -89,3 +89,29 @@ def test_gpu_kernel_lowers_for_cuda_at_deepseek_v3_shape():
     )
     text = lower_for_cuda(mla.gpu_paged_decode_attention, args, sm_scale=0.1).as_text()
     assert "jpaged_gpu_mla_decode" in text and "triton" in text.lower()
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_tpu_kernel_interpreted_equals_the_reference(quantized):
+    q, k, v, lengths, table = _case(3, d=48, heads=20, page=8)
+    if quantized:
+        k = QuantizedPages(*kv_quant.quantize(k, jnp.int8))
+        v = QuantizedPages(*kv_quant.quantize(v, jnp.int8))
+    want = reference.paged_decode_attention(q, k, v, lengths, table, sm_scale=0.1, latent=True)
+    got = pallas_kernels.paged_decode_attention(q, k, v, lengths, table, sm_scale=0.1,
+                                                backend="tpu", interpret=True, latent=True)  # fmt: skip
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
+def test_tpu_kernel_lowers_for_tpu_at_deepseek_v3_shape():
+    spec = jax.ShapeDtypeStruct
+    args = (
+        spec((8, 128, 576), jnp.bfloat16),
+        spec((1, 257, 16, 288), jnp.bfloat16),
+        spec((1, 257, 16, 288), jnp.bfloat16),
+        spec((8,), jnp.int32),
+        spec((8, 32), jnp.int32),
+    )
+    lowered = jax.jit(lambda *a: mla.tpu_paged_decode_attention(*a, sm_scale=0.1)).trace(*args)
+    text = lowered.lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text and "jpaged_tpu_mla_decode" in text
