@@ -146,3 +146,34 @@ def test_int8_pages_hold_the_latent(checkpoints):
     assert stats["auto"] == (3 * 32 * 4, want)
     assert stats["int8"][0] == 3 * 2 * (16 + 2)
     assert stats["int8"][1] == want
+
+
+@pytest.mark.needs_torch
+def test_a_decode_step_on_the_interpreted_gpu_kernel_equals_the_reference(checkpoints):
+    """The model's decode step with the latent GPU kernel (Pallas interpreter) in every layer
+    gives the reference's hidden states, from a pool prefilled with 11 tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.llama import forward
+
+    loaded = load_hf_model(checkpoints["deepseek_v3"])
+    cfg, page = loaded.config, 4
+    ids = prompts(cfg.vocab_size)[0][:12]
+    shape = (1, cfg.num_layers * 5, page, cfg.head_dim)
+    pool = (jnp.zeros(shape), jnp.zeros(shape))
+    table = jnp.asarray([[3, 1, 4, 2]], jnp.int32)
+    slots = np.asarray([3, 1, 4])[np.arange(12) // page] * page + np.arange(12) % page
+    run = jax.jit(forward, static_argnums=(1,),
+                  static_argnames=("decode_only", "attention_backend"))  # fmt: skip
+    _, pool = run(loaded.params, cfg, pool, jnp.asarray(ids[:11]), jnp.arange(11),
+                  jnp.asarray(slots[:11], jnp.int32), jnp.asarray([11]), table,
+                  jnp.asarray([0, 11], jnp.int32))  # fmt: skip
+    out = {}
+    for backend in ("reference", "pallas_interpret"):
+        out[backend], _ = run(
+            loaded.params, cfg, pool, jnp.asarray(ids[11:]), jnp.asarray([11]),
+            jnp.asarray(slots[11:], jnp.int32), jnp.asarray([12]), table,
+            jnp.asarray([0, 1], jnp.int32), decode_only=True, attention_backend=backend,
+        )
+    np.testing.assert_allclose(out["pallas_interpret"], out["reference"], atol=2e-5, rtol=0)
