@@ -15,6 +15,9 @@ Mixture-of-experts configs (cfg.num_experts) run models/moe.py in place of the g
 after cfg.num_dense_layers layers of the gated MLP (GLM-4.5); stacked, those first layers run
 unrolled and the expert layers after them under lax.scan.
 
+Latent-attention configs (cfg.kv_lora_rank: DeepSeek-V2/V3) run models/mla.py in place of
+the q/k/v attention; the pool then holds one latent row per token, split over K and V.
+
 Tensor parallelism: with `tp_axis` set, the functions run inside shard_map on one device's
 shards (layout of models/sharding.py): the same code over local heads and columns, plus one
 psum after each row-parallel matmul (wo, w_down), one for the vocab-parallel embedding, and an
