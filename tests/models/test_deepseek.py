@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from dense_families import hf_logits, paged_logits, preempted_greedy
-from moe_families import DEEPSEEK_FAMILIES, engine_greedy, hf_greedy, prompts, save_tiny
+from dense_families import engine_greedy_and_stats, hf_logits, paged_logits, preempted_greedy
+from moe_families import DEEPSEEK_FAMILIES, hf_greedy, prompts, save_tiny
 
 from jpaged.core.memory_plan import kv_page_bytes
 from models.config import ModelConfig
@@ -118,7 +118,9 @@ def test_engine_greedy_tokens_equal_transformers(checkpoints):
     path = checkpoints["deepseek_v3"]
     token_prompts = prompts(160)
     want = hf_greedy(path, token_prompts, MAX_TOKENS)
-    assert engine_greedy(path, token_prompts, MAX_TOKENS, **ENGINE) == want
+    got, stats = engine_greedy_and_stats(path, token_prompts, MAX_TOKENS, **ENGINE)
+    assert got == want
+    assert stats["kv_bytes_per_token"] == 3 * (24 + 8) * 4  # float32 latent rows, 3 layers
 
 
 @pytest.mark.needs_torch
@@ -132,20 +134,14 @@ def test_preempted_sequences_give_transformers_tokens(checkpoints, mode):
 @pytest.mark.needs_torch
 def test_int8_pages_hold_the_latent(checkpoints):
     """An int8 pool: a token's row is 32 int8 values and two bfloat16 scales per layer (108
-    bytes against float32's 384), and its greedy tokens are transformers'."""
-    from jpaged import LLM, SamplingParams
-
+    bytes against float32's 384), and its greedy tokens are transformers' (prefix hits and
+    chunked prefill included)."""
     path = checkpoints["deepseek_v3"]
     token_prompts = prompts(160)[:3]
-    stats = {}
-    for dtype in ("auto", "int8"):
-        llm = LLM(str(path), kv_cache_dtype=dtype, min_token_bucket=16, **ENGINE)
-        outs = llm.generate(token_prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-        stats[dtype] = (llm.stats()["kv_bytes_per_token"], [o.outputs[0].token_ids for o in outs])
-    want = hf_greedy(path, token_prompts, MAX_TOKENS)
-    assert stats["auto"] == (3 * 32 * 4, want)
-    assert stats["int8"][0] == 3 * 2 * (16 + 2)
-    assert stats["int8"][1] == want
+    got, stats = engine_greedy_and_stats(path, token_prompts, MAX_TOKENS, kv_cache_dtype="int8",
+                                         **ENGINE)  # fmt: skip
+    assert stats["kv_bytes_per_token"] == 3 * 2 * (16 + 2)
+    assert got == hf_greedy(path, token_prompts, MAX_TOKENS)
 
 
 @pytest.mark.needs_torch
