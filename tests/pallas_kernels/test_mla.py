@@ -16,6 +16,15 @@ import pallas_kernels
 from pallas_kernels import kv_quant, mla, reference
 from pallas_kernels.kv_quant import QuantizedPages
 
+# DeepSeek-V3's decode operands: 8 sequences of up to 32 pages of 16, 128 heads, half row 288.
+V3_DECODE = (
+    jax.ShapeDtypeStruct((8, 128, 576), jnp.bfloat16),
+    jax.ShapeDtypeStruct((1, 257, 16, 288), jnp.bfloat16),
+    jax.ShapeDtypeStruct((1, 257, 16, 288), jnp.bfloat16),
+    jax.ShapeDtypeStruct((8,), jnp.int32),
+    jax.ShapeDtypeStruct((8, 32), jnp.int32),
+)
+
 
 def _case(seed, *, d=48, heads=20, page=4, lengths=(0, 7, 19), pages_per_seq=5):
     """Pools [1, N, page, d] NaN outside the written slots, queries [B, heads, 2d]."""
@@ -79,15 +88,7 @@ def test_gpu_kernel_on_int8_pages_equals_the_reference():
 
 
 def test_gpu_kernel_lowers_for_cuda_at_deepseek_v3_shape():
-    spec = jax.ShapeDtypeStruct
-    args = (
-        spec((8, 128, 576), jnp.bfloat16),
-        spec((1, 257, 16, 288), jnp.bfloat16),
-        spec((1, 257, 16, 288), jnp.bfloat16),
-        spec((8,), jnp.int32),
-        spec((8, 32), jnp.int32),
-    )
-    text = lower_for_cuda(mla.gpu_paged_decode_attention, args, sm_scale=0.1).as_text()
+    text = lower_for_cuda(mla.gpu_paged_decode_attention, V3_DECODE, sm_scale=0.1).as_text()
     assert "jpaged_gpu_mla_decode" in text and "triton" in text.lower()
 
 
@@ -104,14 +105,6 @@ def test_tpu_kernel_interpreted_equals_the_reference(quantized):
 
 
 def test_tpu_kernel_lowers_for_tpu_at_deepseek_v3_shape():
-    spec = jax.ShapeDtypeStruct
-    args = (
-        spec((8, 128, 576), jnp.bfloat16),
-        spec((1, 257, 16, 288), jnp.bfloat16),
-        spec((1, 257, 16, 288), jnp.bfloat16),
-        spec((8,), jnp.int32),
-        spec((8, 32), jnp.int32),
-    )
-    lowered = jax.jit(lambda *a: mla.tpu_paged_decode_attention(*a, sm_scale=0.1)).trace(*args)
+    lowered = jax.jit(lambda *a: mla.tpu_paged_decode_attention(*a, sm_scale=0.1)).trace(*V3_DECODE)
     text = lowered.lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text and "jpaged_tpu_mla_decode" in text
