@@ -28,6 +28,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 ATTENTION_BACKENDS = (None, "reference", "pallas", "pallas_interpret")
 GENERATION_CONFIGS = ("auto", "vllm")
 DEFAULT_SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap space
+DEFAULT_KV_OFFLOAD_DIR_BYTES = 16 * 2**30  # the disk tier's files, at most
 DEFAULT_MAX_MODEL_LEN = 2048  # the cap on the model's own context length by default
 # EngineConfig.scan_layers when it is None, by platform (docs/benchmarks.md, "Scanned layers").
 SCAN_LAYERS_DEFAULT = {"cpu": True, "gpu": True, "tpu": True}
@@ -94,6 +95,20 @@ class CacheConfig:
         None, "host pages for swap preemption (instead of --swap-space-bytes)"
     )
     swap_space_bytes: int | None = setting(None, "host memory for swap preemption (default: 4 GiB)")
+    # The host tier of the prefix cache (jpaged/core/host_page_store.py): pages the device
+    # cache evicts are copied to host memory and loaded back on a hit. It shares its host
+    # pages with swap preemption (one store, sized by this when given).
+    kv_offload_bytes: int | None = setting(
+        None,
+        "host memory for KV pages evicted from the device prefix cache, loaded back on a hit "
+        "(0: off; default: off on CPU, a quarter of available host memory on an accelerator)",
+    )
+    kv_offload_dir: str | None = setting(
+        None, "directory for KV pages the host tier evicts, read back on a hit (the disk tier)"
+    )
+    kv_offload_dir_bytes: int = setting(
+        DEFAULT_KV_OFFLOAD_DIR_BYTES, "most bytes of page files kept in --kv-offload-dir"
+    )
 
     def __post_init__(self) -> None:
         _positive("page_size", self.page_size)
@@ -101,6 +116,27 @@ class CacheConfig:
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         _positive("num_swap_pages", self.num_swap_pages, allow_none=True)
         _positive("swap_space_bytes", self.swap_space_bytes, allow_none=True)
+        if self.kv_offload_bytes is not None and (
+            isinstance(self.kv_offload_bytes, bool)
+            or not isinstance(self.kv_offload_bytes, int)
+            or self.kv_offload_bytes < 0
+        ):
+            raise ValueError(
+                f"kv_offload_bytes must be a non-negative integer, got {self.kv_offload_bytes!r}"
+            )
+        _positive("kv_offload_dir_bytes", self.kv_offload_dir_bytes)
+        if self.kv_offload_bytes and (
+            self.num_swap_pages is not None or self.swap_space_bytes is not None
+        ):
+            raise ValueError(
+                f"kv_offload_bytes ({self.kv_offload_bytes}) sizes the host pages that swap "
+                "preemption uses too: give it without num_swap_pages or swap_space_bytes"
+            )
+        if self.kv_offload_dir is not None and self.kv_offload_bytes == 0:
+            raise ValueError(
+                f"kv_offload_dir ({self.kv_offload_dir!r}) needs the host tier, which "
+                "kv_offload_bytes=0 turns off"
+            )
         if self.num_swap_pages is not None and self.swap_space_bytes is not None:
             raise ValueError(
                 f"give num_swap_pages ({self.num_swap_pages}) or swap_space_bytes "

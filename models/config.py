@@ -14,6 +14,10 @@ Glm4MoeForCausalLM (GLM-4.5/4.6) keeps a dense MLP in its first num_dense_layers
 gives the others DeepSeek-V3's experts: sigmoid scores, a score-correction bias that only
 chooses, top-k within the best groups, a routed scaling factor, and shared experts; its
 attention has partial rotary (0.5 by default), q/k/v bias and an optional per-head q/k norm.
+GptOssForCausalLM (gpt-oss) alternates sliding-window and full layers (layer_types), adds a
+learned sink logit per query head to each softmax's denominator, q/k/v/o biases and YaRN rope;
+its experts (every layer) route by top-k of biased router logits with a softmax over the k
+chosen, and apply a clamped SwiGLU with biases (models/moe.py).
 
 Params layout (a pytree of arrays; every loader and initializer produces exactly this):
   embed:      [vocab, hidden]
@@ -23,12 +27,16 @@ Params layout (a pytree of arrays; every loader and initializer produces exactly
     wq [hidden, num_heads, head_dim], wk/wv [hidden, num_kv_heads, head_dim]
     wo [num_heads, head_dim, hidden]
     bq [num_heads, head_dim], bk/bv [num_kv_heads, head_dim]     (attention_bias only)
+    bo [hidden]                                                   (o_bias only: gpt-oss)
+    sinks [num_heads]                                  (attention_sinks only: gpt-oss)
     q_norm [head_dim], k_norm [head_dim]                         (qk_norm only)
     q_norm [num_heads, head_dim], k_norm [num_kv_heads, head_dim] (qk_norm_full: OLMoE)
     w_gate, w_up [hidden, intermediate], w_down [intermediate, hidden]   (dense layers)
     router [hidden, E], w_gate_exps / w_up_exps [E, hidden, moe_intermediate],
     w_down_exps [E, moe_intermediate, hidden]     (num_experts = E > 0, instead of w_gate...)
     router_bias [E]                                      (router_bias: the choice's bias)
+    b_router [E]                   (router_logit_bias: the router's own bias, gpt-oss)
+    b_gate_exps / b_up_exps [E, moe_intermediate], b_down_exps [E, hidden]  (expert_bias)
     w_gate_shared / w_up_shared [hidden, Fs], w_down_shared [Fs, hidden]
                   (num_shared_experts, Fs = moe_intermediate * num_shared_experts)
   Expert layers may follow num_dense_layers dense ones (GLM-4.5): layer i < num_dense_layers
@@ -59,12 +67,14 @@ SUPPORTED_ARCHITECTURES = (
     "Glm4MoeForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "GptOssForCausalLM",
 )
 # Multi-head latent attention (models/mla.py): the pool holds a latent per token, not K/V.
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-# Expert layers' router scores: softmax over all experts (Qwen3-MoE, Mixtral, OLMoE) or an
-# independent sigmoid per expert (DeepSeek-V3, GLM-4.5).
-MOE_SCORINGS = ("softmax", "sigmoid")
+# Expert layers' router scores: softmax over all experts (Qwen3-MoE, Mixtral, OLMoE), an
+# independent sigmoid per expert (DeepSeek-V3, GLM-4.5), or a softmax over the top-k logits
+# only (gpt-oss).
+MOE_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 # Activations of the gated MLP (hidden_act / hidden_activation).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -199,6 +209,17 @@ class ModelConfig:
     # The router's group score (DeepSeek-V2's group_limited_greedy: the group's best score;
     # else the sum of its best two).
     group_score: str = "top2"
+    # gpt-oss: a learned logit per query head joins each softmax's denominator (a "sink"
+    # that takes probability and gives no value); a bias on the output projection; the
+    # router's own bias on its logits (moe_scoring "topk_softmax"); biases on the experts'
+    # projections; the experts' clamped SwiGLU (up + 1) * g * sigmoid(alpha * g) with
+    # g = min(gate, limit) and up clamped to [-limit, limit] (swiglu_limit None: act(gate) * up).
+    attention_sinks: bool = False
+    o_bias: bool = False
+    router_logit_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -440,7 +461,8 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             # Gemma's configs leave it out: transformers' Gemma classes default to tied.
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch.startswith("Gemma"))),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            attention_bias=arch == "Qwen2ForCausalLM"
+            or bool(hf.get("attention_bias", arch == "GptOssForCausalLM")),
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(hf.get("use_qk_norm", False))),
             sliding_window=sliding,
@@ -471,7 +493,9 @@ def _rope_fields(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
         local_theta = local.get("rope_theta", local_theta)
         rs = rs.get("full_attention") or {}
         rope_key += ".full_attention"
-    default_theta = 10000.0
+    default_theta = 150000.0 if arch == "GptOssForCausalLM" else 10000.0
+    if arch == "GptOssForCausalLM" and not rs:  # transformers' GptOssConfig default
+        rs = dict(_GPT_OSS_ROPE)
     if arch == "Gemma3ForCausalLM":  # transformers' Gemma 3 defaults
         default_theta, local_theta = 1e6, 10000.0 if local_theta is None else local_theta
     rope_theta = hf.get("rope_theta", rs.get("rope_theta", default_theta))
@@ -549,6 +573,8 @@ def _family_fields(
     """The ModelConfig fields of Gemma 2/3 and Phi-3 (none for the Llama family)."""
     if arch == "Phi3ForCausalLM":
         return {"hidden_act": hf.get("hidden_act", "silu")}
+    if arch == "GptOssForCausalLM":
+        return _gpt_oss_fields(hf, sliding, source)
     if not arch.startswith("Gemma"):
         return {}
     if hf.get("use_bidirectional_attention"):
@@ -585,6 +611,8 @@ def _moe_fields(arch: str, hf: dict[str, Any], source: str) -> dict[str, Any]:
         return _glm4_moe_fields(hf, source)
     if arch in MLA_ARCHITECTURES:
         return _deepseek_fields(arch, hf, source)
+    if arch == "GptOssForCausalLM":
+        return {}  # _gpt_oss_fields
     if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"):
         return {}
     # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts, as Mixtral's.
@@ -677,4 +705,45 @@ def _deepseek_fields(arch: str, hf: dict[str, Any], source: str) -> dict[str, An
         "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
         "num_shared_experts": hf.get("n_shared_experts", 2),
         "num_dense_layers": hf.get("first_k_dense_replace", 0),
+    }
+
+
+# transformers' GptOssConfig rope when a config names none.
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+    "truncate": False, "original_max_position_embeddings": 4096,
+}  # fmt: skip
+
+
+def _gpt_oss_fields(hf: dict[str, Any], sliding: int | None, source: str) -> dict[str, Any]:
+    """gpt-oss's fields, with transformers' GptOssConfig defaults: sliding-window layers at
+    even indices and full ones at odd (layer_types), every layer's experts."""
+    num_layers = hf.get("num_hidden_layers") or 0
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
+    ]
+    if not isinstance(types, list) or any(t not in LAYER_TYPES for t in types):
+        raise ValueError(
+            f"{source}: field 'layer_types' must list {' or '.join(LAYER_TYPES)} for each "
+            f"layer, got {types!r}"
+        )
+    if "sliding_attention" in types and sliding is None:
+        raise ValueError(f"{source}: sliding_attention layers need field 'sliding_window'")
+    limit, alpha = hf.get("swiglu_limit", 7.0), hf.get("swiglu_alpha", 1.702)
+    for name, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{source}: field {name!r} must be a number > 0, got {value!r}")
+    return {
+        "layer_windows": tuple(sliding if t == "sliding_attention" else None for t in types),
+        "attention_sinks": True,
+        "o_bias": bool(hf.get("attention_bias", True)),
+        "num_experts": hf.get("num_local_experts", hf.get("num_experts", 128)),
+        "num_experts_per_tok": hf.get("num_experts_per_tok", 4),
+        "moe_intermediate_size": hf.get("intermediate_size", 2880),
+        "norm_topk_prob": True,
+        "moe_scoring": "topk_softmax",
+        "router_logit_bias": True,
+        "expert_bias": True,
+        "swiglu_limit": float(limit),
+        "swiglu_alpha": float(alpha),
     }

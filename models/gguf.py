@@ -13,7 +13,8 @@ models/config.py:
                          blocks, shared experts ffn_*_shexp, the choice bias exp_probs_b,
                          partial rotary rope.dimension_count; block_count counts the
                          nextn_predict_layers MTP blocks after the decoder, left unread),
-                         gemma2, gemma3 and phi3 (their names and fields: models/gguf_families.py)
+                         gemma2, gemma3, phi3 and gpt-oss (their names and fields:
+                         models/gguf_families.py)
   {arch}.*               layers, sizes, heads, head dim, context length, rope base, norm eps
   rope_freqs.weight      Llama 3.1+ rope scaling, stored as per-frequency divisors; read back
                          as the llama3 RopeScaling that produces exactly those divisors
@@ -76,6 +77,7 @@ SUPPORTED_TENSOR_TYPES = (
     "Q4_K",
     "Q5_K",
     "Q6_K",
+    "MXFP4",
 )
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -466,7 +468,7 @@ def _config(file: GGUFFile) -> ModelConfig:
     scaling_type = field("rope.scaling.type")
     if scaling_type == "linear":
         rope_scaling = LinearRopeScaling(factor=float(field("rope.scaling.factor", required=True)))
-    elif scaling_type not in (None, "none"):
+    elif scaling_type not in (None, "none") and arch != "gpt-oss":  # gpt-oss: its own yarn
         raise ValueError(f"{source}: {arch}.rope.scaling.type {scaling_type!r} is not supported")
     rope_theta = float(field("rope.freq_base", 10000.0))
     embed = gguf_tensor_name("model.embed_tokens.weight")
@@ -708,6 +710,7 @@ def load_gguf_model(
     permuted = file.arch == "llama"
     heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     specs = gguf_families.stored_norm_specs(config, hf_checkpoint.tensor_specs(config))
+    specs = gguf_families.gpt_oss_specs(config, specs)
     wanted = {gguf_tensor_name(spec.hf_name, file.arch) for spec in specs.values()}
     wanted |= {ROPE_FREQS} | gguf_families.extra_tensors(file.arch)
     # Blocks after the decoder's (GLM-4.5's multi-token-prediction blocks) are not run.

@@ -1,4 +1,4 @@
-"""llama.cpp's Gemma 2, Gemma 3 (text) and Phi-3 GGUF files: their tensor names and the
+"""llama.cpp's Gemma 2, Gemma 3 (text), Phi-3 and gpt-oss GGUF files: their tensor names and the
 ModelConfig fields their metadata gives, as llama.cpp's convert_hf_to_gguf.py writes them
 and its llama-model.cpp reads them back. models/gguf.py reads everything the architectures
 share (sizes, heads, rope base, norm eps, tokenizer) and asks this module for the rest.
@@ -14,6 +14,12 @@ share (sizes, heads, rope base, norm eps, tokenizer) and asks this module for th
            rotary ({arch}.rope.dimension_count), a window on every layer (0: none), LongRoPE as
            the rope_factors_short / rope_factors_long tensors with
            {arch}.rope.scaling.attn_factor and original_context_length
+  gpt-oss  a window on even layers ({arch}.attention.sliding_window; llama.cpp's fixed
+           pattern, transformers' default layer_types), attn_sinks, attn_output.bias, the
+           router's bias (ffn_gate_inp.bias), gate_up_proj split into ffn_gate_exps and
+           ffn_up_exps (with .bias; MXFP4 or float), YaRN ({arch}.rope.scaling.*: factor,
+           original_context_length; not truncated, as gpt-oss's config), the clamped SwiGLU
+           at llama.cpp's fixed limit 7 and alpha 1.702
 
 Gemma's RMSNorm multiplies by (1 + w): the converter stores every "*norm.weight" with the 1
 already added (float32 sums), which is the layout's value (models/config.py), so those
@@ -31,12 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from models.config import LongRopeScaling, ModelConfig
+from models.config import LongRopeScaling, ModelConfig, YarnRopeScaling, yarn_mscale
 
 ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 ROPE_FACTORS_LONG = "rope_factors_long.weight"
 ROPE_FACTORS_SHORT = "rope_factors_short.weight"
@@ -52,6 +59,20 @@ LAYER_NAMES = {
     "phi3": {
         "self_attn.qkv_proj.weight": "attn_qkv.weight",
         "mlp.gate_up_proj.weight": "ffn_up.weight",
+    },
+    # The experts' names are gpt_oss_specs' (the HF checkpoint fuses gate and up).
+    "gpt-oss": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "self_attn.o_proj.bias": "attn_output.bias",
+        "self_attn.sinks": "attn_sinks.weight",
+        "mlp.router.weight": "ffn_gate_inp.weight",
+        "mlp.router.bias": "ffn_gate_inp.bias",
+        "mlp.experts.gate_proj": "ffn_gate_exps.weight",
+        "mlp.experts.up_proj": "ffn_up_exps.weight",
+        "mlp.experts.down_proj": "ffn_down_exps.weight",
+        "mlp.experts.gate_proj_bias": "ffn_gate_exps.bias",
+        "mlp.experts.up_proj_bias": "ffn_up_exps.bias",
+        "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
     },
 }
 # Layer counts by which llama.cpp recognises Gemma's 27B models (scaled by hidden / heads).
@@ -93,6 +114,8 @@ def config_fields(
     """
     if arch == "phi3":
         return _phi3_fields(field, read, tensors, head_dim, context_length, source)
+    if arch == "gpt-oss":
+        return _gpt_oss_fields(field, tensors, num_layers, source)
     window = int(field("attention.sliding_window", 0)) or None
     key = f"{arch}.attention.sliding_window_pattern"
     pattern = metadata.get(key, 2 if arch == "gemma2" else _GEMMA3_PATTERN)
@@ -153,6 +176,68 @@ def _phi3_fields(
             attention_factor=float(attention),
         )
     return fields
+
+
+def _gpt_oss_fields(field: Callable[..., Any], tensors: Any, num_layers: int, source: str):
+    window = field("attention.sliding_window")
+    if window is None:
+        raise ValueError(f"{source}: missing metadata field 'gpt-oss.attention.sliding_window'")
+    scaling = field("rope.scaling.type")
+    if scaling != "yarn":
+        raise ValueError(f"{source}: gpt-oss.rope.scaling.type {scaling!r}; gpt-oss uses yarn")
+    factor = float(field("rope.scaling.factor", required=True))
+    return {
+        "sliding_window": int(window),
+        "layer_windows": tuple(int(window) if i % 2 == 0 else None for i in range(num_layers)),
+        "rope_scaling": YarnRopeScaling(
+            factor=factor,
+            original_max_position_embeddings=int(
+                field("rope.scaling.original_context_length", required=True)
+            ),
+            beta_fast=float(field("rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(field("rope.scaling.yarn_beta_slow", 1.0)),
+            truncate=False,
+            attention_factor=yarn_mscale(factor),
+        ),
+        "attention_sinks": True,
+        "o_bias": "blk.0.attn_output.bias" in tensors,
+        "moe_scoring": "topk_softmax",
+        "router_logit_bias": True,
+        "expert_bias": True,
+        "swiglu_limit": 7.0,
+        "swiglu_alpha": 1.702,
+    }
+
+
+def gpt_oss_specs(config: ModelConfig, specs: dict[tuple, Any]) -> dict[tuple, Any]:
+    """specs with gpt-oss's experts as llama.cpp stores them: gate, up and down apart, each
+    [E, out, in] (to the layout's [E, in, out]), their biases [E, out]; other models' as they
+    are. The HF names here are the ones LAYER_NAMES["gpt-oss"] maps."""
+    if not config.expert_bias:
+        return specs
+    e, d, f = config.num_experts, config.hidden_size, config.moe_intermediate_size
+
+    def swap(w: np.ndarray) -> np.ndarray:
+        return np.swapaxes(w, 1, 2)
+
+    shapes = {
+        "w_gate_exps": ("gate_proj", (e, f, d), swap),
+        "w_up_exps": ("up_proj", (e, f, d), swap),
+        "w_down_exps": ("down_proj", (e, d, f), swap),
+        "b_gate_exps": ("gate_proj_bias", (e, f), None),
+        "b_up_exps": ("up_proj_bias", (e, f), None),
+        "b_down_exps": ("down_proj_bias", (e, d), None),
+    }
+    out = dict(specs)
+    for key, spec in specs.items():
+        if key[0] == "layers" and key[-1] in shapes:
+            name, shape, fn = shapes[key[-1]]
+            fn = fn or (lambda w: w)
+            hf_name = f"model.layers.{key[1]}.mlp.experts.{name}"
+            out[key] = dataclasses.replace(
+                spec, hf_name=hf_name, hf_shape=shape, to_layout=fn, to_hf=fn, interleaved=None
+            )
+    return out
 
 
 def stored_norm_specs(config: ModelConfig, specs: dict[tuple, Any]) -> dict[tuple, Any]:

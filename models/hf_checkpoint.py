@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from models import mla
+from models import mla, mxfp4
 from models.config import ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -72,7 +72,9 @@ class TensorSpec:
     to_hf gives those rows back.
     experts: this param stacks `experts` HF tensors, hf_name with "{expert}" formatted to
     0 .. experts - 1, each of hf_shape: readers give them stacked, [experts, *hf_shape]
-    (GGUF stores them so), and to_layout / to_hf map that stack."""
+    (GGUF stores them so), and to_layout / to_hf map that stack.
+    interleaved: (offset, stride): this param is every stride-th element of the last axis
+    of hf_name from offset (gpt-oss's gate_up_proj: gate at even columns, up at odd)."""
 
     hf_name: str
     hf_shape: tuple[int, ...]
@@ -80,6 +82,7 @@ class TensorSpec:
     to_hf: Callable[[np.ndarray], np.ndarray]
     rows: tuple[int, int] | None = None
     experts: int = 0
+    interleaved: tuple[int, int] | None = None
 
     @property
     def hf_names(self) -> list[str]:
@@ -183,9 +186,14 @@ def tensor_specs(cfg: ModelConfig) -> dict[tuple, TensorSpec]:
         if cfg.kv_lora_rank:  # latent attention (models/mla.py)
             del layer["wq"], layer["wk"], layer["wv"], layer["wo"]
             layer.update({k: TensorSpec(*t) for k, t in mla.hf_tensors(cfg, p).items()})
+        if cfg.o_bias:
+            layer["bo"] = plain(p + "self_attn.o_proj.bias", (d,))
+        if cfg.attention_sinks:
+            layer["sinks"] = plain(p + "self_attn.sinks", (hq,))
         if cfg.has_experts(i):
             del layer["w_gate"], layer["w_up"], layer["w_down"]
-            layer.update(_expert_specs(cfg, p))
+            experts = _gpt_oss_expert_specs if cfg.expert_bias else _expert_specs
+            layer.update(experts(cfg, p))
         if cfg.qk_norm_full:  # OLMoE: one norm over the whole projection, as [H, Dh]
             layer["q_norm"] = bias(p + "self_attn.q_norm.weight", hq)
             layer["k_norm"] = bias(p + "self_attn.k_norm.weight", hkv)
@@ -239,6 +247,32 @@ def _expert_specs(cfg: ModelConfig, prefix: str) -> dict[str, TensorSpec]:
             layout = _linear(out_dim, in_dim, (in_dim, out_dim))
             specs[key] = TensorSpec(f"{shared}{name}.weight", (out_dim, in_dim), *layout)
     return specs
+
+
+def _gpt_oss_expert_specs(cfg: ModelConfig, prefix: str) -> dict[str, TensorSpec]:
+    """gpt-oss's router (weight [E, D] and bias) and experts, stored stacked and already
+    [in, out]: gate_up_proj [E, D, 2F] with gate and up interleaved (even and odd columns),
+    its bias [E, 2F], down_proj [E, F, D] and its bias [E, D]."""
+    d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    p = prefix + "mlp."
+
+    def plain(name: str, shape: tuple[int, ...]) -> TensorSpec:
+        return TensorSpec(p + name, shape, _identity, _identity)
+
+    def half(name: str, shape: tuple[int, ...], offset: int) -> TensorSpec:
+        return TensorSpec(p + name, shape, lambda w: w[..., offset::2], _identity,
+                          interleaved=(offset, 2))  # fmt: skip
+
+    return {
+        "router": TensorSpec(p + "router.weight", (e, d), *_linear(e, d, (d, e))),
+        "b_router": plain("router.bias", (e,)),
+        "w_gate_exps": half("experts.gate_up_proj", (e, d, 2 * f), 0),
+        "w_up_exps": half("experts.gate_up_proj", (e, d, 2 * f), 1),
+        "w_down_exps": plain("experts.down_proj", (e, f, d)),
+        "b_gate_exps": half("experts.gate_up_proj_bias", (e, 2 * f), 0),
+        "b_up_exps": half("experts.gate_up_proj_bias", (e, 2 * f), 1),
+        "b_down_exps": plain("experts.down_proj_bias", (e, d)),
+    }
 
 
 def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
@@ -525,7 +559,10 @@ def load_hf_model(
       expert_parallel: experts split over the mesh (ModelConfig.with_expert_parallel).
       quantization: "int8" or "fp8": the projections quantized per output channel at load
         (models/quantization.py). A compressed-tensors fp8 checkpoint (config.json's
-        quantization_config) loads its float8_e4m3fn weights and weight_scale as stored.
+        quantization_config) loads its float8_e4m3fn weights and weight_scale as stored; an
+        MXFP4 one (gpt-oss: each expert tensor as _blocks and _scales, models/mxfp4.py) is
+        dequantized as read, one tensor at a time, then stored in dtype (or as int8 with
+        its scales under quantization="int8").
 
     Returns:
       LoadedModel. tokenizer is None when there is no tokenizer.json (the engine can still
@@ -554,6 +591,9 @@ def load_hf_model(
     fp8 = _compressed_tensors_fp8(_read_json(config_path), config_path)
     if fp8:  # each quantized weight's scale (and a static input scale, unused: dynamic)
         wanted |= {n + "_scale" for n in wanted} | {n[: -len("weight")] + "input_scale" for n in wanted}
+    # gpt-oss's MXFP4 experts: W_blocks and W_scales in place of W (models/mxfp4.py)
+    packed = {n for n in wanted if n not in files and n + "_blocks" in files}
+    wanted |= {n + suffix for n in packed for suffix in ("_blocks", "_scales")}
     extra = _extra_layer_prefixes(_read_json(config_path), config.num_layers)
     unexpected = sorted(
         name
@@ -575,12 +615,17 @@ def load_hf_model(
     with contextlib.ExitStack() as stack:
 
         def read_one(name: str, shape: tuple[int, ...] | None) -> np.ndarray:
-            file = files.get(name)
-            if file is None:
-                raise ValueError(f"{weights_source}: missing tensor {name!r}")
-            if file not in handles:
-                handles[file] = stack.enter_context(_open(file))
-            array = _read_tensor(handles[file], file, name)
+            if name in packed:  # dequantized, [..., out, in] -> the float tensor's [..., in, out]
+                blocks, scales = read_one(name + "_blocks", None), read_one(name + "_scales", None)
+                file = files[name + "_blocks"]
+                array = np.swapaxes(mxfp4.dequantize(blocks, scales, name=f"{file}: {name}"), -1, -2)
+            else:
+                file = files.get(name)
+                if file is None:
+                    raise ValueError(f"{weights_source}: missing tensor {name!r}")
+                if file not in handles:
+                    handles[file] = stack.enter_context(_open(file))
+                array = _read_tensor(handles[file], file, name)
             if shape is not None and tuple(array.shape) != shape:
                 raise ValueError(
                     f"{file}: tensor {name!r} has shape {list(array.shape)}, "
@@ -632,10 +677,12 @@ def _compressed_tensors_fp8(raw: dict[str, Any], source: Path) -> bool:
     if qc is None:
         return False
     method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == "mxfp4":  # gpt-oss's experts, dequantized as read (load_hf_model)
+        return False
     if method != "compressed-tensors":
         raise ValueError(
             f"{source}: quantization_config quant_method {method!r} is not supported; "
-            "supported: compressed-tensors (fp8 weights)"
+            "supported: compressed-tensors (fp8 weights), mxfp4 (gpt-oss's experts)"
         )
     for name, group in (qc.get("config_groups") or {}).items():
         weights = (group or {}).get("weights") or {}
@@ -788,12 +835,18 @@ def save_hf_model(path: str | os.PathLike, config: dict[str, Any], params: dict[
         shape = spec.hf_shape
         if spec.rows is not None:  # a part of a fused tensor
             shape = (spec.rows[1] - spec.rows[0], *shape[1:])
+        if spec.interleaved is not None:  # every stride-th column of a fused tensor
+            shape = (*shape[:-1], shape[-1] // spec.interleaved[1])
         if spec.experts:
             shape = (spec.experts, *shape)
         if hf.shape != shape:
             raise ValueError(f"params{list(key)}: shape {list(value.shape)} does not match config")
         if spec.experts:
             tensors.update(zip(spec.hf_names, hf, strict=True))
+        elif spec.interleaved is not None:
+            offset, stride = spec.interleaved
+            fused = tensors.setdefault(spec.hf_name, np.zeros(spec.hf_shape, hf.dtype))
+            fused[..., offset::stride] = hf
         elif spec.rows is None:
             tensors[spec.hf_name] = hf
         else:

@@ -356,16 +356,20 @@ def forward(
         k_pages = _write_kv(k_pages, k, slots)
         v_pages = _write_kv(v_pages, v, slots)
         table = page_table[group] + offset
+        # gpt-oss's sink logits per query head (None: the other families' programs unchanged)
+        kw = attn_kwargs if "sinks" not in layer else {**attn_kwargs, "sinks": layer["sinks"]}
         if decode_only:
             attn = pallas_kernels.paged_decode_attention(
-                q, k_pages, v_pages, context_lens, table, sliding_window=window, **attn_kwargs
+                q, k_pages, v_pages, context_lens, table, sliding_window=window, **kw
             )
         else:
             attn = pallas_kernels.paged_prefill_attention(
                 q, k_pages, v_pages, context_lens, table, query_start,
-                max_query_len=max_query_len, sliding_window=window, **attn_kwargs
+                max_query_len=max_query_len, sliding_window=window, **kw
             )
         out = _reduce(quantization.einsum("thk,hkd->td", attn, layer["wo"]), tp_axis)
+        if "bo" in layer:  # after the reduce: added once, not once per device
+            out = out + layer["bo"]
         if cfg.post_norms:
             out = norm(out, layer["attn_out_norm"], cfg.rms_norm_eps)
         x = x + out
@@ -559,6 +563,10 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float
         }
         if cfg.attention_bias:
             layer.update(bq=w(hq, dh), bk=w(hkv, dh), bv=w(hkv, dh))
+        if cfg.o_bias:
+            layer.update(bo=w(d))
+        if cfg.attention_sinks:
+            layer.update(sinks=w(hq))
         if cfg.qk_norm:
             layer.update(q_norm=ones(dh), k_norm=ones(dh))
         if cfg.qk_norm_full:
@@ -578,6 +586,10 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float
             )
             if cfg.router_bias:
                 layer.update(router_bias=w(e))
+            if cfg.router_logit_bias:
+                layer.update(b_router=w(e))
+            if cfg.expert_bias:
+                layer.update(b_gate_exps=w(e, fe), b_up_exps=w(e, fe), b_down_exps=w(e, d))
             if fs:
                 layer.update(w_gate_shared=w(d, fs), w_up_shared=w(d, fs), w_down_shared=w(fs, d))
         layers.append(layer)

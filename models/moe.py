@@ -5,7 +5,9 @@ E experts, the top k of them (renormalised to sum to 1 when cfg.norm_topk_prob: 
 always, Qwen3-MoE and OLMoE by their flag), and the weighted sum of those k experts' gated
 MLPs. GLM-4.5 (and DeepSeek-V3) route otherwise (route_grouped): sigmoid scores, a bias that
 only chooses, top-k within the best groups, a scaling factor; and add shared experts, a
-gated MLP every token runs. The experts run as grouped matmuls (jax.lax.ragged_dot) over the T * k token-expert
+gated MLP every token runs. gpt-oss routes by the top k of its router's biased logits with a
+softmax over those k (route_topk_softmax), and its experts add biases and apply a clamped
+SwiGLU (clamped_swiglu). The experts run as grouped matmuls (jax.lax.ragged_dot) over the T * k token-expert
 pairs sorted by expert, never a loop over experts:
 
     pairs (token, expert):  (0,5) (0,1) (1,1) (1,3) ...      T * k rows
@@ -23,7 +25,9 @@ weights (grouped_mlp):
 
 Weights (params layout, models/config.py): router [D, E], w_gate_exps / w_up_exps
 [E, D, F], w_down_exps [E, F, D]; router_bias [E]; w_gate_shared / w_up_shared [D, Fs],
-w_down_shared [Fs, D] (split over F like a dense MLP under either layout). Under tensor parallelism (inside shard_map, tp_axis set)
+w_down_shared [Fs, D] (split over F like a dense MLP under either layout); gpt-oss's b_router [E],
+b_gate_exps / b_up_exps [E, F] (split as the experts' F or the experts) and b_down_exps [E, D]
+(replicated: its weighted sum is added once, after the psum). Under tensor parallelism (inside shard_map, tp_axis set)
 a device holds either every expert's slice of F (plain TP: partial sums of every pair) or
 E / T whole experts (expert parallelism: only the pairs routed to its experts, the rest
 zero); either way every device sees all tokens and one psum over the axis combines them.
@@ -42,6 +46,7 @@ from models.quantization import dequantize
 EXPERT_PARAMS = (
     "router", "router_bias", "w_gate_exps", "w_up_exps", "w_down_exps",
     "w_gate_shared", "w_up_shared", "w_down_shared",
+    "b_router", "b_gate_exps", "b_up_exps", "b_down_exps",
 )  # fmt: skip
 
 
@@ -63,6 +68,28 @@ def route(
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, expert_ids.astype(jnp.int32)
+
+
+def route_topk_softmax(logits: jax.Array, num_experts_per_tok: int) -> tuple[jax.Array, jax.Array]:
+    """gpt-oss's routing (transformers' GptOssTopKRouter): the k largest logits (the router's
+    bias already added), their softmax the weights.
+
+    Args:
+      logits: float32[T, E].
+
+    Returns:
+      (weights float32[T, k], expert_ids int32[T, k]), in decreasing weight per token.
+    """
+    top, expert_ids = jax.lax.top_k(logits.astype(jnp.float32), num_experts_per_tok)
+    return jax.nn.softmax(top, axis=-1), expert_ids.astype(jnp.int32)
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float, alpha: float) -> jax.Array:
+    """gpt-oss's expert activation: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
+    with g = min(gate, limit)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
 def route_grouped(
@@ -127,6 +154,8 @@ def route_grouped(
 
 def _route(logits: jax.Array, layer: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """The layer's routing: route_grouped for the DeepSeek-style configs, else route."""
+    if cfg.moe_scoring == "topk_softmax":
+        return route_topk_softmax(logits, cfg.num_experts_per_tok)
     plain = (cfg.moe_scoring, cfg.router_bias, cfg.num_expert_groups, cfg.routed_scaling_factor)
     if plain == ("softmax", False, 1, 1.0):
         return route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
@@ -159,6 +188,8 @@ def moe_mlp(x: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis=None) -> j
         layer["router"].astype(jnp.float32),
         precision=jax.lax.Precision.HIGHEST,
     )
+    if "b_router" in layer:
+        logits = logits + layer["b_router"].astype(jnp.float32)
     weights, expert_ids = _route(logits, layer, cfg)
     num_local = w_gate.shape[0]
     first = 0
@@ -173,7 +204,14 @@ def moe_mlp(x: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis=None) -> j
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     tokens = order // k
     xs = x[tokens]  # [T * k, D]
-    y = grouped_mlp(xs, w_gate, w_up, w_down, group_sizes, act)  # [T * k, D], sorted order
+    biases = glu = None
+    if "b_gate_exps" in layer:
+        biases = (layer["b_gate_exps"], layer["b_up_exps"])
+    if cfg.swiglu_limit is not None:
+        limit, alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+        glu = lambda g, u: clamped_swiglu(g, u, limit, alpha)
+    y = grouped_mlp(xs, w_gate, w_up, w_down, group_sizes, act, biases=biases, glu=glu)
+    # y: [T * k, D], sorted order
     y = jnp.where(mine[order][:, None], y, 0)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     # Back to (token, slot) order, then the k slots summed per token.
@@ -183,7 +221,11 @@ def moe_mlp(x: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis=None) -> j
         mm = quantization.matmul
         h = act(mm(x, layer["w_gate_shared"])) * mm(x, layer["w_up_shared"])
         out = out + mm(h, layer["w_down_shared"]).astype(out.dtype)
-    return out if tp_axis is None else jax.lax.psum(out, tp_axis)
+    out = out if tp_axis is None else jax.lax.psum(out, tp_axis)
+    if "b_down_exps" in layer:  # replicated: the chosen experts' biases, weighted, once
+        bias = layer["b_down_exps"][expert_ids]  # [T, k, D]
+        out = out + jnp.sum(bias * weights[..., None].astype(bias.dtype), axis=1).astype(out.dtype)
+    return out
 
 
 def grouped_mlp(
@@ -195,6 +237,8 @@ def grouped_mlp(
     act,
     *,
     blocked: bool | None = None,
+    biases: tuple[jax.Array, jax.Array] | None = None,
+    glu=None,
 ) -> jax.Array:
     """Each row's gated MLP on its group's expert: act(x @ w_gate[g]) * (x @ w_up[g]) @
     w_down[g].
@@ -207,6 +251,8 @@ def grouped_mlp(
       group_sizes: int32[G].
       blocked: the CPU's block loop (_blocked_mlp); None: on the CPU only, as
         jax.lax.ragged_dot is a dense product there and a native grouped matmul elsewhere.
+      biases: (b_gate, b_up) [G, F], added to the gate and up products (gpt-oss), or None.
+      glu: h = glu(gate, up) in place of act(gate) * up (gpt-oss's clamped_swiglu), or None.
 
     Returns:
       [M, D]; rows of no group are zero in the block loop (ragged_dot leaves them
@@ -214,12 +260,20 @@ def grouped_mlp(
     """
     if blocked is None:
         blocked = jax.default_backend() == "cpu"
+    if glu is None:
+        glu = lambda g, u: act(g) * u
     if blocked:
-        return _blocked_mlp(xs, w_gate, w_up, w_down, group_sizes, act)
+        return _blocked_mlp(xs, w_gate, w_up, w_down, group_sizes, glu, biases)
     w_gate, w_up, w_down = (dequantize(w, xs.dtype) for w in (w_gate, w_up, w_down))
     gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
-    return jax.lax.ragged_dot(act(gate) * jax.lax.ragged_dot(xs, w_up, group_sizes), w_down,
-                              group_sizes)  # fmt: skip
+    up = jax.lax.ragged_dot(xs, w_up, group_sizes)
+    if biases is not None:  # each row its group's (rows of no group: masked by callers)
+        ends = jnp.cumsum(group_sizes)
+        rows = jnp.arange(xs.shape[0], dtype=jnp.int32)
+        row_group = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), ends.shape[0] - 1)
+        gate = gate + biases[0][row_group].astype(gate.dtype)
+        up = up + biases[1][row_group].astype(up.dtype)
+    return jax.lax.ragged_dot(glu(gate, up), w_down, group_sizes)
 
 
 def block_rows(num_rows: int, num_groups: int) -> int:
@@ -229,7 +283,7 @@ def block_rows(num_rows: int, num_groups: int) -> int:
     return min(128, max(8, 1 << (mean - 1).bit_length()))
 
 
-def _blocked_mlp(xs, w_gate, w_up, w_down, group_sizes, act) -> jax.Array:
+def _blocked_mlp(xs, w_gate, w_up, w_down, group_sizes, glu, biases=None) -> jax.Array:
     """grouped_mlp as a loop over blocks of B rows of one group each (module docstring)."""
     num_rows, dim = xs.shape
     num_groups = group_sizes.shape[0]
@@ -256,7 +310,10 @@ def _blocked_mlp(xs, w_gate, w_up, w_down, group_sizes, act) -> jax.Array:
         e = block_group[i]
         wg, wu, wd = (dequantize(w[e], xs.dtype) for w in (w_gate, w_up, w_down))
         xb = xp[i]  # [B, D]
-        h = act(xb @ wg) * (xb @ wu)  # [B, F]
+        gate, up = xb @ wg, xb @ wu  # [B, F]
+        if biases is not None:
+            gate, up = gate + biases[0][e].astype(gate.dtype), up + biases[1][e].astype(up.dtype)
+        h = glu(gate, up)
         return yp.at[i].set((h @ wd).astype(yp.dtype))
 
     # Only the used blocks run (a loop of dynamic length): the bound above is for shapes.

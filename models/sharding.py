@@ -19,6 +19,8 @@ vocab-parallel (masked lookup + all-reduce). Norms are replicated. Experts (mode
 the router replicated; each expert's F split like w_gate/w_down, or with expert parallelism
 (ModelConfig.expert_parallel) whole experts split over TP, E / T per device; the router
 bias replicated, shared experts split over their F like a dense MLP under either layout.
+gpt-oss: sinks split as the query heads; the o and down biases replicated (added once after
+the all-reduce); the gate/up expert biases split as their experts' F, or with the experts.
 Dense MLP layers before the expert layers (GLM-4.5) are split as a dense model's. Latent
 attention (DeepSeek, models/mla.py): the query and up-projections split over heads, the
 latent's projection and the one-head pool replicated (kv = 1). Per-device
@@ -130,6 +132,10 @@ def param_specs(cfg: ModelConfig, tensor_parallel_size: int, *, stacked: bool = 
     }
     if cfg.attention_bias:
         layer.update(bq=P(TP, None), bk=P(KV, None), bv=P(KV, None))
+    if cfg.o_bias:  # added after wo's all-reduce
+        layer.update(bo=P())
+    if cfg.attention_sinks:  # [Hq]: split as the query heads
+        layer.update(sinks=P(TP))
     if cfg.qk_norm:
         layer.update(q_norm=P(), k_norm=P())
     if cfg.post_norms:
@@ -153,6 +159,11 @@ def param_specs(cfg: ModelConfig, tensor_parallel_size: int, *, stacked: bool = 
         expert_layer = {"router": P(), "w_gate_exps": up, "w_up_exps": up, "w_down_exps": down}
         if cfg.router_bias:
             expert_layer["router_bias"] = P()
+        if cfg.router_logit_bias:
+            expert_layer["b_router"] = P()
+        if cfg.expert_bias:  # [E, F] as the experts' F (or experts); [E, D] replicated
+            bias = P(TP, None) if cfg.expert_parallel else P(None, TP)
+            expert_layer.update(b_gate_exps=bias, b_up_exps=bias, b_down_exps=P())
         if cfg.num_shared_experts:
             expert_layer.update(w_gate_shared=col, w_up_shared=col, w_down_shared=P(TP, None))
     mlp = ("w_gate", "w_up", "w_down")

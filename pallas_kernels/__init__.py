@@ -10,8 +10,9 @@
 
 The backend is `jax.default_backend()` unless forced with `backend=`. With `interpret=True`
 and no forced backend on a CPU host, the GPU kernel runs in the Pallas interpreter (so the
-engine can exercise the kernel path without an accelerator). Soft capping and sliding
-windows are implemented in every kernel. All functions are traceable inside jit; backend
+engine can exercise the kernel path without an accelerator). Soft capping, sliding
+windows and attention sinks (gpt-oss: a logit per query head in each softmax's denominator;
+an optional input, None for the other families) are implemented in every kernel. All functions are traceable inside jit; backend
 selection happens at trace time.
 
 Quantized pages (kv_quant.QuantizedPages: int8, fp8 e4m3 or e5m2 codes and a bfloat16 scale
@@ -130,13 +131,17 @@ def paged_decode_attention(
     backend: str | None = None,
     gpu_kernel: str | None = None,
     latent: bool = False,
+    sinks: jax.Array | None = None,  # [num_q_heads]: gpt-oss's sink logits
 ) -> jax.Array:  # [batch, num_q_heads, head_dim], q's dtype
     """Decode attention (one query per sequence at position lengths[b] - 1), dispatched.
 
     See reference.paged_decode_attention for the contract. `backend` forces "gpu", "tpu"
     or "cpu"; `interpret` runs a Pallas kernel in the interpreter; `gpu_kernel` picks the
-    GPU kernel ("triton" or "mosaic"; None: $JPAGED_GPU_KERNEL, else "triton"). latent:
-    multi-head latent attention (reference.paged_prefill_attention), its own kernels (mla).
+    GPU kernel ("triton" or "mosaic"; None: $JPAGED_GPU_KERNEL, else "triton"). sinks:
+    one logit per query head joining each softmax's denominator (gpt-oss; None: none). Every
+    kernel takes them, and without them traces the program it traced before they existed.
+    latent: multi-head latent attention (reference.paged_prefill_attention), its own
+    kernels (pallas_kernels/mla.py; no sinks).
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     if latent:
@@ -146,6 +151,8 @@ def paged_decode_attention(
             q, k_pages, v_pages, lengths, page_table, interpret=interpret, backend=backend,
             **kwargs,
         )  # fmt: skip
+    if sinks is not None:  # only then: the other families' kernels are traced as before
+        kwargs["sinks"] = sinks
     which = select_backend(
         q.shape, k_pages.shape, k_pages.dtype, interpret=interpret, backend=backend
     )
@@ -186,14 +193,16 @@ def paged_prefill_attention(
     backend: str | None = None,
     max_query_len: int | None = None,
     latent: bool = False,
+    sinks: jax.Array | None = None,  # [num_q_heads]: gpt-oss's sink logits
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim], q's dtype
     """Ragged paged attention (prefill chunks and decode tokens in one call), dispatched.
 
     See reference.paged_prefill_attention for the contract. max_query_len (static): the
     query tokens per sequence a step usually has at most (a verification step's k + 1); the
     reference then attends each sequence's queries as one group when they fit (the kernels
-    take no hint). latent: multi-head latent attention; the reference serves it (prefill
-    is compute-bound: the latent kernels are decode's, pallas_kernels/mla.py).
+    take no hint). sinks as paged_decode_attention's. latent: multi-head latent attention;
+    the reference serves it (prefill is compute-bound: the latent kernels are decode's,
+    pallas_kernels/mla.py).
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     args = (q, k_pages, v_pages, context_lens, page_table, query_start)
@@ -201,6 +210,8 @@ def paged_prefill_attention(
         return reference.paged_prefill_attention(
             *args, max_query_len=max_query_len, latent=True, **kwargs
         )
+    if sinks is not None:
+        kwargs["sinks"] = sinks
     which = select_backend(
         q.shape, k_pages.shape, k_pages.dtype, interpret=interpret, backend=backend
     )

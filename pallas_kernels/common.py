@@ -116,12 +116,33 @@ def finish(acc, l):
     return jnp.where(l > 0, acc / jnp.where(l > 0, l, 1.0), 0.0)
 
 
-def merge_splits(acc, m, l):
-    """Log-sum-exp merge over axis 0 of split partials: acc [S, ..., D]; m, l [S, ...]."""
+def finish_with_sinks(acc, m, l, sinks):
+    """acc / l with a sink logit per row joining the denominator (gpt-oss; reference._finish):
+    acc e^(m - m') / (l e^(m - m') + e^(sink - m')), m' = max(m, sink). m, l and sinks
+    broadcast to acc; a row that saw no key (acc and l 0, m MASK_VALUE) gives zeros."""
+    m_new = jnp.maximum(m, sinks)
+    scale = jnp.exp(m - m_new)
+    return acc * scale / (l * scale + jnp.exp(sinks - m_new))
+
+
+def sink_rows(sinks, num_kv_heads: int, group_rows: int, repeat: int = 1):
+    """float32 [Hkv, group_rows * repeat]: each KV head's query heads' sinks in the kernels'
+    row order (its group zero-padded to group_rows rows, repeated for each token of a
+    prefill block, ragged_layout's rows)."""
+    sg = sinks.astype(jnp.float32).reshape(num_kv_heads, -1)
+    sg = jnp.pad(sg, ((0, 0), (0, group_rows - sg.shape[1])))
+    return jnp.tile(sg, (1, repeat))
+
+
+def merge_splits(acc, m, l, sinks=None):
+    """Log-sum-exp merge over axis 0 of split partials: acc [S, ..., D]; m, l [S, ...];
+    sinks (optional) broadcast to m[0]: finish_with_sinks."""
     m_max = jnp.max(m, axis=0)
     w = jnp.exp(m - m_max[None])
     l_tot = jnp.sum(w * l, axis=0)
     o = jnp.sum(w[..., None] * acc, axis=0)
+    if sinks is not None:
+        return finish_with_sinks(o, m_max[..., None], l_tot[..., None], sinks[..., None])
     return finish(o, l_tot[..., None])
 
 
@@ -154,9 +175,14 @@ def ungroup(out, num_q_heads: int):
     return out[:, :, :group].reshape(batch, num_q_heads, head_dim)
 
 
-def merge_decode_splits(acc, m, l, num_q_heads: int, dtype):
-    """Split partials acc [B, Hkv, S, rows, D], m, l [B, Hkv, S, rows] -> [B, Hq, D] in dtype."""
-    out = merge_splits(jnp.moveaxis(acc, 2, 0), jnp.moveaxis(m, 2, 0), jnp.moveaxis(l, 2, 0))
+def merge_decode_splits(acc, m, l, num_q_heads: int, dtype, sinks=None):
+    """Split partials acc [B, Hkv, S, rows, D], m, l [B, Hkv, S, rows] -> [B, Hq, D] in dtype;
+    sinks: float32[Hq] or None, joining each head's denominator here (the kernel's partials
+    are the same with or without them)."""
+    if sinks is not None:
+        sinks = sink_rows(sinks, acc.shape[1], acc.shape[3])  # [Hkv, rows]
+    out = merge_splits(jnp.moveaxis(acc, 2, 0), jnp.moveaxis(m, 2, 0), jnp.moveaxis(l, 2, 0),
+                       sinks)  # fmt: skip
     return ungroup(out, num_q_heads).astype(dtype)
 
 

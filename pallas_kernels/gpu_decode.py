@@ -14,7 +14,8 @@ iteration, gathering them straight from the pool:
 Each split writes an unnormalised float32 partial (acc, running max m, running sum l); the
 wrapper merges splits by their log-sum-exp. Masking never multiplies by garbage: logits past
 the length become MASK_VALUE, their probabilities are zeroed and their V rows are zeroed,
-so NaN in unused page slots cannot reach the output. Length 0 gives zeros.
+so NaN in unused page slots cannot reach the output. Length 0 gives zeros. Attention sinks
+(gpt-oss) join the denominators in that merge: the kernel is the same with or without them.
 
 Quantized pages (kv_quant.QuantizedPages: int8 / fp8 codes and a bfloat16 scale per token)
 are read as stored, 1 byte per element plus 2 per row: the program gathers the codes and
@@ -158,6 +159,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     interpret: bool = False,
     blocks: tuning.DecodeBlocks | None = None,
+    sinks: jax.Array | None = None,  # [num_q_heads]: joins the denominators in the merge
 ) -> jax.Array:  # [batch, num_q_heads, head_dim], q's dtype
     """Decode attention with the Triton kernel; same contract as reference.paged_decode_attention.
 
@@ -213,4 +215,4 @@ def paged_decode_attention(
         **triton_call_kwargs(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
     )(lengths2, table, qg, k_data, v_data, *scales)
 
-    return merge_decode_splits(acc, m, l, num_q_heads, q.dtype)
+    return merge_decode_splits(acc, m, l, num_q_heads, q.dtype, sinks)

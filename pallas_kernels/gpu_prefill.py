@@ -29,9 +29,11 @@ from pallas_kernels import tuning
 from pallas_kernels.common import (
     dot_f32,
     finish,
+    finish_with_sinks,
     load_gpu_block,
     online_softmax_step,
     ragged_layout,
+    sink_rows,
     split_pools,
     triton_call_kwargs,
     unlayout,
@@ -69,16 +71,18 @@ def _prefill_kernel(
     row_seq_ref,  # int32[R]
     row_pos_ref,  # int32[R]
     q_ref,  # [R, D]
-    k_ref,  # [num_pages, page_size, D] (codes when quantized)
-    v_ref,
-    *refs,  # quantized: k, v scales [num_pages, page_size]; then o [R, D]
+    *refs,  # sinks f32[R] (has_sinks); K, V [num_pages, page_size, D] (codes when
+    #  quantized); quantized: k, v scales [num_pages, page_size]; then o [R, D]
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     block_q: int,
     pages_per_block: int,
     width: int,
+    has_sinks: bool = False,
 ):
+    sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    k_ref, v_ref, *refs = refs
     ks_ref, vs_ref = refs[:-1] or (None, None)
     o_ref = refs[-1]
     i = pl.program_id(0)
@@ -122,8 +126,12 @@ def _prefill_kernel(
         jnp.full((rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    acc, _, l = lax.fori_loop(lo_ref[0], hi_ref[0], seq_body, init)
-    o_ref[...] = finish(acc, l[:, None]).astype(o_ref.dtype)
+    acc, m, l = lax.fori_loop(lo_ref[0], hi_ref[0], seq_body, init)
+    if sink_ref is None:
+        o_ref[...] = finish(acc, l[:, None]).astype(o_ref.dtype)
+    else:
+        out = finish_with_sinks(acc, m[:, None], l[:, None], sink_ref[...][:, None])
+        o_ref[...] = out.astype(o_ref.dtype)
 
 
 @functools.partial(
@@ -142,10 +150,13 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     interpret: bool = False,
     blocks: tuning.PrefillBlocks | None = None,
+    sinks: jax.Array | None = None,  # [num_q_heads]: gpt-oss's sink logits
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim], q's dtype
     """Ragged prefill with the Triton kernel; contract of reference.paged_prefill_attention.
 
-    k_pages and v_pages may be kv_quant.QuantizedPages (both or neither).
+    k_pages and v_pages may be kv_quant.QuantizedPages (both or neither). sinks: one more
+    input, each row's head's logit (common.sink_rows), read when the rows are finished;
+    None: the kernel as without them.
     """
     k_data, v_data, scales = split_pools(k_pages, v_pages)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -171,8 +182,12 @@ def paged_prefill_attention(
 
     kernel = functools.partial(
         _prefill_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        block_q=bq, pages_per_block=ppb, width=width,
+        block_q=bq, pages_per_block=ppb, width=width, has_sinks=sinks is not None,
     )
+    sink_inputs, sink_specs = [], []
+    if sinks is not None:  # one block's rows per KV head: every token block has the same
+        sink_inputs = [sink_rows(sinks, num_kv_heads, gp, repeat=bq)]  # [Hkv, rows]
+        sink_specs = [pl.BlockSpec((None, rows), lambda i, h: (h, 0))]
     pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h: (h, 0, 0, 0))
     scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda i, h: (h, 0, 0))
     rows_spec = pl.BlockSpec((None, rows, head_dim), lambda i, h: (h, i, 0))
@@ -188,6 +203,7 @@ def paged_prefill_attention(
             pl.BlockSpec((rows,), lambda i, h: (i,)),
             pl.BlockSpec((rows,), lambda i, h: (i,)),
             rows_spec,
+            *sink_specs,
             pool_spec,
             pool_spec,
         ] + [scale_spec] * len(scales),
@@ -198,6 +214,6 @@ def paged_prefill_attention(
         **triton_call_kwargs(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
     )(
         context_lens.astype(jnp.int32), query_start.astype(jnp.int32), table.reshape(-1),
-        blk_lo, blk_hi, row_seq, row_pos, q_rows, k_data, v_data, *scales,
+        blk_lo, blk_hi, row_seq, row_pos, q_rows, *sink_inputs, k_data, v_data, *scales,
     )
     return unlayout(out, num_tokens=num_tokens, group=group, group_rows=gp)

@@ -225,6 +225,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     interpret: bool = False,
     blocks: tuning.DecodeBlocks | None = None,
+    sinks: jax.Array | None = None,  # [num_q_heads]: joins the denominators in the merge
 ) -> jax.Array:  # [batch, num_q_heads, head_dim], q's dtype
     """Decode attention with the Mosaic GPU kernel; contract of reference.paged_decode_attention.
 
@@ -287,5 +288,5 @@ def paged_decode_attention(
         interpret=_interpret_params() if interpret else None,
     )(lengths_rows, table, qg, k_pages, v_pages)
 
-    return merge_decode_splits(acc, m, l, num_q_heads, q.dtype)
+    return merge_decode_splits(acc, m, l, num_q_heads, q.dtype, sinks)
 

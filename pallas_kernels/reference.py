@@ -62,6 +62,20 @@ def _online_step(carry, s, mask, pv, *, sm_scale, soft_cap):
     return m_new, l * alpha + jnp.sum(p, axis=-1, keepdims=True), acc * alpha + pv(p)
 
 
+def _finish(m, l, acc, sinks):
+    """The online softmax's output acc / l, with sinks (float32 broadcastable to m: one
+    logit per query head, gpt-oss) joining the denominator as one more key of no value:
+
+        out = sum_j e^(s_j - m') v_j / (sum_j e^(s_j - m') + e^(sink - m')),  m' = max(m, sink)
+
+    A query that sees no key gives zeros either way."""
+    if sinks is None:
+        return acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)
+    m_new = jnp.maximum(m, sinks)
+    scale = jnp.exp(m - m_new)
+    return acc * scale / (l * scale + jnp.exp(sinks - m_new))
+
+
 def _read_key_block(k_pages, v_pages, rows, row_lens, i, key_block_pages, latent=False):
     """Key block i of each row: positions int32[block] and K, V [Hkv, R, block, D] float32
     (latent: K and V both the row of K's and V's halves side by side, D twice theirs).
@@ -89,7 +103,8 @@ def _read_key_block(k_pages, v_pages, rows, row_lens, i, key_block_pages, latent
 
 
 def _attend_block(q, k_pages, v_pages, rows, row_lens, which, pos, kv_len, *, page_size,
-                  key_block_pages, key_range, sm_scale, soft_cap, sliding_window, latent=False):
+                  key_block_pages, key_range, sm_scale, soft_cap, sliding_window, latent=False,
+                  sinks=None):
     """One block of query tokens over the keys [lo, hi) of their context.
 
     q [T, Hkv, G, D]; rows int32[R, P]: the page-table rows read, either one per token
@@ -97,7 +112,7 @@ def _attend_block(q, k_pages, v_pages, rows, row_lens, which, pos, kv_len, *, pa
     whose token t is); row_lens int32[R]: tokens written in each row's pages (slots past it
     are zeroed in V); pos, kv_len int32[T]: each token's position and its sequence's length
     (0: padding, sees nothing); key_range: int32 (lo, hi) holding every key a token of the
-    block sees. Returns [T, Hkv, G, D] float32.
+    block sees; sinks: float32[Hq] or None (_finish). Returns [T, Hkv, G, D] float32.
     """
     t, hkv, g, d = q.shape
     r = rows.shape[0]
@@ -146,12 +161,15 @@ def _attend_block(q, k_pages, v_pages, rows, row_lens, which, pos, kv_len, *, pa
         jnp.zeros((t, hkv, g, d), jnp.float32),
     )
     lo, hi = key_range
-    _, l, acc = jax.lax.fori_loop(lo // block, (hi + block - 1) // block, step, init)
-    return acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)
+    m, l, acc = jax.lax.fori_loop(lo // block, (hi + block - 1) // block, step, init)
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32).reshape(hkv, g, 1)
+    return _finish(m, l, acc, sinks)
 
 
 def _attend_grouped(q, k_pages, v_pages, context_lens, page_table, query_start, *, max_query_len,
-                    sm_scale, soft_cap, sliding_window, latent=False):
+                    sm_scale, soft_cap, sliding_window, latent=False,
+                    sinks=None):
     """paged_prefill_attention's result when no sequence has more than max_query_len query
     tokens: each sequence's queries as one group [max_query_len, Hq], its keys gathered once
     per key block for all of them (the per-token path gathers them once per query token).
@@ -202,8 +220,10 @@ def _attend_grouped(q, k_pages, v_pages, context_lens, page_table, query_start, 
         jnp.zeros((*shape, 1), jnp.float32),
         jnp.zeros((*shape, head_dim), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(lo // block, (hi + block - 1) // block, step, init)
-    out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)  # [S, Hkv, Qm, G, D]
+    m, l, acc = jax.lax.fori_loop(lo // block, (hi + block - 1) // block, step, init)
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group, 1)
+    out = _finish(m, l, acc, sinks)  # [S, Hkv, Qm, G, D]
     out = out.transpose(0, 2, 1, 3, 4).reshape(num_seqs * qm, num_q_heads, head_dim)
     rows = jnp.where(valid, token, num_tokens).reshape(-1)  # absent queries: dropped
     result = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
@@ -223,6 +243,7 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     max_query_len: int | None = None,
     latent: bool = False,
+    sinks: jax.Array | None = None,  # float32[num_q_heads]: gpt-oss's sink logits
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim], q's dtype
     """Ragged paged attention: one call serves prefill chunks and decode tokens together.
 
@@ -242,10 +263,13 @@ def paged_prefill_attention(
     latent (static): multi-head latent attention (models/mla.py): each token's key and value
     are one row, its first half in k_pages and its second in v_pages (head_dim each), and q
     and the result are rows [num_tokens, num_q_heads, 2 * head_dim].
+
+    sinks (optional): one logit per query head that joins every query's softmax
+    denominator (gpt-oss's attention sinks, _finish); None: a plain softmax.
     """
     if max_query_len is not None:
         kw = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window,
-              "latent": latent}
+              "latent": latent, "sinks": sinks}
         args = (q, k_pages, v_pages, context_lens, page_table, query_start)
         fits = jnp.max(query_start[1:] - query_start[:-1]) <= max_query_len
         return jax.lax.cond(
@@ -281,7 +305,8 @@ def paged_prefill_attention(
 
         kw = {"page_size": page_size, "key_block_pages": key_block_pages,
               "key_range": key_range(posb, lenb), "sm_scale": sm_scale, "soft_cap": soft_cap,
-              "sliding_window": sliding_window, "latent": latent}
+              "sliding_window": sliding_window, "latent": latent,
+              "sinks": sinks}
         first, last = seqb[0], seqb[-1]  # tokens are in sequence order
         zeros = jnp.zeros(seqb.shape, jnp.int32)
 
@@ -350,6 +375,7 @@ def paged_decode_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     latent: bool = False,
+    sinks: jax.Array | None = None,  # float32[num_q_heads]
 ) -> jax.Array:  # [batch, num_q_heads, head_dim], q's dtype
     """Decode attention: one query per sequence, at position lengths[b] - 1 (latent:
     paged_prefill_attention's)."""
@@ -366,4 +392,5 @@ def paged_decode_attention(
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         latent=latent,
+        sinks=sinks,
     )

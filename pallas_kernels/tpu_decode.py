@@ -35,10 +35,12 @@ from pallas_kernels.common import (
     any_memory_space,
     dot_f32,
     finish,
+    finish_with_sinks,
     group_queries,
     idiv,
     online_softmax_step,
     pad_page_table,
+    sink_rows,
     split_pools,
     token_scales,
     tpu_compiler_params,
@@ -134,17 +136,20 @@ def _decode_kernel(
     lengths_ref,  # SMEM int32[batch]
     table_ref,  # SMEM int32[batch * pages_per_seq_padded]
     q_ref,  # VMEM [rows, D]
-    k_hbm,  # ANY [Hkv, num_pages, page_size, D] (codes when quantized)
-    v_hbm,
-    *refs,  # quantized: k, v scales ANY [Hkv, num_pages, page_size]; o VMEM [rows, D];
-    #  scratch (block_scratch): k_buf, v_buf VMEM [2, block_tokens, D], (quantized) their
-    #  scale buffers [2, 1, block_tokens], DMA semaphores [2 slots, one per pool]
+    *refs,  # sinks VMEM f32[rows, 1] (has_sinks); K, V ANY [Hkv, num_pages, page_size, D]
+    #  (codes when quantized); quantized: k, v scales ANY [Hkv, num_pages, page_size]; o
+    #  VMEM [rows, D]; scratch (block_scratch): k_buf, v_buf VMEM [2, block_tokens, D],
+    #  (quantized) their scale buffers [2, 1, block_tokens], DMA semaphores [2 slots, one
+    #  per pool]
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     pages_per_block: int,
     table_width: int,
+    has_sinks: bool = False,
 ):
+    sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    k_hbm, v_hbm, *refs = refs
     hbm, o_ref, bufs, sems = split_refs(k_hbm, v_hbm, refs)
     b, h = pl.program_id(0), pl.program_id(1)
     rows, head_dim = q_ref.shape
@@ -197,8 +202,16 @@ def _decode_kernel(
         jnp.full((rows, 1), MASK_VALUE, jnp.float32),
         jnp.zeros((rows, 1), jnp.float32),
     )
-    acc, _, l = lax.fori_loop(0, num_blocks, body, init)
-    o_ref[...] = finish(acc, l).astype(o_ref.dtype)
+    acc, m, l = lax.fori_loop(0, num_blocks, body, init)
+    o_ref[...] = finish_rows(acc, m, l, sink_ref).astype(o_ref.dtype)
+
+
+def finish_rows(acc, m, l, sink_ref):
+    """The TPU kernels' output rows: acc / l (common.finish), or with each row's sink
+    (sink_ref VMEM f32[R, 1]) joining its denominator (common.finish_with_sinks)."""
+    if sink_ref is None:
+        return finish(acc, l)
+    return finish_with_sinks(acc, m, l, sink_ref[...])
 
 
 @functools.partial(
@@ -216,12 +229,14 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     interpret=False,
     blocks: tuning.DecodeBlocks | None = None,
+    sinks: jax.Array | None = None,  # [num_q_heads]: gpt-oss's sink logits
 ) -> jax.Array:  # [batch, num_q_heads, head_dim], q's dtype
     """Decode attention with the Mosaic TPU kernel; contract of reference.paged_decode_attention.
 
     `interpret` may be True (Pallas HLO interpreter) or a pltpu InterpretParams (TPU
     interpreter that models DMAs and semaphores and can detect races). k_pages and v_pages
-    may be kv_quant.QuantizedPages (both or neither).
+    may be kv_quant.QuantizedPages (both or neither). sinks: one more input, each KV head's
+    group's logits [rows, 1] read when the rows are finished; None: the kernel as without.
     """
     k_data, v_data, scales = split_pools(k_pages, v_pages)
     batch, num_q_heads, head_dim = q.shape
@@ -241,15 +256,19 @@ def paged_decode_attention(
 
     kernel = functools.partial(
         _decode_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        pages_per_block=ppb, table_width=width,
+        pages_per_block=ppb, table_width=width, has_sinks=sinks is not None,
     )
     qo_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, *_: (b, h, 0, 0))
+    sink_inputs, sink_specs = [], []
+    if sinks is not None:
+        sink_inputs = [sink_rows(sinks, num_kv_heads, rows)[..., None]]  # [Hkv, rows, 1]
+        sink_specs = [pl.BlockSpec((None, rows, 1), lambda b, h, *_: (h, 0, 0))]
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(batch, num_kv_heads),
-            in_specs=[qo_spec]
+            in_specs=[qo_spec, *sink_specs]
             + [pl.BlockSpec(memory_space=any_memory_space())] * (2 + len(scales)),
             out_specs=qo_spec,
             scratch_shapes=block_scratch(k_data, v_data, scales, block_tokens),
@@ -258,5 +277,5 @@ def paged_decode_attention(
         compiler_params=tpu_compiler_params(2),
         interpret=interpret,
         name="jpaged_tpu_decode",
-    )(lengths.astype(jnp.int32), table.reshape(-1), qg, k_data, v_data, *scales)
+    )(lengths.astype(jnp.int32), table.reshape(-1), qg, *sink_inputs, k_data, v_data, *scales)
     return ungroup(out, num_q_heads)

@@ -26,10 +26,10 @@ from pallas_kernels import tuning
 from pallas_kernels.common import (
     any_memory_space,
     dot_f32,
-    finish,
     idiv,
     online_softmax_step,
     ragged_layout,
+    sink_rows,
     split_pools,
     tpu_compiler_params,
     unlayout,
@@ -40,6 +40,7 @@ from pallas_kernels.reference import MASK_VALUE
 from pallas_kernels.tpu_decode import (
     PageBlockCopier,
     block_scratch,
+    finish_rows,
     read_block,
     split_refs,
     supports,
@@ -57,16 +58,19 @@ def _prefill_kernel(
     row_seq_ref,  # VMEM int32[R, 1]
     row_pos_ref,  # VMEM int32[R, 1]
     q_ref,  # VMEM [R, D]
-    k_hbm,  # ANY [Hkv, num_pages, page_size, D] (codes when quantized)
-    v_hbm,
-    *refs,  # quantized: k, v scales; o VMEM [R, D]; scratch as in tpu_decode._decode_kernel
+    *refs,  # sinks VMEM f32[R, 1] (has_sinks); K, V ANY [Hkv, num_pages, page_size, D]
+    #  (codes when quantized); quantized: k, v scales; o VMEM [R, D]; scratch as in
+    #  tpu_decode._decode_kernel
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     block_q: int,
     pages_per_block: int,
     width: int,
+    has_sinks: bool = False,
 ):
+    sink_ref, refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
+    k_hbm, v_hbm, *refs = refs
     hbm, o_ref, bufs, sems = split_refs(k_hbm, v_hbm, refs)
     i, h = pl.program_id(0), pl.program_id(1)
     rows, head_dim = q_ref.shape
@@ -124,8 +128,8 @@ def _prefill_kernel(
         jnp.full((rows, 1), MASK_VALUE, jnp.float32),
         jnp.zeros((rows, 1), jnp.float32),
     )
-    acc, _, l = lax.fori_loop(lo_ref[i], hi_ref[i], seq_body, init)
-    o_ref[...] = finish(acc, l).astype(o_ref.dtype)
+    acc, m, l = lax.fori_loop(lo_ref[i], hi_ref[i], seq_body, init)
+    o_ref[...] = finish_rows(acc, m, l, sink_ref).astype(o_ref.dtype)
 
 
 @functools.partial(
@@ -144,11 +148,14 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     interpret=False,
     blocks: tuning.PrefillBlocks | None = None,
+    sinks: jax.Array | None = None,  # [num_q_heads]: gpt-oss's sink logits
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim], q's dtype
     """Ragged prefill with the Mosaic TPU kernel; contract of reference.paged_prefill_attention.
 
     `interpret` may be True or a pltpu InterpretParams (models DMAs and semaphores).
-    k_pages and v_pages may be kv_quant.QuantizedPages (both or neither).
+    k_pages and v_pages may be kv_quant.QuantizedPages (both or neither). sinks: one more
+    input, each row's head's logit [R, 1] (the same for every token block), read when the
+    rows are finished; None: the kernel as without them.
     """
     k_data, v_data, scales = split_pools(k_pages, v_pages)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -170,8 +177,12 @@ def paged_prefill_attention(
 
     kernel = functools.partial(
         _prefill_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        block_q=bq, pages_per_block=ppb, width=width,
+        block_q=bq, pages_per_block=ppb, width=width, has_sinks=sinks is not None,
     )
+    sink_inputs, sink_specs = [], []
+    if sinks is not None:
+        sink_inputs = [sink_rows(sinks, num_kv_heads, gp, repeat=bq)[..., None]]  # [Hkv, R, 1]
+        sink_specs = [pl.BlockSpec((None, rows, 1), lambda i, h, *_: (h, 0, 0))]
     meta_spec = pl.BlockSpec((rows, 1), lambda i, h, *_: (i, 0))
     rows_spec = pl.BlockSpec((None, rows, head_dim), lambda i, h, *_: (h, i, 0))
     out = pl.pallas_call(
@@ -183,6 +194,7 @@ def paged_prefill_attention(
                 meta_spec,
                 meta_spec,
                 rows_spec,
+                *sink_specs,
             ] + [pl.BlockSpec(memory_space=any_memory_space())] * (2 + len(scales)),
             out_specs=rows_spec,
             scratch_shapes=block_scratch(k_data, v_data, scales, ppb * page_size),
@@ -193,7 +205,7 @@ def paged_prefill_attention(
         name="jpaged_tpu_prefill",
     )(
         context_lens.astype(jnp.int32), query_start.astype(jnp.int32), table.reshape(-1),
-        blk_lo, blk_hi, row_seq[:, None], row_pos[:, None], q_rows, k_data, v_data,
-        *scales,
+        blk_lo, blk_hi, row_seq[:, None], row_pos[:, None], q_rows, *sink_inputs, k_data,
+        v_data, *scales,
     )
     return unlayout(out, num_tokens=num_tokens, group=group, group_rows=gp)

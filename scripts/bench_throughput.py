@@ -6,6 +6,7 @@
     python scripts/bench_throughput.py --preset smollm2          # the real SmolLM2-135M, 32 x 128 x 64
     python scripts/bench_throughput.py --preset smollm2 --workload W2 --scale 32 --skip-startup
     python scripts/bench_throughput.py --preset qwen3moe-cpu --num-requests 32   # MoE, 32 x 128 x 64
+    python scripts/bench_throughput.py --preset gptoss-cpu --num-requests 32     # gpt-oss's shape
     python scripts/bench_throughput.py --preset deepseek-v3-cpu --num-requests 32  # MLA + MoE
     python scripts/bench_throughput.py --preset cpu-tp --tensor-parallel-size 4 \
         --simulate-cpu-devices 8 --skip-transformers             # sharded, simulated CPU devices
@@ -21,7 +22,8 @@ Workloads (issue 8; greedy, EOS ignored, all requests submitted at once):
 synchronously (the host plans step N+1 only after step N's tokens are back).
 
 The checkpoint is a random Llama of the preset's shape (for `qwen3moe-cpu` a Qwen3-MoE: 32
-experts, 4 per token) made from --seed and written with save_pretrained into --checkpoint-dir
+experts, 4 per token; for `gptoss-cpu` a gpt-oss: 32 experts, 4 per token, window and full
+layers) made from --seed and written with save_pretrained into --checkpoint-dir
 (with numpy, models.demo, where torch is not installed: Llamas only), where later runs find
 and reuse it; the `smollm2` preset is the real SmolLM2-135M-Instruct
 instead (its Q4_1 GGUF from models.demo.ensure_smollm2(), dequantized at load by both
@@ -129,6 +131,24 @@ PRESETS = {
         "experts_per_tok": 4,
         "moe_inter": 256,
         "norm_topk": True,
+    },
+    # gpt-oss-20b's proportions (32 experts of 2880, top-4, hidden 2880, 64 query heads of 64
+    # over 8 KV heads, a 128-token window on every other layer) scaled to a CPU. "moe_inter"
+    # is the config's intermediate_size (gpt-oss's experts'; it has no dense MLP).
+    "gptoss-cpu": {
+        "arch": "gpt_oss",
+        "hidden": 512,
+        "layers": 8,
+        "heads": 8,
+        "kv_heads": 2,
+        "head_dim": 64,
+        "inter": 256,
+        "vocab": 16384,
+        "tied": False,
+        "experts": 32,
+        "experts_per_tok": 4,
+        "moe_inter": 256,
+        "window": 128,
     },
     # DeepSeek-V3's proportions (latent 512 + rope 64 of 128 heads, 256 experts of 2048 in 8
     # groups, top-8 within the best 4, a shared expert, dense first layers) scaled to a CPU.
@@ -287,7 +307,8 @@ def ensure_checkpoint(root: Path, preset: str, dtype: str, seed: int) -> Path:
 
 
 def _hf_config(s: dict):
-    """The transformers config of a preset: LlamaConfig, or Qwen3MoeConfig for "qwen3moe"."""
+    """The transformers config of a preset: LlamaConfig, Qwen3MoeConfig for "qwen3moe" or
+    GptOssConfig for "gpt_oss"."""
     import transformers
 
     common = {
@@ -314,6 +335,14 @@ def _hf_config(s: dict):
             moe_intermediate_size=s["moe_inter"],
             norm_topk_prob=s["norm_topk"],
         )
+    if arch == "gpt_oss":  # sinks, biases, YaRN, the clamped SwiGLU: GptOssConfig's defaults
+        common["intermediate_size"] = s["moe_inter"]
+        return transformers.GptOssConfig(
+            **common,
+            num_local_experts=s["experts"],
+            num_experts_per_tok=s["experts_per_tok"],
+            sliding_window=s["window"],
+        )
     if arch == "deepseek_v3":
         common.pop("head_dim")
         return transformers.DeepseekV3Config(
@@ -324,7 +353,7 @@ def _hf_config(s: dict):
             v_head_dim=s["head_dim"], n_group=8, topk_group=4, n_shared_experts=1,
             first_k_dense_replace=1, num_nextn_predict_layers=0,
         )  # fmt: skip
-    raise ValueError(f"unknown preset arch {arch!r} (llama, qwen3moe, deepseek_v3)")
+    raise ValueError(f"unknown preset arch {arch!r} (llama, qwen3moe, gpt_oss, deepseek_v3)")
 
 
 def _numpy_checkpoint(root: Path, path: Path, s: dict, dtype: str, seed: int) -> Path:

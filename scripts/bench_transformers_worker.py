@@ -33,8 +33,11 @@ def run_transformers(args) -> None:
         path, kwargs = Path(args.model), {}
         if path.suffix == ".gguf":  # dequantized at load into dtype (needs the gguf package)
             path, kwargs = path.parent, {"gguf_file": path.name}
+        # sdpa where the architecture has it; gpt-oss (its sinks) has only eager on the CPU
+        config = transformers.AutoConfig.from_pretrained(path, **kwargs)
+        attn = "eager" if config.model_type == "gpt_oss" else "sdpa"
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, args.dtype), attn_implementation="sdpa", **kwargs
+            path, dtype=getattr(torch, args.dtype), attn_implementation=attn, **kwargs
         ).to(device)
         model.eval()
         model.generation_config.eos_token_id = None  # ignore EOS: requests run to their length

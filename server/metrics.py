@@ -60,6 +60,30 @@ _SPEC_DECODE = {
     "spec_num_accepted_tokens": "Proposed tokens the target model accepted",
 }
 
+# The host tier of the KV cache (jpaged/core/host_page_store.py): stats key -> help;
+# counters jpaged_kv_host_hit_tokens_total and so on, and gauges of its pages.
+_KV_HOST_COUNTED = {
+    "host_hit_tokens": "Prompt tokens found in the host tier (also in prefix_cache_hit_tokens)",
+    "host_offloaded_pages": "Pages evicted from the device prefix cache and kept in host memory",
+    "host_pages_out": "KV pages copied device -> host (offloads and swap-outs)",
+    "host_pages_in": "KV pages copied host -> device (host hits and swap-ins)",
+    "host_bytes_out": "Bytes of KV pages copied device -> host",
+    "host_bytes_in": "Bytes of KV pages copied host -> device",
+    "host_copy_seconds": "Seconds the steps' host copies took (before their steps)",
+    "disk_hit_pages": "Pages read back from the disk tier (--kv-offload-dir) into host memory",
+    "disk_pages_written": "Pages the host tier evicted, written to the disk tier",
+    "disk_bytes_written": "Bytes of page files written to the disk tier",
+    "disk_bytes_read": "Bytes of page files read from the disk tier",
+    "disk_bad_files": "Disk-tier page files found torn or corrupt (treated as misses, removed)",
+}
+_KV_HOST_GAUGES = {
+    "host_pages_total": "Host KV pages (the host tier and swap space)",
+    "host_pages_used": "Host KV pages held by swapped sequences",
+    "host_pages_cached": "Host KV pages holding prefix-cache content",
+    "disk_files": "Page files in the disk tier",
+    "disk_bytes": "Bytes of the disk tier's page files",
+}
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -154,8 +178,17 @@ class Metrics:
             key: Counter("jpaged_spec_decode_" + key.removeprefix("spec_"), doc, registry=r)
             for key, doc in _SPEC_DECODE.items()
         }
+        self.kv_host = {
+            key: Counter("jpaged_kv_" + key, doc, registry=r)
+            for key, doc in _KV_HOST_COUNTED.items()
+        }
+        self.kv_host_gauges = {
+            key: Gauge("jpaged_kv_" + key, doc, registry=r) for key, doc in _KV_HOST_GAUGES.items()
+        }
         # engine stats key -> the counter that follows it
-        self._counters = {k: getattr(self, a) for k, a in _COUNTED.items()} | self.spec_decode
+        self._counters = (
+            {k: getattr(self, a) for k, a in _COUNTED.items()} | self.spec_decode | self.kv_host
+        )
         self._last = dict.fromkeys(self._counters, 0)
         self._http: WSGIServer | None = None
 
@@ -172,6 +205,8 @@ class Metrics:
         if "kv_bytes_per_token" in stats:  # an engine's (fake engines may leave it out)
             dtype = stats["kv_cache_dtype"]
             self.kv_bytes_per_token.labels(kv_cache_dtype=dtype).set(stats["kv_bytes_per_token"])
+        for key, gauge in self.kv_host_gauges.items():
+            gauge.set(stats.get(key, 0))
         query, hit = stats["prefix_cache_query_tokens"], stats["prefix_cache_hit_tokens"]
         self.prefix_hit_rate.set(hit / query if query else 0.0)
         for key, counter in self._counters.items():

@@ -1,4 +1,4 @@
-"""Tiny random Qwen3-MoE, Mixtral, OLMoE and GLM-4.5 MoE checkpoints from transformers' config classes,
+"""Tiny random Qwen3-MoE, Mixtral, OLMoE, GLM-4.5 MoE and gpt-oss checkpoints from transformers' config classes,
 and transformers' greedy tokens for them (float32, eager attention; the reference and
 paged-logits helpers are dense_families'). Shared by
 tests/models/test_moe.py and tests/parallel/test_expert_parallel.py (which writes them in
@@ -20,7 +20,8 @@ MAX_TOKENS = 8
 
 def tiny_config(family: str):
     """The family's transformers config: 3 layers, 8 experts, top-2, hidden 64 (GLM-4.5's
-    "glm4moe" and "glm4moe_qk_norm" are not in FAMILIES: tests/models/test_glm4_moe.py)."""
+    "glm4moe" and "glm4moe_qk_norm" are not in FAMILIES: tests/models/test_glm4_moe.py;
+    nor is "gpt_oss", tiny_gpt_oss_config)."""
     import transformers
 
     common = {
@@ -40,6 +41,8 @@ def tiny_config(family: str):
         )
     if family == "mixtral":
         return transformers.MixtralConfig(**common, num_local_experts=8)
+    if family == "gpt_oss":
+        return tiny_gpt_oss_config()
     if family == "olmoe":
         return transformers.OlmoeConfig(
             **common, num_experts=8, clip_qkv=0.5, eos_token_id=None, pad_token_id=None
@@ -100,6 +103,8 @@ def save_tiny(path: str | Path, family: str, *, seed: int = 0) -> Path:
     import torch
     import transformers
 
+    if family == "gpt_oss":
+        return save_tiny_gpt_oss(path, seed=seed)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
         tiny_config(family), attn_implementation="eager", dtype=torch.float32
@@ -113,6 +118,52 @@ def save_tiny(path: str | Path, family: str, *, seed: int = 0) -> Path:
         for name, buffer in model.named_buffers():  # GLM-4.5's bias: it must change choices
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.5 * torch.randn_like(buffer))
+    model.save_pretrained(path, safe_serialization=True)
+    return Path(path)
+
+
+def tiny_gpt_oss_config():
+    """gpt-oss (tests/models/test_gpt_oss.py): 4 layers alternating a 4-token window and full
+    attention, 4 experts of which 2 per token, a SwiGLU clamp at 0.5 that binds, YaRN rope."""
+    import transformers
+
+    return transformers.GptOssConfig(
+        vocab_size=160, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=256,
+        tie_word_embeddings=False, swiglu_limit=0.5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+        eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+
+
+def save_tiny_gpt_oss(path, *, seed: int = 0) -> Path:
+    """A random gpt-oss saved with save_pretrained: norms perturbed, biases random (they
+    initialise to zero), sinks of std 1, router weights scaled so routing is decisive, the
+    experts' and head's weights scaled so the clamp binds and tokens are clear-cut."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        tiny_gpt_oss_config(), attn_implementation="eager", dtype=torch.float32
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+            if name.endswith("bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+            if name.endswith("sinks"):
+                param.copy_(torch.randn_like(param))
+            if name.endswith("router.weight"):
+                param.mul_(20.0)
+            if name.endswith(("gate_up_proj", "down_proj")):
+                param.mul_(5.0)
+            if name == "lm_head.weight":
+                param.mul_(10.0)
     model.save_pretrained(path, safe_serialization=True)
     return Path(path)
 

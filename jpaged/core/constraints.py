@@ -46,7 +46,7 @@ class Constraints:
         child gets its matcher here, copied from its parent's before the parent advances."""
         manager = self.manager
         keys = []
-        for seq_id, constrained in zip(plan.seq_ids.tolist(), plan.sampling.constrained):
+        for seq_id, constrained in zip(plan.seq_ids.tolist(), plan.constrained):
             seq = seq_of(seq_id) if constrained else None
             if seq is None:
                 keys.append(None)

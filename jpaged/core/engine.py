@@ -43,8 +43,9 @@ import numpy as np
 from jpaged.config import EngineConfig
 from jpaged.core.beam_search import BeamSequences
 from jpaged.core.constraints import Constraints
+from jpaged.core.host_page_store import host_stats
 from jpaged.core.input_processor import InputProcessor
-from jpaged.core.memory_plan import MemoryPlan, kv_page_bytes, plan_memory
+from jpaged.core.memory_plan import MemoryPlan, host_page_store, kv_page_bytes, plan_memory
 from jpaged.core.output_processor import OutputProcessor, record_pooled, record_prompt_logprobs
 from jpaged.core.page_allocator import PageAllocator
 from jpaged.core.scheduler import Scheduler
@@ -60,7 +61,6 @@ from jpaged.worker import compilation_cache, executable_cache
 from jpaged.worker.host_memory import release_free_memory
 from jpaged.worker.model_loading import load_for_config
 from jpaged.worker.runner import InFlightStep, ModelRunner
-from jpaged.worker.step_inputs import needs_key
 from jpaged.worker.step_plan import StepPlan
 from models import quantization
 from models.config import ModelConfig
@@ -178,8 +178,8 @@ class LLMEngine:
         )  # fmt: skip
         self.kv_dtype, self.kv_groups = memory.kv_dtype, memory.kv_groups
         self.num_pages, self.num_swap_pages = memory.num_pages, memory.num_swap_pages
-        self._new_host_state()
         self.runner = _make_runner(memory, loaded, dtype, self.compilation_cache_dir)
+        self._new_host_state()  # after the runner: the scheduler asks it what it admits
         self._arrivals = 0
         drafter = None
         if draft is not None:
@@ -219,19 +219,18 @@ class LLMEngine:
         self.allocator = PageAllocator(
             self.num_pages, enable_prefix_caching=config.cache.enable_prefix_caching
         )
-        swap_allocator = None
-        if self.num_swap_pages:  # host pages; the allocator's page 0 stays unused
-            swap_allocator = PageAllocator(self.num_swap_pages + 1, enable_prefix_caching=False)
+        # Host pages: the prefix cache's host tier and swap space, one store.
+        self.host_store = host_page_store(
+            config, self.model_config, self.num_swap_pages, self.kv_dtype, self.runner.swap_space
+        )
         self.scheduler = Scheduler(
             config,
             self.allocator,
             self.eos_token_ids,
-            swap_allocator=swap_allocator,
+            swap_allocator=self.host_store,
             group_windows=self.kv_groups.windows,
-        )
-        # At Linux's mapping cap, sequences join only batches a compiled program holds.
-        self.scheduler.admission_check = lambda demands: (
-            self.runner.cap_refusal(needs_key(demands, config)) is None
+            admits=self.runner.admits,  # at Linux's mapping cap: batches a program holds
+            host_store=self.host_store,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Structured outputs: one matcher per constrained sequence (jpaged/core/constraints.py).
@@ -399,7 +398,7 @@ class LLMEngine:
         if not len(plan):
             return None
         bitmask = None
-        if plan.sampling.constrained is not None:
+        if plan.constrained is not None:
             bitmask = self.constraints.bitmask(plan, self.scheduler.sequence)
         step = self.runner.dispatch(plan, prev, bitmask, draft_probs=draft_probs)
         self.scheduler.dispatched(plan)
@@ -418,9 +417,9 @@ class LLMEngine:
 
     def _can_overlap(self, plan: StepPlan) -> bool:
         """Whether the next plan may be made before plan's tokens are on the host."""
-        sync = plan.sampling.uses_penalties
-        if plan.sampling.constrained is not None:  # a grammar's next mask needs the token
-            sync = sync | plan.sampling.constrained
+        sync = plan.uses_penalties
+        if plan.constrained is not None:  # a grammar's next mask needs the token
+            sync = sync | plan.constrained
         return (
             self.config.async_scheduling
             and self.runner.broadcast is None
@@ -553,9 +552,13 @@ class LLMEngine:
             kv_cache_dtype=self.kv_dtype.name,
             kv_bytes_per_token=kv_page_bytes(self.model_config, 1, 0, self.kv_dtype),
             **self.spec.stats(),
+            **host_stats(self.host_store, self.runner.swap_seconds, self.runner.num_swap_steps),
         )
 
     def reset_stats(self) -> None:
         self.peak_pages_used = self.allocator.num_used()
         self.scheduler.reset_stats()
         self.spec.reset_stats()
+        self.runner.swap_seconds, self.runner.num_swap_steps = 0.0, 0
+        if self.host_store is not None:
+            self.host_store.reset_stats()

@@ -24,6 +24,12 @@ recompute. The plan names the copies; the runner moves the data, swap-outs befor
 before the step, so a page freed and reused within one plan is read before it is written.
 A write into a page shared with another sequence copies it first (copy-on-write).
 
+Host tier (host_store, jpaged/core/host_page_store.py; one full group only): the allocator
+records the cached pages it hands out anew, and take_edits names their copies to host pages
+(swap_out) before the plan's swap-ins and step; a prefix lookup goes on in the host store
+after the device's last hit (_host_hits), and admission loads those pages into fresh ones
+(swap_in) and caches them on the device again. Page hashes are then the store's sha256 chain.
+
 Sliding windows (`sliding_window` W, given when every layer of the model sees only the last
 W keys): a step whose first query is at position `start` reads no key before
 start - W + 1, and later steps read even less, so each plan frees a running sequence's pages
@@ -73,6 +79,7 @@ import dataclasses
 import math
 
 from jpaged.config import EngineConfig
+from jpaged.core.host_page_store import HostPageStore
 from jpaged.core.page_allocator import NULL_PAGE, PageAllocator, page_hash
 from jpaged.core.sequence import Sequence
 
@@ -113,6 +120,7 @@ class Admission:
     dead: tuple[int, ...]  # per group: leading pages no query of the step reads
     needs: tuple[int, ...]  # per group: fresh pages to allocate
     swapped: bool  # its K/V comes back from host swap pages
+    loads: tuple[int, ...] = ()  # host-tier hits after the device hits: host pages to load
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,10 +141,13 @@ class KVCacheManager:
         allocator: PageAllocator,
         windows: tuple[int | None, ...],
         *,
-        swap_allocator: PageAllocator | None = None,
+        swap_allocator: PageAllocator | HostPageStore | None = None,
+        host_store: HostPageStore | None = None,
     ) -> None:
         """windows: one sliding window (or None, a full group) per paging group.
-        swap_allocator: host swap pages (preemption_mode "swap"), else None."""
+        swap_allocator: host swap pages (preemption_mode "swap"), else None. host_store: the
+        host tier of the prefix cache (jpaged/core/host_page_store.py), used with one full
+        group only; None: evicted pages are dropped."""
         self.config = config
         self.sched = config.scheduler
         self.page_size = config.cache.page_size
@@ -159,6 +170,15 @@ class KVCacheManager:
         self.num_swaps_in = 0
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        # The host tier: page hashes become its sha256 digests, and the allocator records
+        # the cached pages it hands out anew, copied to the host by take_edits.
+        self._store = host_store  # its pages named by a plan are released by take_edits
+        self.host = host_store if host_store is not None and host_store.offload else None
+        if self.host is not None and (windows != (None,) or not allocator.enable_prefix_caching):
+            self.host = None
+        self._page_hash = page_hash if self.host is None else self.host.page_hash
+        if self.host is not None:
+            allocator.evicted = []
 
     # -- queries ---------------------------------------------------------------------------
     def num_free_pages(self) -> int:
@@ -189,6 +209,7 @@ class KVCacheManager:
         edits are one scatter on the device, where the order of two writes of one entry is
         not defined: only the last edit of each entry is kept (a beam forked into a row since
         the last plan and copying its shared last page in this one)."""
+        self._offload_evicted()
         if has_rows:
             updates = list({(r, c): (r, c, p) for r, c, p in self._updates}.values())
             edits = PageEdits(updates, self._copies, self._swap_out, self._swap_in)
@@ -196,13 +217,28 @@ class KVCacheManager:
         else:
             edits = PageEdits([], [], self._swap_out, self._swap_in)
         self._swap_out, self._swap_in = [], []
+        if self._store is not None:
+            self._store.end_plan(len(edits.swap_out), len(edits.swap_in))
         return edits
+
+    def _offload_evicted(self) -> None:
+        """The device cache's pages handed out anew since the last plan are copied to the
+        host tier (before this plan's swap-ins and step, which may rewrite them)."""
+        if self.host is None:
+            return
+        for page, entry in self.allocator.evicted:
+            host_page = self.host.offload_page(entry.hash, entry.token_ids, entry.salt)
+            if host_page is not None:
+                self._swap_out.append((page, host_page))
+        self.allocator.evicted.clear()
 
     def restart(self) -> None:
         """Drops every pending edit and the prefix cache (the device state was made anew;
-        every sequence's pages were freed)."""
+        every sequence's pages were freed), the host tier's too."""
         self._updates, self._copies, self._swap_out, self._swap_in = [], [], [], []
         self.allocator.reset_prefix_cache()
+        if self._store is not None:
+            self._store.restart()
 
     # -- admission -------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, budget: int) -> Admission | None:
@@ -211,6 +247,7 @@ class KVCacheManager:
         but seq.page_hashes (its prefix hit's)."""
         swapped = bool(seq.swap_pages)
         groups = range(self.num_groups)
+        loads: list[int] = []
         if swapped:  # its computed K/V comes back from host into fresh pages
             hits, computed = [[] for _ in groups], seq.num_computed_tokens
         elif (
@@ -219,7 +256,8 @@ class KVCacheManager:
             hits, computed = [[] for _ in groups], 0  # prompt logprobs, embeddings: every token
         else:
             hits = self._prefix_hits(seq)
-            computed = len(hits[0]) * self.page_size
+            loads = self._host_hits(seq, len(hits[0]))
+            computed = (len(hits[0]) + len(loads)) * self.page_size
         num_new = min(seq.num_tokens - computed, budget)
         if num_new < seq.num_tokens - computed and not self.sched.enable_chunked_prefill:
             return None
@@ -241,7 +279,13 @@ class KVCacheManager:
         if sum(needs) > self.allocator.num_free() - revived:
             return None
         return Admission(
-            computed, num_new, tuple(map(tuple, hits)), tuple(dead), tuple(needs), swapped
+            computed,
+            num_new,
+            tuple(map(tuple, hits)),
+            tuple(dead),
+            tuple(needs),
+            swapped,
+            tuple(loads),
         )
 
     def allocate(self, seq: Sequence, admission: Admission) -> None:
@@ -259,6 +303,8 @@ class KVCacheManager:
             self._append_pages(seq, list(hits[g]) + [NULL_PAGE] * (dead[g] - len(hits[g])), g)
             pages = self.allocator.allocate(admission.needs[g])
             self._append_pages(seq, pages, g)
+            if admission.loads:
+                self._load(seq, admission.loads, len(hits[0]))
             if admission.swapped:  # group g's swapped pages: those of positions dead[g] ..
                 num_swapped = math.ceil(computed / self.page_size) - dead[g]
                 self._swap_in.extend(zip(swap_pages[:num_swapped], pages))
@@ -436,7 +482,7 @@ class KVCacheManager:
         parent = seq.page_hashes[-1] if seq.page_hashes else None
         for i in range(len(seq.page_hashes), num_tokens // ps):
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
-            h = page_hash(parent, tokens, salt)
+            h = self._page_hash(parent, tokens, salt)
             for g, table in enumerate(seq.tables):
                 if g and self._anchored:  # the full group's page vouches for the prefix
                     prev = seq.tables[0][i]
@@ -463,7 +509,7 @@ class KVCacheManager:
         parent = None
         for i in range((seq.num_tokens - 1) // ps):
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
-            h = page_hash(parent, tokens, salt)
+            h = self._page_hash(parent, tokens, salt)
             page = self.allocator.lookup(h, tokens, parent=first[-1] if first else None, salt=salt)
             if page is None:
                 break
@@ -476,6 +522,40 @@ class KVCacheManager:
             hits = self._chained_hits(seq, first)
         del seq.page_hashes[len(hits[0]) :]
         return hits
+
+    def _host_hits(self, seq: Sequence, num_device_hits: int) -> list[int]:
+        """The host tier's pages of seq's full pages after its num_device_hits device hits
+        (each found after the one before, leaving a token to compute), their hashes appended
+        to seq.page_hashes; [] without the tier."""
+        if self.host is None:
+            return []
+        ps, salt = self.page_size, seq.group.cache_salt
+        parent = seq.page_hashes[-1] if seq.page_hashes else None
+        found: list[int] = []
+        for i in range(num_device_hits, (seq.num_tokens - 1) // ps):
+            tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
+            h = self.host.page_hash(parent, tokens, salt)
+            page = self.host.lookup(h, tokens, salt)
+            if page is None:
+                break
+            found.append(page)
+            seq.page_hashes.append(h)
+            parent = h
+        return found
+
+    def _load(self, seq: Sequence, loads: tuple[int, ...], first: int) -> None:
+        """Names the copies of host hits into seq's fresh pages of positions first, first +
+        1, ... and caches those pages on the device (the copies precede every step that
+        reads them: swap_in)."""
+        table, ps = seq.tables[0], self.page_size
+        for i, host_page in enumerate(loads, start=first):
+            self._swap_in.append((host_page, table[i]))
+            self.host.load(host_page)
+            tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
+            self.allocator.cache_page(
+                table[i], seq.page_hashes[i], tokens, parent=table[i - 1] if i else None,
+                salt=seq.group.cache_salt,
+            )  # fmt: skip
 
     def _group_lookup(self, seq: Sequence, group: int, i: int, parent: int | None) -> int | None:
         """Group `group`'s cached page of seq's page i, cached after exactly `parent` (under

@@ -22,6 +22,8 @@ import jax
 import numpy as np
 
 from jpaged.config import DEFAULT_SWAP_SPACE_BYTES, CacheConfig, EngineConfig
+from jpaged.core.disk_page_store import DiskPageStore
+from jpaged.core.host_page_store import HostPageStore
 from jpaged.core.kv_cache_manager import sequence_pages
 from models.config import LongRopeScaling, ModelConfig
 from models.kv_groups import KVGroups, kv_groups
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 # take when no flag sizes it: the host also holds the weights, the compiled programs, the
 # Python process and whatever else the machine runs.
 HOST_KV_MEMORY_SHARE = 0.25
+# The share of available host memory the host KV tier takes by default on an accelerator.
+HOST_OFFLOAD_SHARE = 0.25
 
 
 def available_host_memory() -> int | None:
@@ -187,12 +191,59 @@ def group_pages(num_pages: int, groups: KVGroups, num_layers: int) -> int:
     return (num_pages - 1) * num_layers // groups.slots_per_page + 1
 
 
+def resolve_kv_offload_bytes(
+    cache: CacheConfig, platform: str, groups: KVGroups, *, draft: bool, replicas: int = 1
+) -> int:
+    """The host tier's bytes (jpaged/core/host_page_store.py; 0: off): kv_offload_bytes, or
+    by default none on CPU (the pool already lives in host memory), none where the swap space
+    was sized (num_swap_pages, swap_space_bytes), and else HOST_OFFLOAD_SHARE of the available
+    host memory on an accelerator, split over the data-parallel replicas. Off without prefix
+    caching, with a sliding window or paging groups, with a draft model (its pool shares the
+    page ids) and across processes (host copies are not broadcast)."""
+    wanted = cache.kv_offload_bytes
+    swap_sized = cache.num_swap_pages is not None or cache.swap_space_bytes is not None
+    if wanted is None and swap_sized:
+        wanted = 0
+    if wanted is None:
+        if cache.kv_offload_dir is not None and platform == "cpu":
+            raise ValueError(
+                f"kv_offload_dir ({cache.kv_offload_dir!r}) needs kv_offload_bytes on CPU, "
+                "where the host tier is off by default (it stages the disk's pages)"
+            )
+        avail = available_host_memory() if platform != "cpu" else None
+        wanted = int(avail * HOST_OFFLOAD_SHARE) // replicas if avail else 0
+    why_not = None
+    if not cache.enable_prefix_caching:
+        why_not = "prefix caching is off"
+    elif groups.grouped or any(w is not None for w in groups.windows):
+        why_not = "the model has sliding-window layers"
+    elif draft:
+        why_not = "a draft model shares the pool's page ids"
+    elif jax.process_count() > 1:
+        why_not = "the model spans processes"
+    if wanted and why_not is not None:
+        if cache.kv_offload_bytes:
+            logger.warning("the host KV tier (kv_offload_bytes) is off: %s", why_not)
+        return 0
+    return wanted
+
+
 def resolve_num_swap_pages(
     config: EngineConfig, model_config: ModelConfig, itemsize: int, kv_dtype=None
 ) -> int:
-    """Host swap pages: 0 unless preemption_mode is "swap"; then num_swap_pages, or as many
-    pages as swap_space_bytes (default 4 GiB) holds."""
+    """Host pages: those of the host tier when kv_offload_bytes (resolved) is set, which swap
+    preemption shares (one store); else 0 unless preemption_mode is "swap"; then
+    num_swap_pages, or as many pages as swap_space_bytes (default 4 GiB) holds."""
     cache = config.cache
+    if cache.kv_offload_bytes:
+        page = kv_page_bytes(model_config, cache.page_size, itemsize, kv_dtype)
+        # The host array has an unused page 0 too: every page counts against the bytes.
+        if cache.kv_offload_bytes < 2 * page:
+            raise ValueError(
+                f"kv_offload_bytes ({cache.kv_offload_bytes}) holds less than two pages of K/V "
+                f"({page} bytes each, one of them the unused host page 0)"
+            )
+        return cache.kv_offload_bytes // page - 1
     if config.scheduler.preemption_mode != "swap":
         return 0
     if cache.num_swap_pages is not None:
@@ -272,6 +323,13 @@ def plan_memory(
         logger.warning("prefix caching is off: the model's LongRoPE keys depend on length")
         cache = dataclasses.replace(config.cache, enable_prefix_caching=False)
         config = dataclasses.replace(config, cache=cache)
+    offload = resolve_kv_offload_bytes(
+        config.cache, platform, groups, draft=draft_config is not None,
+        replicas=config.parallel.data_parallel_size,
+    )  # fmt: skip
+    config = dataclasses.replace(
+        config, cache=dataclasses.replace(config.cache, kv_offload_bytes=offload)
+    )
     swap_pages = resolve_num_swap_pages(config, model_config, itemsize, kv_dtype)
     return MemoryPlan(
         config=config,
@@ -279,4 +337,34 @@ def plan_memory(
         kv_groups=groups,
         num_pages=num_pages,
         num_swap_pages=group_pages(swap_pages + 1, groups, num_layers) - 1,
+    )
+
+
+def host_page_store(
+    config: EngineConfig, model_config: ModelConfig, num_host_pages: int, kv_dtype, host_array
+) -> HostPageStore | None:
+    """The engine's host pages (MemoryPlan.num_swap_pages, None when 0; their bytes are
+    host_array, the runner's swap_space): swap space, and the prefix cache's host tier when
+    kv_offload_bytes (resolved) is set, over the disk tier when kv_offload_dir is. Its
+    identity names the model, its architecture and the pages' dtype and layout: another
+    checkpoint never hits, in memory or on disk."""
+    if not num_host_pages:
+        return None
+    m, page_size = model_config, config.cache.page_size
+    cache = config.cache
+    disk = None
+    if cache.kv_offload_dir is not None and cache.kv_offload_bytes:
+        disk = DiskPageStore(cache.kv_offload_dir, cache.kv_offload_dir_bytes)
+    identity = (
+        f"{config.model}|{config.quantization}|{m.architecture}|{np.dtype(kv_dtype).name}|"
+        f"{page_size}x{m.num_layers}x{m.num_kv_heads}x{m.head_dim}"
+    )
+    return HostPageStore(
+        num_host_pages,
+        page_bytes=kv_page_bytes(model_config, page_size, 0, kv_dtype),
+        page_size=page_size,
+        identity=identity,
+        offload=bool(config.cache.kv_offload_bytes),
+        host_array=host_array,
+        disk=disk,
     )

@@ -59,6 +59,10 @@ class PageAllocator:
         # Bumped each time a page is handed out anew (its contents will be rewritten).
         self.generation = np.zeros(num_pages, dtype=np.int64)
         self.num_evictions = 0
+        # Cached pages handed out anew, (page, its entry), while a list: set by the host tier
+        # (jpaged/core/host_page_store.py), which copies them out before the step that
+        # rewrites them and empties it (KVCacheManager.take_edits).
+        self.evicted: list[tuple[int, CachedPage]] | None = None
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -90,6 +94,8 @@ class PageAllocator:
         pages = []
         for _ in range(n):
             page, _ = self._free.popitem(last=False)
+            if self.evicted is not None and page in self._cached:
+                self.evicted.append((page, self._cached[page]))
             self._uncache(page)
             self.generation[page] += 1
             self.ref_counts[page] = 1
@@ -189,6 +195,8 @@ class PageAllocator:
     def reset_prefix_cache(self) -> None:
         self._cached.clear()
         self._by_hash.clear()
+        if self.evicted is not None:
+            self.evicted.clear()
 
     def _uncache(self, page: int) -> None:
         entry = self._cached.pop(page, None)

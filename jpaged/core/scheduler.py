@@ -71,8 +71,12 @@ class Scheduler:
         swap_allocator: PageAllocator | None = None,
         sliding_window: int | None = None,
         group_windows: tuple[int | None, ...] | None = None,
+        admits: Callable[[list[Demand]], bool] | None = None,
+        host_store=None,
     ) -> None:
-        """swap_allocator: host swap pages, required when preemption_mode is "swap".
+        """admits: whether the running sequences and one more can step together (at Linux's
+        mapping cap, the runner's: a compiled program holds them); None admits all.
+        swap_allocator: host swap pages, required when preemption_mode is "swap".
         sliding_window: the window W every layer attends within, whose older pages are freed
         (module docstring); None keeps every page. group_windows: instead, one window (or
         None) per paging group of a model mixing attention kinds (models/kv_groups.py), each
@@ -97,7 +101,9 @@ class Scheduler:
         if self.sched.preemption_mode == "swap" and swap_allocator is None:
             raise ValueError('preemption_mode="swap" needs a swap_allocator (host swap pages)')
         self.swap_allocator = swap_allocator if self.sched.preemption_mode == "swap" else None
-        self.kv = KVCacheManager(config, allocator, windows, swap_allocator=self.swap_allocator)
+        self.kv = KVCacheManager(  # host_store: the prefix cache's host tier, or None
+            config, allocator, windows, swap_allocator=self.swap_allocator, host_store=host_store
+        )
         self.eos_token_ids = frozenset(eos_token_ids)
         self._eos_list = list(eos_token_ids)
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -110,9 +116,7 @@ class Scheduler:
         self._next_seq_id = 0
         self._passed: dict[int, int] = {}  # seq_id -> steps it was passed over while waiting
         self.num_preemptions = 0
-        # Set by the engine: whether the running sequences and one more can step together
-        # (a compiled program holds them at Linux's mapping cap); None admits all.
-        self.admission_check: Callable[[list[Demand]], bool] | None = None
+        self._admits = admits
 
     @property
     def num_swaps_out(self) -> int:
@@ -312,9 +316,9 @@ class Scheduler:
             return 0
         if len(self._free_rows) < slots_needed:
             return 0
-        if self.admission_check is not None and self.running:
+        if self._admits is not None and self.running:
             demands = [self._demand(q) for q in self.running] + [self._demand(seq)]
-            if not self.admission_check(demands):
+            if not self._admits(demands):
                 return 0  # it waits for a batch a compiled program holds
         admission = self.kv.can_allocate(seq, budget)
         if admission is None:
@@ -332,7 +336,7 @@ class Scheduler:
 
     def _demand(self, seq: Sequence) -> Demand:
         """The most seq can ask of one step from now on (its rest of the prompt at once, the
-        rows of its forks, its context up to max_tokens) for admission_check."""
+        rows of its forks, its context up to max_tokens) for the admits check."""
         sched = self.sched
         end = seq.num_prompt_tokens + (seq.params.max_tokens or sched.max_model_len)
         return Demand(

@@ -118,6 +118,9 @@ class ModelRunner:
         self.kv_dtype = kv_quant.storage_dtype(config.cache.kv_cache_dtype, dtype)
         self.reset_state()
         self.swap_space = None
+        self.swap_seconds, self.num_swap_steps = 0.0, 0  # swap's time, its calls with copies
+        # Without a disk tier nothing reads host pages between two swap calls.
+        self.defer_host_writes = config.cache.kv_offload_dir is None
         if num_swap_pages:  # zeros: the OS maps host pages on first write
             h, d = model_config.num_kv_heads, model_config.head_dim
             shape = (2, h, self.programs.num_slots, num_swap_pages + 1, self.page_size, d)
@@ -132,6 +135,9 @@ class ModelRunner:
         self.state = self.programs.init_state(
             self.num_pages, self.page_size, table_shape, self.kv_dtype
         )
+        # Gathered swap-outs not yet in the host array: (pages on device, host page ids); a
+        # failed step's are dropped with the host store's state (KVCacheManager.restart).
+        self._host_writes: list[tuple[object, np.ndarray]] = []
         # The latest step's sampled tokens, padded to max_num_seqs: the next step's prev_tokens.
         self.last_tokens = self.programs.zeros(sched.max_num_seqs)
 
@@ -222,8 +228,17 @@ class ModelRunner:
 
     # -- execution -------------------------------------------------------------------------
     def swap(self, plan: StepPlan) -> None:
-        """Runs a plan's swap-outs (device -> host), then its swap-ins (host -> device)."""
+        """Runs a plan's swap-outs (device -> host), then its swap-ins (host -> device).
+
+        Swap-outs are gathered on the device at once (a snapshot of the pages before the
+        step), and their bytes reach the host array when a later reader needs them: this
+        plan's swap-ins, the next plan's swap call (before it makes any copy), or, with
+        defer_host_writes off (a disk tier reads host pages while the plan is made), now.
+        A deferred fetch waits for the step in flight only when the next plan is made."""
+        t0 = time.perf_counter()
+        self.flush_host_writes()
         if not (len(plan.swap_out) or len(plan.swap_in)):
+            self.swap_seconds += time.perf_counter() - t0
             return
         gather, scatter = self._swappers()
         # [2, H, L, host pages, page_size, D] (a QuantizedPages of that and its scales
@@ -233,11 +248,9 @@ class ModelRunner:
             chunk = plan.swap_out[i : i + SWAP_PAGES]
             ids = np.zeros(SWAP_PAGES, np.int32)  # padding gathers the null page
             ids[: len(chunk)] = chunk[:, 0]
-
-            got = jax.device_get(gather(self.state, ids))
-            for host, pages in zip(jax.tree.leaves(space), jax.tree.leaves(got), strict=True):
-                by_layer = (*host.shape[:3], SWAP_PAGES, *host.shape[4:])
-                host[:, :, :, chunk[:, 1]] = pages.reshape(by_layer)[:, :, :, : len(chunk)]
+            self._host_writes.append((gather(self.state, ids), chunk[:, 1]))
+        if len(plan.swap_in) or not self.defer_host_writes:
+            self.flush_host_writes()
         for i in range(0, len(plan.swap_in), SWAP_PAGES):
             chunk = plan.swap_in[i : i + SWAP_PAGES]
             host = np.zeros(SWAP_PAGES, np.int32)  # padding writes host page 0 to the null page
@@ -247,6 +260,18 @@ class ModelRunner:
                 lambda a, h=host: a[:, :, :, h].reshape(*a.shape[:2], -1, *a.shape[4:]), space
             )
             self.state = scatter(self.state, dev, pages)
+        self.swap_seconds += time.perf_counter() - t0
+        self.num_swap_steps += 1
+
+    def flush_host_writes(self) -> None:
+        """Writes the gathered swap-outs into the host array (waiting for them)."""
+        for got, host_ids in self._host_writes:
+            got = jax.device_get(got)
+            for host, pages in zip(jax.tree.leaves(self.swap_space), jax.tree.leaves(got),
+                                   strict=True):  # fmt: skip
+                by_layer = (*host.shape[:3], SWAP_PAGES, *host.shape[4:])
+                host[:, :, :, host_ids] = pages.reshape(by_layer)[:, :, :, : len(host_ids)]
+        self._host_writes = []
 
     def execute(self, plan: StepPlan) -> SamplerOutput:
         """Runs one step; returns numpy arrays of the sampled tokens (row order of the plan)."""
@@ -303,6 +328,11 @@ class ModelRunner:
             return None
         return self.programs.compile_refusal("its step program")
 
+    def admits(self, demands: list[Demand]) -> bool:
+        """Whether these sequences can step together: a compiled program holds their steps,
+        or compiling one is allowed (the Scheduler's admission check)."""
+        return self.cap_refusal(needs_key(demands, self.config)) is None
+
     def refusal_at_cap(
         self, params, num_prompt_tokens: int = 0, *, pooling: bool = False
     ) -> str | None:
@@ -311,7 +341,7 @@ class ModelRunner:
         alone (its prompt at once, its n rows, its context of prompt + max_tokens at most
         max_model_len, its features: logprobs, penalties, logit_bias, prompt_logprobs). The
         engine refuses such a request alone, before it is queued; the scheduler admits the
-        others only into batches a compiled program holds (Scheduler.admission_check)."""
+        others only into batches a compiled program holds (ModelRunner.admits)."""
         s = self.config.scheduler
         end = min(num_prompt_tokens + (params.max_tokens or s.max_model_len), s.max_model_len)
         demand = Demand(params=params, num_prompt_tokens=num_prompt_tokens,

@@ -145,7 +145,7 @@ def step_key(plan: StepPlan, config: EngineConfig) -> StepKey:
     num_seqs = bucket(config.seq_buckets, len(plan))
     cols = bucket(config.page_buckets, max(plan.max_pages, 1))
     sampling = plan.sampling
-    num_logprobs = MAX_LOGPROBS if sampling.wants_logprobs else 0
+    num_logprobs = MAX_LOGPROBS if plan.wants_logprobs else 0
     penalty_shape = None
     if sampling.penalties is not None:
         penalty_shape = (
@@ -512,14 +512,12 @@ def _pack_sampling(
             penalties.presence[: len(plan)] = p.presence
             penalties.frequency[: len(plan)] = p.frequency
             penalties.repetition[: len(plan)] = p.repetition
-    return SamplingInputs(
-        temperature=_padded(r.temperature, s_pad, 0.0),
-        top_k=_padded(r.top_k, s_pad, 0),
-        top_p=_padded(r.top_p, s_pad, 1.0),
-        min_p=_padded(r.min_p, s_pad, 0.0),
-        key_data=_padded(r.key_data, s_pad, 0),
-        num_generated=_padded(r.num_generated, s_pad, 0),
-        banned=_padded(r.banned, s_pad, -1),
+    padded = {  # each row field padded to the bucket's rows with the value a padding row has
+        name: _padded(getattr(r, name), s_pad, fill) for name, fill in _ROW_FILLS.items()
+    }
+    return dataclasses.replace(
+        r,
+        **padded,
         penalties=penalties,
         token_bitmask=bitmask,
         use_bitmask=np.bool_(token_bitmask is not None),
@@ -527,3 +525,8 @@ def _pack_sampling(
         bias_values=bias_values,
         num_banned_positions=_padded(r.num_banned_positions, s_pad, 0) if key.spec_k else None,
     )
+
+
+# SamplingInputs' per-row fields and the value a padding row holds (greedy, no limits).
+_ROW_FILLS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "key_data": 0,
+              "num_generated": 0, "banned": -1}  # fmt: skip

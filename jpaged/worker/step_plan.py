@@ -29,33 +29,11 @@ from collections.abc import Sequence as SequenceABC
 
 import numpy as np
 
-from jpaged.sample.sampler import Penalties
+from jpaged.sample.sampler import Penalties, SamplingInputs
 from jpaged.sample.sampling_params import SamplingParams
 
 PLACEHOLDER = -1
 MAX_BANNED = 8  # stop tokens masked per row before min_tokens
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class RowSampling:
-    temperature: np.ndarray  # float32[S]; 0 = greedy
-    top_k: np.ndarray  # int32[S]; 0 = no limit
-    top_p: np.ndarray  # float32[S]
-    min_p: np.ndarray  # float32[S]
-    key_data: np.ndarray  # uint32[S, 2]: the sequence's threefry key
-    num_generated: np.ndarray  # int32[S]: tokens generated before this step's sample
-    num_banned_positions: np.ndarray  # int32[S]: tokens still due before min_tokens
-    banned: np.ndarray  # int32[S, MAX_BANNED], -1 padded
-    uses_penalties: np.ndarray  # bool[S]
-    # Token histories [S, Hp] / [S, Ho] (-1 padded, widths powers of two >= 16) and
-    # per-row values; None when no row uses penalties.
-    penalties: Penalties | None
-    wants_logprobs: bool  # some row asked for log-probabilities
-    # OpenAI logit_bias rows: int32[S, B] ids (-1 padded; B a power of two >= 16) and
-    # float32[S, B] values; None when no row has one.
-    bias_ids: np.ndarray | None = None
-    bias_values: np.ndarray | None = None
-    constrained: np.ndarray | None = None  # bool[S]: the row has a structured-output grammar
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -74,7 +52,11 @@ class StepPlan:
     page_copies: np.ndarray  # int32[C, 2]: (src, dst) copies before the step (copy-on-write)
     swap_out: np.ndarray  # int32[O, 2]: (device page, host page), before swap_in
     swap_in: np.ndarray  # int32[I, 2]: (host page, device page), before the step
-    sampling: RowSampling
+    # The rows' sampling values, unpadded (the runner pads them into the step's bucket);
+    # token_bitmask and use_bitmask are None here (Constraints makes the masks).
+    sampling: SamplingInputs
+    uses_penalties: np.ndarray  # bool[S]: the row's next token waits for this step's sample
+    wants_logprobs: bool  # some row asked for log-probabilities
     max_pages: int  # pages the longest row spans after the step
     decode_only: bool  # one token per row, each row sampling itself
     # int32[T]: for a prompt token of a row that asked for prompt_logprobs, the next prompt
@@ -86,6 +68,7 @@ class StepPlan:
     proposals: np.ndarray | None = None
     num_proposed: np.ndarray | None = None
     pools: bool = False  # some row computes prompt tokens of an embedding request
+    constrained: np.ndarray | None = None  # bool[S]: the row has a structured-output grammar
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -246,21 +229,18 @@ def build(
     key_data = np.empty((s, 2), np.uint32)
     key_data[:, 0] = [c.key_high for c in consts]
     key_data[:, 1] = [c.key_low for c in consts]
-    sampling = RowSampling(
+    sampling = SamplingInputs(
         temperature=np.asarray([c.temperature for c in consts], np.float32),
         top_k=np.asarray([c.top_k for c in consts], np.int32),
         top_p=np.asarray([c.top_p for c in consts], np.float32),
         min_p=np.asarray([c.min_p for c in consts], np.float32),
         key_data=key_data,
         num_generated=np.asarray(num_generated, np.int32),
-        num_banned_positions=np.asarray(num_banned, np.int32),
         banned=banned,
-        uses_penalties=uses_penalties,
         penalties=_penalties(rows, penalty_rows) if penalty_rows else None,
-        wants_logprobs=wants_logprobs,
         bias_ids=bias_ids,
         bias_values=bias_values,
-        constrained=is_constrained,
+        num_banned_positions=np.asarray(num_banned, np.int32),
     )
     prompt_targets = None
     if prompt_spans:
@@ -297,6 +277,8 @@ def build(
         swap_out=pairs(swap_out, 2),
         swap_in=pairs(swap_in, 2),
         sampling=sampling,
+        uses_penalties=uses_penalties,
+        wants_logprobs=wants_logprobs,
         max_pages=num_pages,
         decode_only=bool(s)
         and not spec_rows
@@ -306,6 +288,7 @@ def build(
         proposals=proposals,
         num_proposed=num_proposed,
         pools=pools,
+        constrained=is_constrained,
     )
 
 

@@ -146,8 +146,12 @@ def run_tp(ckpt: str, orbax_dir: str) -> dict:
     results["unrolled_2x1"] = res
     for t in (2, 8):  # swap preemption: 4 usable pages for 5 prompts of up to 3 pages
         engine = dict(ENGINE, num_pages=5, preemption_mode="swap", num_swap_pages=16)
+        if t == 2:  # with the KV host tier, whose 16 host pages (8 KiB) are the swap space
+            engine = dict(engine, num_swap_pages=None, kv_offload_bytes=17 * 8192)
         llm = LLM(ckpt, tensor_parallel_size=t, **engine)
         res = _generate(llm)
+        if t == 2:  # the same prompts again: their evicted pages come back from host
+            res["again"] = _generate(llm)["tokens"]
         res["stats"] = llm.stats()
         res["pool_spec"] = str(llm.llm_engine.runner.state.k_pages.sharding.spec)
         results[f"swap_{t}x1"] = res

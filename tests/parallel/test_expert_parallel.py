@@ -86,3 +86,22 @@ def test_deepseek_v3_tokens_equal_transformers_with_heads_split(tmp_path):
     assert layouts["deepseek_v3/4/True"]["wq_b"][1] == [3, 48, 1, 24]
     assert layouts["deepseek_v3/4/True"]["wkv_a"][1] == [3, 64, 32]  # replicated
     assert layouts["deepseek_v3/4/True"]["w_gate_exps"][1] == [2, 2, 64, 32]
+
+
+def test_gpt_oss_tokens_equal_transformers_and_experts_are_split(tmp_path):
+    """gpt-oss (sinks, window and full layers, biased experts with the clamped SwiGLU):
+    greedy tokens at TP 2, EP 2 and EP 4 equal transformers'; the sinks split with the query
+    heads, the gate/up biases with the experts' F or the experts, the down bias replicated
+    (added once after the all-reduce)."""
+    results = _run(tmp_path, "gpt_oss")
+    for t, ep in [(2, False), (2, True), (4, True)]:
+        got = results["got"][f"gpt_oss/{t}/{ep}"]
+        assert got["tokens"] == results["want"], (t, ep)
+        assert got["pages_used"] == 0
+    layouts = {k: v["layout"] for k, v in results["got"].items()}
+    assert layouts["gpt_oss/2/False"]["w_gate_exps"][1] == [4, 4, 64, 16]
+    assert layouts["gpt_oss/2/False"]["b_gate_exps"][1] == [4, 4, 16]
+    assert layouts["gpt_oss/4/True"]["w_gate_exps"][1] == [4, 1, 64, 32]
+    assert layouts["gpt_oss/4/True"]["b_gate_exps"][1] == [4, 1, 32]
+    assert layouts["gpt_oss/4/True"]["b_down_exps"][1] == [4, 4, 64]  # replicated
+    assert layouts["gpt_oss/4/True"]["sinks"][1] == [4, 1]  # 4 heads over 4 devices

@@ -27,6 +27,9 @@ def test_swap_preemption_under_tp_gives_the_single_device_tokens(tp_results, t):
     assert stats["num_preemptions"] == stats["num_swaps_out"] == stats["num_swaps_in"]
     assert (stats["pages_used"], stats["swap_pages_used"]) == (0, 0)
     assert res["pool_spec"] == "P('kv', None, None, None)"  # still split over heads
+    if t == 2:  # the host tier on: pages evicted from the pool come back, same tokens
+        assert res["again"] == tp_results["1x1"]["tokens"]
+        assert stats["host_hit_pages"] > 0 and stats["host_pages_used"] == 0
 
 
 @pytest.mark.parametrize(("t", "d"), CONFIGS)

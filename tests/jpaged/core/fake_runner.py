@@ -197,6 +197,9 @@ class FakeRunner:
     def cap_refusal(self, needs) -> None:
         return None
 
+    def admits(self, demands) -> bool:
+        return True
+
     def warm_up_keys(self, context_len: int) -> list:
         return _warm_up_keys(self.config, context_len)
 

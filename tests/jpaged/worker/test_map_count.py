@@ -156,7 +156,7 @@ def test_at_the_cap_requests_whose_features_were_compiled_apart_run_in_separate_
     """A logprobs program and a penalties program compiled apart, none with both: at the
     cap, a logprobs request, a penalties request and a plain one submitted together are all
     served, each with the tokens it gets alone, without a compile: the scheduler admits a
-    request only into a batch some compiled program holds (Scheduler.admission_check) and
+    request only into a batch some compiled program holds (ModelRunner.admits) and
     a step runs on a compiled program with more features than it asks for (holds)."""
     llm = LLM(str(demo_model_dir), max_num_seqs=4, max_model_len=64, num_pages=32)
     engine = llm.llm_engine

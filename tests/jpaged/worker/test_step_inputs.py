@@ -27,12 +27,12 @@ from jpaged.worker.step_plan import PLACEHOLDER, empty_plan
 SCRATCH = 4  # max_num_seqs: the scratch page-table row
 
 
-def make():
+def make(admits=None):
     config = EngineConfig(
         cache=CacheConfig(page_size=4, num_pages=16),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32),
     )
-    return Scheduler(config, PageAllocator(16), eos_token_ids=(0,)), config
+    return Scheduler(config, PageAllocator(16), eos_token_ids=(0,), admits=admits), config
 
 
 def add(sched, rid, prompt, **params):
@@ -140,7 +140,7 @@ def test_penalty_rows_carry_their_token_histories():
     feed(sched, plan, [7, 8])
     plan = sched.schedule()
     p = plan.sampling.penalties
-    assert plan.sampling.uses_penalties.tolist() == [True, False]
+    assert plan.uses_penalties.tolist() == [True, False]
     assert p.prompt_tokens.shape == (2, 16) and p.output_tokens.shape == (2, 16)
     assert p.prompt_tokens[0, :4].tolist() == [5, 6, 5, -1]
     assert p.output_tokens[0, :2].tolist() == [7, -1]
@@ -401,9 +401,8 @@ def test_needs_key_is_the_biggest_step_the_demands_run_together():
 
 
 def test_the_admission_check_sees_the_running_sequences_and_the_next_one():
-    sched, _ = make()
     seen = []
-    sched.admission_check = lambda demands: seen.append(demands) or len(demands) < 2
+    sched, _ = make(admits=lambda demands: seen.append(demands) or len(demands) < 2)
     add(sched, "a", [5, 6, 7], max_tokens=2)
     add(sched, "b", [8, 9], logprobs=1, max_tokens=3)
     plan = sched.schedule()
