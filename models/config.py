@@ -65,8 +65,12 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
     "Glm4MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
     "GptOssForCausalLM",
 )
+# Multi-head latent attention (models/mla.py): the pool holds a latent per token, not K/V.
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Expert layers' router scores: softmax over all experts (Qwen3-MoE, Mixtral, OLMoE), an
 # independent sigmoid per expert (DeepSeek-V3, GLM-4.5), or a softmax over the top-k logits
 # only (gpt-oss).
@@ -190,6 +194,21 @@ class ModelConfig:
     num_dense_layers: int = 0
     qk_norm_full: bool = False  # q/k RMSNorm over the whole projection (OLMoE), not per head
     clip_qkv: float | None = None  # q, k, v clamped to [-it, it] (OLMoE)
+    # Multi-head latent attention (DeepSeek-V2/V3, models/mla.py), kv_lora_rank > 0: the pool
+    # holds per token the normed latent [kv_lora_rank] and the rotated shared key
+    # [qk_rope_head_dim], one row split in halves over the K and V pools, so num_kv_heads is
+    # 1 and head_dim is (kv_lora_rank + qk_rope_head_dim) / 2 (the pool's geometry); a query
+    # head has qk_nope_head_dim + qk_rope_head_dim dims, a value head v_head_dim; q_lora_rank
+    # > 0: the query goes through a low-rank projection with its norm.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the checkpoint's rotary dims in pairs (models/mla.py)
+    # The router's group score (DeepSeek-V2's group_limited_greedy: the group's best score;
+    # else the sum of its best two).
+    group_score: str = "top2"
     # gpt-oss: a learned logit per query head joins each softmax's denominator (a "sink"
     # that takes probability and gives no value); a bias on the output projection; the
     # router's own bias on its logits (moe_scoring "topk_softmax"); biases on the experts'
@@ -263,6 +282,8 @@ class ModelConfig:
             self._check_routing()
         elif self.expert_parallel:
             raise ValueError(f"expert parallelism needs experts; {self.architecture} has none")
+        if self.kv_lora_rank:
+            self._check_mla()
         rs = self.rope_scaling
         if isinstance(rs, LongRopeScaling):
             for name in ("short_factor", "long_factor"):
@@ -297,6 +318,8 @@ class ModelConfig:
                 f"topk_group ({topk}) groups of {self.num_experts // groups} experts hold "
                 f"fewer than num_experts_per_tok ({self.num_experts_per_tok})"
             )
+        if self.group_score not in ("top2", "max"):
+            raise ValueError(f"group_score must be 'top2' or 'max', got {self.group_score!r}")
         for name in ("num_shared_experts", "num_dense_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
@@ -305,6 +328,24 @@ class ModelConfig:
             raise ValueError(
                 f"first_k_dense_replace ({self.num_dense_layers}) exceeds the "
                 f"{self.num_layers} layers"
+            )
+
+    def _check_mla(self) -> None:
+        """The latent attention's dims (the class comment) and the pool geometry they set."""
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        row = self.kv_lora_rank + self.qk_rope_head_dim
+        if row % 2 or self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"kv_lora_rank + qk_rope_head_dim ({row}) and qk_rope_head_dim "
+                f"({self.qk_rope_head_dim}) must be even (the latent row is split in halves)"
+            )
+        if (self.num_kv_heads, self.head_dim) != (1, row // 2):
+            raise ValueError(
+                f"a latent-attention pool has 1 KV head of {row // 2} dims, got "
+                f"{self.num_kv_heads} of {self.head_dim}"
             )
 
     def has_experts(self, layer: int) -> bool:
@@ -330,7 +371,10 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Dims of each head that rope rotates (the first ones)."""
+        """Dims of each head that rope rotates (the first ones; latent attention: the
+        decoupled rotary dims of every query head and of the shared key)."""
+        if self.kv_lora_rank:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -339,6 +383,12 @@ class ModelConfig:
         reads per token besides the embedding and head."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = self.hidden_size * (2 * q + 2 * kv)  # q, k, v, o
+        if self.kv_lora_rank:  # the latent attention's projections (models/mla.py)
+            h, d, r, dq = self.num_heads, self.hidden_size, self.kv_lora_rank, self.q_lora_rank
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = dq * (d + h * qk) if dq else d * h * qk
+            attention = q + d * (r + self.qk_rope_head_dim) + r * h * (
+                self.qk_nope_head_dim + self.v_head_dim) + h * self.v_head_dim * d
         dense = 3 * self.hidden_size * self.intermediate_size
         if not self.num_experts:
             return self.num_layers * (attention + dense)
@@ -358,6 +408,12 @@ class ModelConfig:
 
     @property
     def sm_scale(self) -> float:
+        if self.kv_lora_rank:  # a query head's dims, and YaRN's mscale (transformers')
+            scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+            rs = self.rope_scaling
+            if isinstance(rs, YarnRopeScaling) and rs.mscale_all_dim:
+                scale *= yarn_mscale(rs.factor, rs.mscale_all_dim) ** 2
+            return scale
         if self.query_pre_attn_scalar is not None:
             return self.query_pre_attn_scalar**-0.5
         return self.head_dim**-0.5
@@ -391,6 +447,8 @@ class ModelConfig:
             sliding = None
         family = _family_fields(arch, hf, sliding, source)
         family.update(_moe_fields(arch, hf, source))
+        family.setdefault("num_kv_heads", hf.get("num_key_value_heads") or num_heads)
+        family.setdefault("head_dim", head_dim)
         return cls(
             architecture=arch,
             vocab_size=need("vocab_size"),
@@ -398,8 +456,6 @@ class ModelConfig:
             intermediate_size=need("intermediate_size"),
             num_layers=need("num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             **rope,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
@@ -553,6 +609,8 @@ def _moe_fields(arch: str, hf: dict[str, Any], source: str) -> dict[str, Any]:
     families)."""
     if arch == "Glm4MoeForCausalLM":
         return _glm4_moe_fields(hf, source)
+    if arch in MLA_ARCHITECTURES:
+        return _deepseek_fields(arch, hf, source)
     if arch == "GptOssForCausalLM":
         return {}  # _gpt_oss_fields
     if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"):
@@ -600,6 +658,53 @@ def _glm4_moe_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
         "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
         "num_shared_experts": hf.get("n_shared_experts", 1),
         "num_dense_layers": hf.get("first_k_dense_replace", 1),
+    }
+
+
+def _deepseek_fields(arch: str, hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """DeepSeek-V2/V3's latent attention and expert fields, with transformers' defaults
+    (V3: GLM-4.5's noaux_tc routing; V2: softmax scores, greedy or group_limited_greedy top-k,
+    never renormalised)."""
+    v3 = arch == "DeepseekV3ForCausalLM"
+    r, dr = hf.get("kv_lora_rank", 512), hf.get("qk_rope_head_dim", 64)
+    fields = {
+        "kv_lora_rank": r,
+        "q_lora_rank": hf.get("q_lora_rank", 1536) or 0,
+        "qk_nope_head_dim": hf.get("qk_nope_head_dim", 128),
+        "qk_rope_head_dim": dr,
+        "v_head_dim": hf.get("v_head_dim", 128),
+        "rope_interleave": bool(hf.get("rope_interleave", True)) if v3 else True,
+        "num_kv_heads": 1,
+        "head_dim": (r + dr) // 2,
+    }
+    if hf.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias is not supported for {arch}")
+    if not hf.get("n_routed_experts", 256 if v3 else 64):
+        return {**fields, "num_dense_layers": 0}
+    if v3:
+        moe = _glm4_moe_fields({"first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
+                                "routed_scaling_factor": 2.5, "n_routed_experts": 256,
+                                "moe_intermediate_size": 2048, **hf}, source)  # fmt: skip
+        return {**fields, **moe}
+    method = hf.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(
+            f"{source}: topk_method {method!r} is not supported; supported: greedy, "
+            "group_limited_greedy"
+        )
+    grouped = method == "group_limited_greedy"
+    return {
+        **fields,
+        "num_experts": hf.get("n_routed_experts", 64),
+        "num_experts_per_tok": hf.get("num_experts_per_tok") or 6,
+        "moe_intermediate_size": hf.get("moe_intermediate_size", 1407),
+        "norm_topk_prob": False,
+        "num_expert_groups": (hf.get("n_group") or 1) if grouped else 1,
+        "topk_groups": (hf.get("topk_group") or 1) if grouped else 1,
+        "group_score": "max",
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+        "num_shared_experts": hf.get("n_shared_experts", 2),
+        "num_dense_layers": hf.get("first_k_dense_replace", 0),
     }
 
 

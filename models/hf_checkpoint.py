@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from models import mxfp4
+from models import mla, mxfp4
 from models.config import ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -183,6 +183,9 @@ def tensor_specs(cfg: ModelConfig) -> dict[tuple, TensorSpec]:
             name = p + "mlp.gate_up_proj.weight"
             layer["w_gate"] = _fused_rows(name, (2 * f, d), 0, f, (d, f))
             layer["w_up"] = _fused_rows(name, (2 * f, d), f, 2 * f, (d, f))
+        if cfg.kv_lora_rank:  # latent attention (models/mla.py)
+            del layer["wq"], layer["wk"], layer["wv"], layer["wo"]
+            layer.update({k: TensorSpec(*t) for k, t in mla.hf_tensors(cfg, p).items()})
         if cfg.o_bias:
             layer["bo"] = plain(p + "self_attn.o_proj.bias", (d,))
         if cfg.attention_sinks:
@@ -209,6 +212,8 @@ _EXPERT_NAMES = {
     "Qwen3MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
     "OlmoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
     "Glm4MoeForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+    "DeepseekV2ForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
+    "DeepseekV3ForCausalLM": ("mlp.", "gate_proj", "up_proj", "down_proj"),
 }
 
 

@@ -15,6 +15,9 @@ Mixture-of-experts configs (cfg.num_experts) run models/moe.py in place of the g
 after cfg.num_dense_layers layers of the gated MLP (GLM-4.5); stacked, those first layers run
 unrolled and the expert layers after them under lax.scan.
 
+Latent-attention configs (cfg.kv_lora_rank: DeepSeek-V2/V3) run models/mla.py in place of
+the q/k/v attention; the pool then holds one latent row per token, split over K and V.
+
 Tensor parallelism: with `tp_axis` set, the functions run inside shard_map on one device's
 shards (layout of models/sharding.py): the same code over local heads and columns, plus one
 psum after each row-parallel matmul (wo, w_down), one for the vocab-parallel embedding, and an
@@ -30,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from models import lora, moe, quantization
+from models import lora, mla, moe, quantization
 from models.config import (
     LinearRopeScaling,
     LongRopeScaling,
@@ -325,6 +328,15 @@ def forward(
         window, local, experts = kind  # static: a layer group's own
         cos, sin = ropes[local]
         h = norm(x, layer["input_norm"], cfg.rms_norm_eps)
+        if cfg.kv_lora_rank:  # latent attention (models/mla.py)
+            out, k_pages, v_pages = mla.attention(
+                h, layer, cfg, cos, sin, k_pages, v_pages,
+                slot_mapping[group] + offset * page_size, page_table[group] + offset,
+                context_lens, query_start, norm=norm, rotate=rotate, decode_only=decode_only,
+                max_query_len=max_query_len, attn_kwargs=attn_kwargs,
+            )  # fmt: skip
+            return _feed_forward(x + _reduce(out, tp_axis), layer, cfg, norm, act, tp_axis,
+                                 experts, (k_pages, v_pages), lora_slots)  # fmt: skip
         q, k, v = (
             lora.add(quantization.einsum("td,dhk->thk", h, layer[w]), h, layer, m, lora_slots)
             for w, m in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"))
@@ -365,12 +377,8 @@ def forward(
         if cfg.post_norms:
             out = norm(out, layer["attn_out_norm"], cfg.rms_norm_eps)
         x = x + out
-        h = norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)
-        out = _mlp(h, layer, cfg, act, tp_axis, experts, lora_slots)
-        if cfg.post_norms:
-            out = norm(out, layer["mlp_out_norm"], cfg.rms_norm_eps)
-        x = x + out
-        return (x, k_pages, v_pages), None
+        return _feed_forward(x, layer, cfg, norm, act, tp_axis, experts, (k_pages, v_pages),
+                             lora_slots)
 
     carry = (x, k_pages, v_pages)
     layers = params["layers"]
@@ -472,6 +480,15 @@ def compute_logits(
     return logits
 
 
+def _feed_forward(x, layer, cfg, norm, act, tp_axis, experts, pool, lora_slots=None):
+    """A layer's second half: x plus the (post-normed) MLP of normed x, as run_layer's carry."""
+    h = norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)
+    out = _mlp(h, layer, cfg, act, tp_axis, experts, lora_slots)
+    if cfg.post_norms:
+        out = norm(out, layer["mlp_out_norm"], cfg.rms_norm_eps)
+    return (x + out, *pool), None
+
+
 def _mlp(
     h: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis, experts: bool, lora_slots=None
 ) -> jax.Array:
@@ -565,6 +582,10 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float
             layer.update(q_norm=ones(hq, dh), k_norm=ones(hkv, dh))
         if cfg.post_norms:
             layer.update(attn_out_norm=ones(d), mlp_out_norm=ones(d))
+        if cfg.kv_lora_rank:
+            for name in ("wq", "wk", "wv", "wo"):
+                del layer[name]
+            layer.update(mla.init_attention(cfg, w, ones))
         if cfg.has_experts(i):
             e, fe, fs = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_intermediate_size
             del layer["w_gate"], layer["w_up"], layer["w_down"]

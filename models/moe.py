@@ -102,13 +102,15 @@ def route_grouped(
     norm_topk_prob: bool = True,
     scaling: float = 1.0,
     scoring: str = "sigmoid",
+    group_score: str = "top2",
 ) -> tuple[jax.Array, jax.Array]:
     """DeepSeek-V3's "noaux_tc" routing (GLM-4.5's), as transformers' Glm4MoeTopkRouter.
 
     scores = sigmoid(logits) (or softmax); choice = scores + bias. The E experts form
     num_groups groups of E / G; a group's score is the sum of its best two choice values;
     the topk_groups best groups are eligible and the top k choice values among their experts
-    are chosen. Each chosen expert's weight is its unbiased score (the bias picks, never
+    are chosen (group_score "max": a group's score is its best value, DeepSeek-V2's
+    group_limited_greedy). Each chosen expert's weight is its unbiased score (the bias picks, never
     weighs), renormalised over the k when norm_topk_prob, then times scaling.
 
         experts  0 1 2 3 | 4 5 6 7 | 8 9 10 11 | ...   G groups of E / G
@@ -131,7 +133,10 @@ def route_grouped(
     num_tokens, num_experts = choice.shape
     if num_groups > 1 and topk_groups < num_groups:
         grouped = choice.reshape(num_tokens, num_groups, num_experts // num_groups)
-        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+        if group_score == "max":
+            group_scores = jnp.max(grouped, axis=-1)  # [T, G]
+        else:
+            group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
         _, best = jax.lax.top_k(group_scores, topk_groups)
         eligible = (
             jnp.zeros((num_tokens, num_groups), bool)
@@ -163,6 +168,7 @@ def _route(logits: jax.Array, layer: dict, cfg: ModelConfig) -> tuple[jax.Array,
         norm_topk_prob=cfg.norm_topk_prob,
         scaling=cfg.routed_scaling_factor,
         scoring=cfg.moe_scoring,
+        group_score=cfg.group_score,
     )
 
 

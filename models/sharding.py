@@ -21,7 +21,9 @@ the router replicated; each expert's F split like w_gate/w_down, or with expert 
 bias replicated, shared experts split over their F like a dense MLP under either layout.
 gpt-oss: sinks split as the query heads; the o and down biases replicated (added once after
 the all-reduce); the gate/up expert biases split as their experts' F, or with the experts.
-Dense MLP layers before the expert layers (GLM-4.5) are split as a dense model's. Per-device
+Dense MLP layers before the expert layers (GLM-4.5) are split as a dense model's. Latent
+attention (DeepSeek, models/mla.py): the query and up-projections split over heads, the
+latent's projection and the one-head pool replicated (kv = 1). Per-device
 pool bytes are total / min(T, num_kv_heads).
 
 A quantized param (models/quantization.py QuantizedWeight) is split as the float weight it
@@ -140,6 +142,14 @@ def param_specs(cfg: ModelConfig, tensor_parallel_size: int, *, stacked: bool = 
         layer.update(attn_out_norm=P(), mlp_out_norm=P())
     if cfg.qk_norm_full:  # [H, Dh], split as the heads
         layer.update(q_norm=P(TP, None), k_norm=P(KV, None))
+    if cfg.kv_lora_rank:  # latent attention (models/mla.py): heads split, the latent's not
+        for name in ("wq", "wk", "wv"):
+            del layer[name]
+        layer.update(wkv_a=P(), kv_a_norm=P(), wkv_b=P(None, TP, None))
+        if cfg.q_lora_rank:
+            layer.update(wq_a=P(), q_a_norm=P(), wq_b=P(None, TP, None))
+        else:
+            layer["wq"] = heads_q
     expert_layer = {}
     if cfg.num_experts:  # [E, D, F], [E, F, D]: experts split, or each expert's F
         if cfg.expert_parallel:

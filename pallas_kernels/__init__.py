@@ -130,6 +130,7 @@ def paged_decode_attention(
     interpret: bool = False,
     backend: str | None = None,
     gpu_kernel: str | None = None,
+    latent: bool = False,
     sinks: jax.Array | None = None,  # [num_q_heads]: gpt-oss's sink logits
 ) -> jax.Array:  # [batch, num_q_heads, head_dim], q's dtype
     """Decode attention (one query per sequence at position lengths[b] - 1), dispatched.
@@ -139,8 +140,17 @@ def paged_decode_attention(
     GPU kernel ("triton" or "mosaic"; None: $JPAGED_GPU_KERNEL, else "triton"). sinks:
     one logit per query head joining each softmax's denominator (gpt-oss; None: none). Every
     kernel takes them, and without them traces the program it traced before they existed.
+    latent: multi-head latent attention (reference.paged_prefill_attention), its own
+    kernels (pallas_kernels/mla.py; no sinks).
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
+    if latent:
+        from pallas_kernels import mla
+
+        return mla.paged_decode_attention(
+            q, k_pages, v_pages, lengths, page_table, interpret=interpret, backend=backend,
+            **kwargs,
+        )  # fmt: skip
     if sinks is not None:  # only then: the other families' kernels are traced as before
         kwargs["sinks"] = sinks
     which = select_backend(
@@ -182,6 +192,7 @@ def paged_prefill_attention(
     interpret: bool = False,
     backend: str | None = None,
     max_query_len: int | None = None,
+    latent: bool = False,
     sinks: jax.Array | None = None,  # [num_q_heads]: gpt-oss's sink logits
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim], q's dtype
     """Ragged paged attention (prefill chunks and decode tokens in one call), dispatched.
@@ -189,12 +200,18 @@ def paged_prefill_attention(
     See reference.paged_prefill_attention for the contract. max_query_len (static): the
     query tokens per sequence a step usually has at most (a verification step's k + 1); the
     reference then attends each sequence's queries as one group when they fit (the kernels
-    take no hint). sinks as paged_decode_attention's.
+    take no hint). sinks as paged_decode_attention's. latent: multi-head latent attention;
+    the reference serves it (prefill is compute-bound: the latent kernels are decode's,
+    pallas_kernels/mla.py).
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
+    args = (q, k_pages, v_pages, context_lens, page_table, query_start)
+    if latent:
+        return reference.paged_prefill_attention(
+            *args, max_query_len=max_query_len, latent=True, **kwargs
+        )
     if sinks is not None:
         kwargs["sinks"] = sinks
-    args = (q, k_pages, v_pages, context_lens, page_table, query_start)
     which = select_backend(
         q.shape, k_pages.shape, k_pages.dtype, interpret=interpret, backend=backend
     )

@@ -76,8 +76,9 @@ def _finish(m, l, acc, sinks):
     return acc * scale / (l * scale + jnp.exp(sinks - m_new))
 
 
-def _read_key_block(k_pages, v_pages, rows, row_lens, i, key_block_pages):
-    """Key block i of each row: positions int32[block] and K, V [Hkv, R, block, D] float32.
+def _read_key_block(k_pages, v_pages, rows, row_lens, i, key_block_pages, latent=False):
+    """Key block i of each row: positions int32[block] and K, V [Hkv, R, block, D] float32
+    (latent: K and V both the row of K's and V's halves side by side, D twice theirs).
 
     rows int32[R, P]: page-table rows; row_lens int32[R]: tokens written in each row's pages
     (slots past it are zeroed in V). A page no slot of which is written (past the row's
@@ -95,11 +96,15 @@ def _read_key_block(k_pages, v_pages, rows, row_lens, i, key_block_pages):
     def gather(pool):  # a quantized pool (kv_quant.QuantizedPages) is dequantized here
         return kv_quant.take(pool, pages).reshape(hkv, r, block, d)
 
+    if latent:  # one row split over the two pools (models/mla.py): keys and values alike
+        row = jnp.concatenate([gather(k_pages), gather(v_pages)], axis=-1)
+        return kv_pos, row, jnp.where(written[None, :, :, None], row, 0.0)
     return kv_pos, gather(k_pages), jnp.where(written[None, :, :, None], gather(v_pages), 0.0)
 
 
 def _attend_block(q, k_pages, v_pages, rows, row_lens, which, pos, kv_len, *, page_size,
-                  key_block_pages, key_range, sm_scale, soft_cap, sliding_window, sinks=None):
+                  key_block_pages, key_range, sm_scale, soft_cap, sliding_window, latent=False,
+                  sinks=None):
     """One block of query tokens over the keys [lo, hi) of their context.
 
     q [T, Hkv, G, D]; rows int32[R, P]: the page-table rows read, either one per token
@@ -118,7 +123,8 @@ def _attend_block(q, k_pages, v_pages, rows, row_lens, which, pos, kv_len, *, pa
     qk = qf.transpose(1, 0, 2, 3) if which is None else None
 
     def step(i, carry):
-        kv_pos, k, v = _read_key_block(k_pages, v_pages, rows, row_lens, i, key_block_pages)
+        kv_pos, k, v = _read_key_block(k_pages, v_pages, rows, row_lens, i, key_block_pages,
+                                       latent)
         visible = (kv_pos[None, :] <= pos[:, None]) & (kv_pos[None, :] < kv_len[:, None])
         if sliding_window is not None:
             visible = visible & (kv_pos[None, :] > pos[:, None] - sliding_window)
@@ -162,7 +168,8 @@ def _attend_block(q, k_pages, v_pages, rows, row_lens, which, pos, kv_len, *, pa
 
 
 def _attend_grouped(q, k_pages, v_pages, context_lens, page_table, query_start, *, max_query_len,
-                    sm_scale, soft_cap, sliding_window, sinks=None):
+                    sm_scale, soft_cap, sliding_window, latent=False,
+                    sinks=None):
     """paged_prefill_attention's result when no sequence has more than max_query_len query
     tokens: each sequence's queries as one group [max_query_len, Hq], its keys gathered once
     per key block for all of them (the per-token path gathers them once per query token).
@@ -191,7 +198,7 @@ def _attend_grouped(q, k_pages, v_pages, context_lens, page_table, query_start, 
 
     def step(i, carry):
         kv_pos, k, v = _read_key_block(k_pages, v_pages, page_table, context_lens, i,
-                                       key_block_pages)
+                                       key_block_pages, latent)
         visible = (kv_pos <= pos[:, :, None]) & (kv_pos < context_lens[:, None, None])
         visible &= seen[:, :, None]  # [S, Qm, C]
         if sliding_window is not None:
@@ -235,6 +242,7 @@ def paged_prefill_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     max_query_len: int | None = None,
+    latent: bool = False,
     sinks: jax.Array | None = None,  # float32[num_q_heads]: gpt-oss's sink logits
 ) -> jax.Array:  # [num_tokens, num_q_heads, head_dim], q's dtype
     """Ragged paged attention: one call serves prefill chunks and decode tokens together.
@@ -252,12 +260,16 @@ def paged_prefill_attention(
     verification step: k + 1). When every sequence has at most that many, they are attended
     in groups per sequence (_attend_grouped), else as below; the result is the same.
 
+    latent (static): multi-head latent attention (models/mla.py): each token's key and value
+    are one row, its first half in k_pages and its second in v_pages (head_dim each), and q
+    and the result are rows [num_tokens, num_q_heads, 2 * head_dim].
+
     sinks (optional): one logit per query head that joins every query's softmax
     denominator (gpt-oss's attention sinks, _finish); None: a plain softmax.
     """
     if max_query_len is not None:
         kw = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window,
-              "sinks": sinks}
+              "latent": latent, "sinks": sinks}
         args = (q, k_pages, v_pages, context_lens, page_table, query_start)
         fits = jnp.max(query_start[1:] - query_start[:-1]) <= max_query_len
         return jax.lax.cond(
@@ -293,7 +305,8 @@ def paged_prefill_attention(
 
         kw = {"page_size": page_size, "key_block_pages": key_block_pages,
               "key_range": key_range(posb, lenb), "sm_scale": sm_scale, "soft_cap": soft_cap,
-              "sliding_window": sliding_window, "sinks": sinks}
+              "sliding_window": sliding_window, "latent": latent,
+              "sinks": sinks}
         first, last = seqb[0], seqb[-1]  # tokens are in sequence order
         zeros = jnp.zeros(seqb.shape, jnp.int32)
 
@@ -361,9 +374,11 @@ def paged_decode_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    latent: bool = False,
     sinks: jax.Array | None = None,  # float32[num_q_heads]
 ) -> jax.Array:  # [batch, num_q_heads, head_dim], q's dtype
-    """Decode attention: one query per sequence, at position lengths[b] - 1."""
+    """Decode attention: one query per sequence, at position lengths[b] - 1 (latent:
+    paged_prefill_attention's)."""
     batch = q.shape[0]
     query_start = jnp.arange(batch + 1, dtype=jnp.int32)
     return paged_prefill_attention(
@@ -376,5 +391,6 @@ def paged_decode_attention(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        latent=latent,
         sinks=sinks,
     )

@@ -27,6 +27,9 @@ every layer): hybrid paging (a page table per layer group, the window groups' ol
 freed) against --no-free-window-pages (every page kept). Columns as above; "max run" is the
 most sequences admitted at once.
 
+`--preset kv-bytes` prints DeepSeek-V3's KV bytes per token (its real attention dims, no weights):
+the latent pool (models/mla.py) against the same model with per-head K/V, per KV dtype.
+
 Tokens/s counts output tokens over the wall time of the run less the time spent compiling
 (engine.stats()['compile_seconds']), so cold compiles do not decide the comparison. Requests are greedy
 random token ids; the model's weights do not matter to memory use.
@@ -291,6 +294,37 @@ def windowed_table(args, row, head) -> None:
     )
 
 
+# DeepSeek-V3's config.json attention fields (the rest does not change the pool).
+DEEPSEEK_V3_ATTENTION = {
+    "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+    "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+}  # fmt: skip
+
+
+def kv_bytes_table() -> None:
+    """--preset kv-bytes: DeepSeek-V3's KV bytes per token, latent pool against full heads."""
+    from jpaged.core.memory_plan import kv_page_bytes
+    from models.config import ModelConfig
+    from pallas_kernels import kv_quant
+
+    cfg = ModelConfig.from_hf_config(DEEPSEEK_V3_ATTENTION)
+    heads = cfg.num_heads * ((cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) + cfg.v_head_dim)
+    print(f"DeepSeek-V3: {cfg.num_layers} layers, latent {cfg.kv_lora_rank} + rope "
+          f"{cfg.qk_rope_head_dim} against {cfg.num_heads} heads of K "
+          f"{cfg.qk_nope_head_dim + cfg.qk_rope_head_dim} + V {cfg.v_head_dim}")  # fmt: skip
+    print(f"{'KV dtype':<10}{'MLA bytes/token':>17}{'per-head K/V':>15}{'ratio':>8}")
+    for name, itemsize in (("bfloat16", 2), ("float32", 4), ("int8", 1)):
+        dtype = kv_quant.storage_dtype(name, np.float32) if name == "int8" else None
+        mla = kv_page_bytes(cfg, 1, itemsize, dtype)
+        # full heads: each K and V row of a head stored, int8 with a 2-byte scale per row
+        row_scales = 2 * 2 * cfg.num_heads if name == "int8" else 0
+        full = cfg.num_layers * (heads * itemsize + row_scales)
+        print(f"{name:<10}{mla:>17,}{full:>15,}{full / mla:>7.1f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: demo model)")
@@ -331,15 +365,18 @@ def main() -> None:
     p.add_argument("--preempt-kv-tokens", type=int, default=1024, help="table 4's KV budget")
     p.add_argument("--skip", default="", help="comma list of tables to skip: 1,2,3,4")
     p.add_argument(
-        "--preset", default=None, choices=("windowed",),
+        "--preset", default=None, choices=("windowed", "kv-bytes"),
         help="windowed: only table 5, hybrid paging on a Gemma-3-shaped model (module "
         "docstring); its defaults: 16 requests of 4096-token contexts (64 generated), window "
         "512, --kv-tokens 16384, --max-num-seqs 32, --max-num-batched-tokens 1024, "
-        "--page-size 16",
+        "--page-size 16; kv-bytes: DeepSeek-V3's KV bytes per token (module docstring)",
     )
     p.add_argument("--context", type=int, default=4096, help="--preset windowed: tokens")
     p.add_argument("--window", type=int, default=512, help="--preset windowed: the window")
     args = p.parse_args()
+    if args.preset == "kv-bytes":
+        kv_bytes_table()
+        return
     if args.preset == "windowed":
         given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
         # A budget of 1,024 tokens: at 512, 8 prefill steps per 4,032-token prompt against 64

@@ -8,6 +8,7 @@
     python scripts/bench_throughput.py --preset qwen3moe-cpu --num-requests 32   # MoE, 32 x 128 x 64
     python scripts/bench_throughput.py --lora 16 --num-requests 32 --skip-transformers  # LoRA
     python scripts/bench_throughput.py --preset gptoss-cpu --num-requests 32     # gpt-oss's shape
+    python scripts/bench_throughput.py --preset deepseek-v3-cpu --num-requests 32  # MLA + MoE
     python scripts/bench_throughput.py --preset cpu-tp --tensor-parallel-size 4 \
         --simulate-cpu-devices 8 --skip-transformers             # sharded, simulated CPU devices
 
@@ -149,6 +150,26 @@ PRESETS = {
         "experts_per_tok": 4,
         "moe_inter": 256,
         "window": 128,
+    },
+    # DeepSeek-V3's proportions (latent 512 + rope 64 of 128 heads, 256 experts of 2048 in 8
+    # groups, top-8 within the best 4, a shared expert, dense first layers) scaled to a CPU.
+    "deepseek-v3-cpu": {
+        "arch": "deepseek_v3",
+        "hidden": 512,
+        "layers": 8,
+        "heads": 8,
+        "kv_heads": 8,
+        "head_dim": 64,
+        "inter": 1536,
+        "vocab": 16384,
+        "tied": False,
+        "experts": 32,
+        "experts_per_tok": 4,
+        "moe_inter": 256,
+        "norm_topk": True,
+        "kv_lora_rank": 128,
+        "q_lora_rank": 192,
+        "rope_dim": 32,
     },
 }
 # Real models (not random checkpoints): preset -> the function that returns the model's path.
@@ -323,7 +344,17 @@ def _hf_config(s: dict):
             num_experts_per_tok=s["experts_per_tok"],
             sliding_window=s["window"],
         )
-    raise ValueError(f"unknown preset arch {arch!r} (llama, qwen3moe, gpt_oss)")
+    if arch == "deepseek_v3":
+        common.pop("head_dim")
+        return transformers.DeepseekV3Config(
+            **common, n_routed_experts=s["experts"], num_experts_per_tok=s["experts_per_tok"],
+            moe_intermediate_size=s["moe_inter"], norm_topk_prob=s["norm_topk"],
+            kv_lora_rank=s["kv_lora_rank"], q_lora_rank=s["q_lora_rank"],
+            qk_rope_head_dim=s["rope_dim"], qk_nope_head_dim=s["head_dim"],
+            v_head_dim=s["head_dim"], n_group=8, topk_group=4, n_shared_experts=1,
+            first_k_dense_replace=1, num_nextn_predict_layers=0,
+        )  # fmt: skip
+    raise ValueError(f"unknown preset arch {arch!r} (llama, qwen3moe, gpt_oss, deepseek_v3)")
 
 
 def _numpy_checkpoint(root: Path, path: Path, s: dict, dtype: str, seed: int) -> Path:

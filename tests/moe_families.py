@@ -58,7 +58,43 @@ def tiny_config(family: str):
             use_qk_norm=family == "glm4moe_qk_norm", partial_rotary_factor=0.5,
             eos_token_id=None, pad_token_id=None,
         )  # fmt: skip
+    if family.startswith("deepseek"):
+        return _deepseek_config(family, common)
     raise ValueError(family)
+
+
+# DeepSeek families (tests/models/test_deepseek.py): latent attention and DeepSeek's experts.
+DEEPSEEK_FAMILIES = ("deepseek_v3", "deepseek_v3_no_q_lora", "deepseek_v2")
+
+
+def _deepseek_config(family: str, common: dict):
+    """A dense first layer then expert layers (8 experts in 4 groups, 2 eligible, a shared
+    expert), latent rank 24 + rotary 8 (a 32-value pool row), value heads (12) narrower than
+    the query's no-rope dims (16). deepseek_v3: a query LoRA and YaRN (factor 4, mscale);
+    deepseek_v3_no_q_lora: plain rope, the query projected directly (V2-Lite's shape);
+    deepseek_v2: V2's softmax routing limited to the best groups by their best expert."""
+    import transformers
+
+    mla = {
+        **common, "num_key_value_heads": common["num_attention_heads"], "intermediate_size": 96,
+        "kv_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12,
+        "n_routed_experts": 8, "moe_intermediate_size": 32, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "eos_token_id": None,
+        "pad_token_id": None, "bos_token_id": None,
+    }  # fmt: skip
+    if family == "deepseek_v2":
+        return transformers.DeepseekV2Config(
+            **mla, q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=2.0
+        )
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+            "mscale": 0.8, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1,
+            "rope_theta": 10000.0}  # fmt: skip
+    with_lora = family == "deepseek_v3"
+    return transformers.DeepseekV3Config(
+        **mla, q_lora_rank=48 if with_lora else None, routed_scaling_factor=2.5,
+        norm_topk_prob=True, num_nextn_predict_layers=0,
+        rope_parameters=yarn if with_lora else {"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
 
 
 def save_tiny(path: str | Path, family: str, *, seed: int = 0) -> Path:

@@ -60,7 +60,8 @@ def main(root: str, families: list[str]) -> dict:
                         list(layer[name].addressable_shards[0].data.shape),
                     ]
                     for name in ("w_gate_exps", "w_down_exps", "router", "w_gate", "w_gate_shared",
-                                 "b_gate_exps", "b_down_exps", "sinks")
+                                 "b_gate_exps", "b_down_exps", "sinks", "wkv_b", "wq_b",
+                                 "wkv_a")
                     if name in layer
                 },
             }

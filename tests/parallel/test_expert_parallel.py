@@ -72,6 +72,22 @@ def test_glm4_moe_tokens_equal_transformers_and_experts_are_split(tmp_path):
     assert layouts["glm4moe/4/True"]["w_gate_shared"][1] == [2, 64, 8]
 
 
+def test_deepseek_v3_tokens_equal_transformers_with_heads_split(tmp_path):
+    """DeepSeek-V3 (latent attention, a dense first layer, grouped routing, a shared expert):
+    greedy tokens at TP 2, EP 2 and EP 4 equal transformers'; the query and up-projections
+    split over the 4 heads, the latent's projection replicated with the one-head pool."""
+    results = _run(tmp_path, "deepseek_v3")
+    for t, ep in [(2, False), (2, True), (4, True)]:
+        got = results["got"][f"deepseek_v3/{t}/{ep}"]
+        assert got["tokens"] == results["want"], (t, ep)
+        assert got["pages_used"] == 0
+    layouts = {k: v["layout"] for k, v in results["got"].items()}
+    assert layouts["deepseek_v3/2/False"]["wkv_b"][1] == [3, 24, 2, 28]
+    assert layouts["deepseek_v3/4/True"]["wq_b"][1] == [3, 48, 1, 24]
+    assert layouts["deepseek_v3/4/True"]["wkv_a"][1] == [3, 64, 32]  # replicated
+    assert layouts["deepseek_v3/4/True"]["w_gate_exps"][1] == [2, 2, 64, 32]
+
+
 def test_gpt_oss_tokens_equal_transformers_and_experts_are_split(tmp_path):
     """gpt-oss (sinks, window and full layers, biased experts with the clamped SwiGLU):
     greedy tokens at TP 2, EP 2 and EP 4 equal transformers'; the sinks split with the query

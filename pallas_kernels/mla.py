@@ -1,0 +1,336 @@
+"""Multi-head latent attention's decode on the paged pool (models/mla.py's layout).
+
+Each token's key and value are one row [latent | rotary key] of 2 * D values (D = head_dim),
+its first half in k_pages and its second in v_pages ([1, num_pages, page_size, D] each, plain
+or kv_quant.QuantizedPages with a scale per half row); every query head attends over the
+same rows:
+
+    score(h, s) = q[h, :D] . K[s] * k_scale[s] + q[h, D:] . V[s] * v_scale[s]
+    out[h]      = sum_s p(h, s) [K[s] | V[s]]                          [Hq, 2D]
+
+GPU (Pallas Triton): one program per (sequence, block of query heads), looping over the
+sequence's valid pages a block at a time. Triton loads power-of-two tiles only, and DeepSeek's
+half row is 288 = 256 + 32, so each half is read as its power-of-two chunks (_chunks), every
+chunk's product summed into the scores and accumulated into its own slice of the output:
+
+    half row (D = 288):  [ chunk 0: 256 values          | chunk 1: 32 ]
+    scores:              q[:, 0:256] . K0  +  q[:, 256:288] . K1  +  (the same over V)
+
+TPU (Pallas Mosaic): tpu_decode's double-buffered page DMAs (PageBlockCopier) copy each
+page's two halves into VMEM as they copy K and V; the query comes in as its two halves and
+the output leaves as two, so no operand is sliced at a lane offset (288 is not a multiple
+of 128), and each half is one full-width tile.
+
+The reference (reference.py, latent=True) serves the CPU and any shape a kernel refuses.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import gpu_decode, reference, tpu_decode, tuning
+from pallas_kernels.common import (
+    any_memory_space,
+    dot_f32,
+    finish,
+    idiv,
+    pad_page_table,
+    split_pools,
+    token_scales,
+    tpu_compiler_params,
+    triton_call_kwargs,
+)
+from pallas_kernels.reference import MASK_VALUE
+
+# Query heads one GPU program holds (padded to at least 16 rows for the tensor-core dots).
+HEAD_ROWS = 16
+# Tokens of one loop iteration (whole pages).
+BLOCK_TOKENS = 32
+
+
+def _chunks(d: int) -> tuple[tuple[int, int], ...]:
+    """(offset, width) of d's power-of-two parts, largest first: 288 -> (0, 256), (256, 32)."""
+    out, off = [], 0
+    for bit in reversed(range(d.bit_length())):
+        if d >> bit & 1:
+            out.append((off, 1 << bit))
+            off += 1 << bit
+    return tuple(out)
+
+
+def supports_gpu(q_shape, k_shape, dtype) -> bool:
+    """Shapes the Triton latent kernel takes: one KV head, a half row of power-of-two chunks
+    of at least 16 (a multiple of 16), a power-of-two page size, offsets that fit."""
+    num_kv_heads, _, page_size, head_dim = k_shape
+    return (
+        num_kv_heads == 1
+        and q_shape[-1] == 2 * head_dim
+        and head_dim % 16 == 0
+        and tuning.is_pow2(page_size)
+        and gpu_decode.offsets_fit(k_shape, dtype)
+    )
+
+
+def supports_tpu(k_shape) -> bool:
+    """Shapes the Mosaic latent kernel takes: one KV head, pages of a multiple of 8 tokens."""
+    return k_shape[0] == 1 and k_shape[2] % 8 == 0
+
+
+def _latent_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, sm_scale, soft_cap,
+                   sliding_window, pages_per_block):  # fmt: skip
+    """One (sequence, head block): q_ref [rows, 2D]; k_ref, v_ref [num_pages, page_size, D]
+    (codes when quantized, then their scales [num_pages, page_size]); out [rows, 2D]."""
+    ks_ref, vs_ref = refs[:-1] or (None, None)
+    out_ref = refs[-1]
+    rows = q_ref.shape[0]
+    _, page_size, d = k_ref.shape
+    chunks = _chunks(d)
+    block_tokens = pages_per_block * page_size
+    length = lengths_ref[0]
+    num_pages = (length + page_size - 1) // page_size
+    window_start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+    first_page = window_start // page_size
+    num_blocks = (num_pages - first_page + pages_per_block - 1) // pages_per_block
+    halves = ((k_ref, ks_ref, 0), (v_ref, vs_ref, d))
+    qs = [q_ref[:, pl.ds(base + off, w)] for _, _, base in halves for off, w in chunks]
+
+    def body(blk, carry):
+        accs, m, l = carry
+        page0 = first_page + blk * pages_per_block
+        pages = table_ref[pl.ds(page0, pages_per_block)]
+        pos = page0 * page_size + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
+        written = pos < length
+        xs, scales, s = [], [], jnp.zeros((rows, block_tokens), jnp.float32)
+        for ref, sref, _ in halves:
+            part = jnp.zeros((rows, block_tokens), jnp.float32)
+            scale = None if sref is None else token_scales(
+                sref[pages].reshape(1, block_tokens), written)  # fmt: skip
+            for off, w in chunks:
+                x = ref[pages, :, pl.ds(off, w)].reshape(block_tokens, w)
+                if sref is not None:
+                    x = x.astype(q_ref.dtype)
+                part += dot_f32(qs[len(xs)], x, trans_b=True)
+                xs.append(x)
+                scales.append(scale)
+            s += part if scale is None else part * scale
+        s = s * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        valid = written & (pos >= window_start)
+        s = jnp.where(valid, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
+        l_new = alpha * l + jnp.sum(p, axis=1)
+        row_ok = (page0 * page_size + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)) < length
+        new = []
+        for acc, x, scale in zip(accs, xs, scales, strict=True):
+            x = jnp.where(row_ok, x, jnp.zeros_like(x))
+            pv = p if scale is None else p * scale
+            new.append(acc * alpha[:, None] + dot_f32(pv.astype(x.dtype), x))
+        return tuple(new), m_new, l_new
+
+    init = (
+        tuple(jnp.zeros((rows, w), jnp.float32) for _ in halves for _, w in chunks),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    accs, _, l = lax.fori_loop(0, num_blocks, body, init)
+    i = 0
+    for _, _, base in halves:
+        for off, w in chunks:
+            out_ref[:, pl.ds(base + off, w)] = finish(accs[i], l[:, None]).astype(out_ref.dtype)
+            i += 1
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret"))
+def gpu_paged_decode_attention(q, k_pages, v_pages, lengths, page_table, *, sm_scale: float,
+                               soft_cap=None, sliding_window=None, interpret: bool = False):  # fmt: skip
+    """paged_decode_attention's contract with the Triton kernel (module docstring)."""
+    k_data, v_data, scales = split_pools(k_pages, v_pages)
+    batch, num_q_heads, width = q.shape
+    _, num_pages, page_size, d = k_data.shape
+    rows = HEAD_ROWS
+    head_blocks = -(-num_q_heads // rows)
+    ppb = max(1, min(page_table.shape[1], BLOCK_TOKENS // page_size))
+    table = pad_page_table(page_table, pages_per_block=ppb, sliding_window=sliding_window)
+    qp = jnp.pad(q, ((0, 0), (0, head_blocks * rows - num_q_heads), (0, 0)))
+    qp = qp.reshape(batch, head_blocks, rows, width)
+    kernel = functools.partial(_latent_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window, pages_per_block=ppb)  # fmt: skip
+    pool_spec = pl.BlockSpec((None, num_pages, page_size, d), lambda b, h: (0, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda b, h: (0, 0, 0))
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, head_blocks),
+        in_specs=[
+            pl.BlockSpec((None, 1), lambda b, h: (b, 0)),
+            pl.BlockSpec((None, table.shape[1]), lambda b, h: (b, 0)),
+            pl.BlockSpec((None, None, rows, width), lambda b, h: (b, h, 0, 0)),
+            pool_spec,
+            pool_spec,
+        ] + [scale_spec] * len(scales),
+        out_specs=pl.BlockSpec((None, None, rows, width), lambda b, h: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, head_blocks, rows, width), q.dtype),
+        interpret=interpret,
+        name="jpaged_gpu_mla_decode",
+        **triton_call_kwargs(num_warps=4, num_stages=2),
+    )(lengths.astype(jnp.int32).reshape(batch, 1), table, qp, k_data, v_data, *scales)
+    return out.reshape(batch, head_blocks * rows, width)[:, :num_q_heads]
+
+
+def _tpu_latent_kernel(lengths_ref, table_ref, qk_ref, qv_ref, k_hbm, v_hbm, *refs, sm_scale,
+                       soft_cap, sliding_window, pages_per_block, table_width):  # fmt: skip
+    """One (sequence, head block) on TPU: qk_ref, qv_ref [rows, D] the queries' halves; K, V
+    halves in HBM [1, num_pages, page_size, D] (then, quantized, their scales); outputs
+    ok_ref, ov_ref [rows, D]; scratch as tpu_decode.block_scratch."""
+    num_scales = (len(refs) - 5) // 2
+    hbm = [k_hbm, v_hbm, *refs[:num_scales]]
+    ok_ref, ov_ref = refs[num_scales : num_scales + 2]
+    bufs, sems = list(refs[num_scales + 2 : -1]), refs[-1]
+    if not num_scales:
+        bufs += [None, None]
+    b = pl.program_id(0)
+    rows, d = qk_ref.shape
+    page_size = k_hbm.shape[2]
+    block_tokens = pages_per_block * page_size
+    length = lengths_ref[b]
+    num_pages = idiv(length + page_size - 1, page_size)
+    window_start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+    first_page = idiv(window_start, page_size)
+    num_blocks = idiv(num_pages - first_page + pages_per_block - 1, pages_per_block)
+    copier = tpu_decode.PageBlockCopier(
+        list(zip(hbm, bufs)), sems, table_ref, head=0, table_base=b * table_width,
+        first_page=first_page, num_valid_pages=num_pages, pages_per_block=pages_per_block,
+        page_size=page_size,
+    )  # fmt: skip
+
+    @pl.when(num_blocks > 0)
+    def _():
+        copier.start(0, 0)
+
+    qk, qv = qk_ref[...], qv_ref[...]
+
+    def body(blk, carry):
+        acc_k, acc_v, m, l = carry
+        slot = lax.rem(blk, 2)
+        copier.wait(blk, slot)
+
+        @pl.when(blk + 1 < num_blocks)
+        def _():
+            copier.start(blk + 1, 1 - slot)
+
+        tok0 = (first_page + blk * pages_per_block) * page_size
+        written = tok0 + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1) < length
+        k, k_scale = tpu_decode.read_block(bufs[0::2], slot, dtype=qk.dtype, written=written)
+        v, v_scale = tpu_decode.read_block(bufs[1::2], slot, dtype=qk.dtype, written=written)
+        sk, sv = dot_f32(qk, k, trans_b=True), dot_f32(qv, v, trans_b=True)
+        if k_scale is not None:
+            sk, sv = sk * k_scale, sv * v_scale
+        s = (sk + sv) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        pos = tok0 + lax.broadcasted_iota(jnp.int32, (rows, block_tokens), 1)
+        valid = (pos < length) & (pos >= window_start)
+        s = jnp.where(valid, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
+        l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+        row_ok = tok0 + lax.broadcasted_iota(jnp.int32, (block_tokens, d), 0) < length
+        out = []
+        for acc, x, scale in ((acc_k, k, k_scale), (acc_v, v, v_scale)):
+            x = jnp.where(row_ok, x, jnp.zeros_like(x))
+            pv = p if scale is None else p * scale
+            out.append(acc * alpha + dot_f32(pv.astype(x.dtype), x))
+        return out[0], out[1], m_new, l_new
+
+    init = (
+        jnp.zeros((rows, d), jnp.float32),
+        jnp.zeros((rows, d), jnp.float32),
+        jnp.full((rows, 1), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+    )
+    acc_k, acc_v, _, l = lax.fori_loop(0, num_blocks, body, init)
+    ok_ref[...] = finish(acc_k, l).astype(ok_ref.dtype)
+    ov_ref[...] = finish(acc_v, l).astype(ov_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "interpret"))
+def tpu_paged_decode_attention(q, k_pages, v_pages, lengths, page_table, *, sm_scale: float,
+                               soft_cap=None, sliding_window=None, interpret=False):  # fmt: skip
+    """paged_decode_attention's contract with the Mosaic TPU kernel (module docstring)."""
+    k_data, v_data, scales = split_pools(k_pages, v_pages)
+    batch, num_q_heads, width = q.shape
+    d = width // 2
+    page_size = k_data.shape[2]
+    rows = min(128, -(-num_q_heads // 8) * 8)
+    head_blocks = -(-num_q_heads // rows)
+    ppb = tuning.tpu_decode_blocks(
+        batch=batch, num_kv_heads=1, group=num_q_heads, page_size=page_size,
+        pages_per_seq=page_table.shape[1], head_dim=d, itemsize=k_data.dtype.itemsize,
+    ).pages_per_block  # fmt: skip
+    table = pad_page_table(page_table, pages_per_block=ppb, sliding_window=sliding_window)
+    qp = jnp.pad(q, ((0, 0), (0, head_blocks * rows - num_q_heads), (0, 0)))
+    qp = qp.reshape(batch, head_blocks, rows, width)
+    kernel = functools.partial(
+        _tpu_latent_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
+        sliding_window=sliding_window, pages_per_block=ppb, table_width=table.shape[1],
+    )  # fmt: skip
+    half_spec = pl.BlockSpec((None, None, rows, d), lambda b, h, *_: (b, h, 0, 0))
+    out_k, out_v = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(batch, head_blocks),
+            in_specs=[half_spec, half_spec]
+            + [pl.BlockSpec(memory_space=any_memory_space())] * (2 + len(scales)),
+            out_specs=[half_spec, half_spec],
+            scratch_shapes=tpu_decode.block_scratch(k_data, v_data, scales, ppb * page_size),
+        ),
+        out_shape=[jax.ShapeDtypeStruct((batch, head_blocks, rows, d), q.dtype)] * 2,
+        compiler_params=tpu_compiler_params(2),
+        interpret=interpret,
+        name="jpaged_tpu_mla_decode",
+    )(lengths.astype(jnp.int32), table.reshape(-1), qp[..., :d], qp[..., d:], k_data, v_data,
+      *scales)  # fmt: skip
+    out = jnp.concatenate([out_k, out_v], axis=-1).reshape(batch, head_blocks * rows, width)
+    return out[:, :num_q_heads]
+
+
+def paged_decode_attention(
+    q: jax.Array,  # [batch, num_q_heads, 2 * head_dim]
+    k_pages,  # [1, num_pages, page_size, head_dim]: each row's first half
+    v_pages,  # [1, num_pages, page_size, head_dim]: its second half
+    lengths: jax.Array,  # int32[batch]; 0 gives zeros
+    page_table: jax.Array,  # int32[batch, pages_per_seq]
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+    backend: str | None = None,
+) -> jax.Array:  # [batch, num_q_heads, 2 * head_dim], q's dtype
+    """Latent decode attention, dispatched: the GPU or TPU kernel where it runs (interpret on
+    a CPU host: the GPU kernel in the Pallas interpreter) and takes the shape, else the
+    reference."""
+    kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
+    if backend is None:
+        backend = jax.default_backend()
+        if backend == "cpu" and interpret:
+            backend = "gpu"
+    if backend in ("gpu", "cuda", "rocm") and supports_gpu(q.shape, k_pages.shape, k_pages.dtype):
+        return gpu_paged_decode_attention(q, k_pages, v_pages, lengths, page_table,
+                                          interpret=interpret, **kwargs)  # fmt: skip
+    if backend == "tpu" and supports_tpu(k_pages.shape):
+        return tpu_paged_decode_attention(q, k_pages, v_pages, lengths, page_table,
+                                          interpret=interpret, **kwargs)  # fmt: skip
+    return reference.paged_decode_attention(
+        q, k_pages, v_pages, lengths, page_table, latent=True, **kwargs
+    )

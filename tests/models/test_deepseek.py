@@ -1,0 +1,175 @@
+"""DeepSeek-V2/V3 (multi-head latent attention on the paged pool, DeepSeek's experts): the
+config fields and the pool geometry they give (one latent row per token and layer, exact
+bytes), transformers' logits and greedy tokens on tiny random checkpoints (a query LoRA with
+YaRN and its mscale, a direct query projection, V2's group-limited softmax routing; a dense
+first layer, then experts), whole and chunked prefill, decode, prefix hits, preemption by
+recompute and by swap, and int8 pages holding the latent."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from dense_families import engine_greedy_and_stats, hf_logits, paged_logits, preempted_greedy
+from moe_families import DEEPSEEK_FAMILIES, hf_greedy, prompts, save_tiny
+
+from jpaged.core.memory_plan import kv_page_bytes
+from models.config import ModelConfig
+from models.llama import init_params, stack_layers, unstack_layers
+from models.loader import load_hf_model
+from pallas_kernels import kv_quant
+
+MAX_TOKENS = 12
+ENGINE = {
+    "max_num_seqs": 2, "max_model_len": 64, "max_num_batched_tokens": 16, "page_size": 4,
+    "num_pages": 40, "enable_prefix_caching": True, "compilation_cache_dir": None,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("deepseek")
+    return {f: save_tiny(root / f, f) for f in DEEPSEEK_FAMILIES}
+
+
+def _hf_config(**overrides) -> dict:
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+        "intermediate_size": 24, "num_hidden_layers": 3, "num_attention_heads": 2,
+        "kv_lora_rank": 12, "q_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 6,
+        "v_head_dim": 5, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 4, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1,
+    }  # fmt: skip
+    return {**config, **overrides}
+
+
+def test_config_fields_and_the_latent_pool_geometry():
+    cfg = ModelConfig.from_hf_config(_hf_config())
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim) == (12, 8, 4)
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim) == (1, 8, 4)  # a row of 16 in halves
+    assert cfg.rope_interleave and cfg.sm_scale == pytest.approx(10**-0.5)
+    assert (cfg.num_dense_layers, cfg.routed_scaling_factor, cfg.moe_scoring) == (1, 2.5, "sigmoid")
+    assert cfg.router_bias and cfg.norm_topk_prob and cfg.num_shared_experts == 1
+    # A page's bytes: (kv_lora_rank + rope) values per token and layer, no V copy.
+    assert kv_page_bytes(cfg, 16, 2) == 3 * 16 * (12 + 4) * 2
+    int8 = kv_quant.storage_dtype("int8", np.float32)
+    assert kv_page_bytes(cfg, 16, 1, int8) == 3 * 16 * (12 + 4 + 2 * 2)  # 2 halves' scales
+    v2 = ModelConfig.from_hf_config(_hf_config(architectures=["DeepseekV2ForCausalLM"],
+                                               q_lora_rank=None, topk_method="greedy"))  # fmt: skip
+    assert (v2.q_lora_rank, v2.moe_scoring, v2.norm_topk_prob, v2.num_expert_groups) == (
+        0, "softmax", False, 1)  # fmt: skip
+    yarn = {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+            "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    cfg = ModelConfig.from_hf_config(_hf_config(rope_scaling=yarn))
+    assert cfg.rope_scaling.attention_factor == 1.0
+    assert cfg.sm_scale == pytest.approx(10**-0.5 * (0.1 * np.log(40) + 1) ** 2)
+    with pytest.raises(ValueError, match=r"kv_lora_rank \+ qk_rope_head_dim \(15\) .* must be even"):
+        ModelConfig.from_hf_config(_hf_config(kv_lora_rank=11))
+    with pytest.raises(ValueError, match="topk_method 'greedy' is not supported"):
+        ModelConfig.from_hf_config(_hf_config(topk_method="greedy"))
+    with pytest.raises(ValueError, match="attention_bias is not supported"):
+        ModelConfig.from_hf_config(_hf_config(attention_bias=True))
+
+
+def test_deepseek_v3_kv_bytes_per_token_against_full_heads():
+    """DeepSeek-V3's real attention dims (docs/memory.md): 61 layers, latent 512 + rope 64
+    against 128 heads of K (128 + 64) and V (128), bfloat16: 70,272 bytes a token, 71x less."""
+    cfg = ModelConfig.from_hf_config(_hf_config(
+        hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, kv_lora_rank=512,
+        q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_group=8,
+        topk_group=4, first_k_dense_replace=3,
+    ))  # fmt: skip
+    mla = kv_page_bytes(cfg, 1, 2)
+    full_heads = 61 * 128 * ((128 + 64) + 128) * 2
+    assert (mla, full_heads) == (70_272, 4_997_120)
+
+
+def test_params_stack_with_the_latent_attention():
+    cfg = ModelConfig.from_hf_config(_hf_config())
+    params = init_params(cfg)
+    layers = stack_layers(params)["layers"]
+    assert layers["wq_b"].shape == (3, 8, 2, 10) and layers["wkv_a"].shape == (3, 16, 16)
+    assert layers["wkv_b"].shape == (3, 12, 2, 11) and layers["wo"].shape == (3, 2, 5, 16)
+    assert "wk" not in layers and layers["router"].shape == (2, 16, 8)
+    for i, layer in enumerate(unstack_layers({"layers": layers})["layers"]):
+        assert layer.keys() == params["layers"][i].keys()
+
+
+@pytest.mark.needs_torch
+@pytest.mark.parametrize("family", DEEPSEEK_FAMILIES)
+def test_logits_equal_transformers(checkpoints, family):
+    loaded = load_hf_model(checkpoints[family])
+    cfg = loaded.config
+    assert (cfg.num_kv_heads, cfg.head_dim, cfg.num_dense_layers) == (1, 16, 1)
+    ids = prompts(cfg.vocab_size)[1]
+    ref = hf_logits(checkpoints[family], ids)
+    np.testing.assert_allclose(paged_logits(loaded, [len(ids)], ids), ref, atol=1e-5, rtol=0)
+    if family != "deepseek_v3":  # the others' attention and experts differ in projections only
+        return
+    # chunked prefill then decode steps, the expert layers scanned
+    steps = paged_logits(loaded, [13, 12] + [1] * (len(ids) - 25), ids, stacked=True)
+    np.testing.assert_allclose(steps, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.needs_torch
+def test_engine_greedy_tokens_equal_transformers(checkpoints):
+    """Five prompts sharing a prefix (prefix hits), chunked prefill, 12 greedy tokens each;
+    the pool's bytes per token are the latent row's."""
+    path = checkpoints["deepseek_v3"]
+    token_prompts = prompts(160)
+    want = hf_greedy(path, token_prompts, MAX_TOKENS)
+    got, stats = engine_greedy_and_stats(path, token_prompts, MAX_TOKENS, **ENGINE)
+    assert got == want
+    assert stats["kv_bytes_per_token"] == 3 * (24 + 8) * 4  # float32 latent rows, 3 layers
+
+
+@pytest.mark.needs_torch
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_sequences_give_transformers_tokens(checkpoints, mode):
+    extra = {"num_swap_pages": 64} if mode == "swap" else {}
+    ours, want = preempted_greedy(checkpoints["deepseek_v2"], 160, mode, **extra)
+    assert ours == want
+
+
+@pytest.mark.needs_torch
+def test_int8_pages_hold_the_latent(checkpoints):
+    """An int8 pool: a token's row is 32 int8 values and two bfloat16 scales per layer (108
+    bytes against float32's 384), and its greedy tokens are transformers' (prefix hits and
+    chunked prefill included)."""
+    path = checkpoints["deepseek_v3"]
+    token_prompts = prompts(160)[:3]
+    got, stats = engine_greedy_and_stats(path, token_prompts, MAX_TOKENS, kv_cache_dtype="int8",
+                                         **ENGINE)  # fmt: skip
+    assert stats["kv_bytes_per_token"] == 3 * 2 * (16 + 2)
+    assert got == hf_greedy(path, token_prompts, MAX_TOKENS)
+
+
+@pytest.mark.needs_torch
+def test_a_decode_step_on_the_interpreted_gpu_kernel_equals_the_reference(checkpoints):
+    """The model's decode step with the latent GPU kernel (Pallas interpreter) in every layer
+    gives the reference's hidden states, from a pool prefilled with 11 tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.llama import forward
+
+    loaded = load_hf_model(checkpoints["deepseek_v3"])
+    cfg, page = loaded.config, 4
+    ids = prompts(cfg.vocab_size)[0][:12]
+    shape = (1, cfg.num_layers * 5, page, cfg.head_dim)
+    pool = (jnp.zeros(shape), jnp.zeros(shape))
+    table = jnp.asarray([[3, 1, 4, 2]], jnp.int32)
+    slots = np.asarray([3, 1, 4])[np.arange(12) // page] * page + np.arange(12) % page
+    run = jax.jit(forward, static_argnums=(1,),
+                  static_argnames=("decode_only", "attention_backend"))  # fmt: skip
+    _, pool = run(loaded.params, cfg, pool, jnp.asarray(ids[:11]), jnp.arange(11),
+                  jnp.asarray(slots[:11], jnp.int32), jnp.asarray([11]), table,
+                  jnp.asarray([0, 11], jnp.int32))  # fmt: skip
+    out = {}
+    for backend in ("reference", "pallas_interpret"):
+        out[backend], _ = run(
+            loaded.params, cfg, pool, jnp.asarray(ids[11:]), jnp.asarray([11]),
+            jnp.asarray(slots[11:], jnp.int32), jnp.asarray([12]), table,
+            jnp.asarray([0, 1], jnp.int32), decode_only=True, attention_backend=backend,
+        )
+    np.testing.assert_allclose(out["pallas_interpret"], out["reference"], atol=2e-5, rtol=0)
