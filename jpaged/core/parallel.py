@@ -84,6 +84,7 @@ class DataParallelEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
+        session: str | None = None,
         pooling=None,
         lora_request=None,
     ) -> None:
@@ -93,7 +94,7 @@ class DataParallelEngine:
         replica = min(self.replicas, key=lambda r: r.num_unfinished_requests())
         replica.add_request(
             request_id, prompt, params, cache_salt=cache_salt, pooling=pooling,
-            lora_request=lora_request,
+            lora_request=lora_request, session=session,
         )  # fmt: skip
         self._owner[request_id] = replica
 

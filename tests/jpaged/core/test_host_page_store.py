@@ -175,9 +175,10 @@ def engines(tiny_checkpoints):
     }
 
 
-def sessions(engine, num_sessions=3, num_turns=3, max_tokens=8):
+def sessions(engine, num_sessions=3, num_turns=3, max_tokens=8, keyed=False):
     """Multi-turn sessions, interleaved: each turn of every session is sent at once, its
-    prompt the session's history (prompts, replies) and 6 new tokens. Returns the replies by
+    prompt the session's history (prompts, replies) and 6 new tokens (keyed: each request
+    names its session: jpaged/core/session_pages.py). Returns the replies by
     turn, the tokens the steps computed, every turn's prompt tokens and the stats."""
     engine.reset_stats()
     rng = np.random.default_rng(3)
@@ -197,7 +198,8 @@ def sessions(engine, num_sessions=3, num_turns=3, max_tokens=8):
         for turn in range(num_turns):
             for s in range(num_sessions):
                 history[s] = history[s] + rng.integers(3, vocab, 6).tolist()
-                engine.add_request(f"{turn}.{s}", history[s], params)
+                session = f"s{s}" if keyed else None
+                engine.add_request(f"{turn}.{s}", history[s], params, session=session)
                 num_prompt += len(history[s])
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -230,6 +232,26 @@ def test_sessions_evicted_to_host_come_back_with_the_same_tokens(engines):
     assert stats["host_copy_steps"] > 0 and stats["host_copy_seconds"] > 0
     # The store fits its bytes (the host array's unused page 0 included).
     assert tier.runner.swap_space.nbytes <= OFFLOAD_BYTES < tier.runner.swap_space.nbytes + 4096
+
+
+def test_sessions_named_on_their_requests_give_the_same_tokens_and_keep_their_pages(engines):
+    ref, tier = engines["ref"], engines["tier"]
+    want, _, _, _ = sessions(ref)
+    got, _, _, stats = sessions(tier, keyed=True)
+    assert got == want and stats["host_hit_pages"] > 0
+    # The sessions are active (60 s idle time): their free cached pages are kept, last out.
+    kv = tier.scheduler.kv
+    assert kv.sessions.num_active() == 3 and tier.allocator.num_kept() > 0
+    assert tier.allocator.free_pages()[-tier.allocator.num_kept() :] == list(
+        tier.allocator._kept
+    )
+    kv.sessions.idle_seconds = 0.0
+    kv.take_edits(False)  # the next plan releases them
+    assert kv.sessions.num_active() == 0 and tier.allocator.num_kept() == 0
+    assert tier.host_store.pages.num_kept() == 0
+    kv.sessions.idle_seconds = 60.0
+    with pytest.raises(ValueError, match="session must be a non-empty string"):
+        tier.add_request("bad", [5, 6], SamplingParams(max_tokens=1), session="")
 
 
 def test_int8_sessions_through_the_host_tier_give_the_same_tokens(engines):
@@ -328,6 +350,11 @@ class TierHarness(Harness):
         self.swap = self.store.pages if swap else None
         table_shape = (max_num_seqs + 1, config.max_pages_per_seq)
         self.device = FakeDevice(num_pages, page_size, table_shape, host_pages)
+
+    def pending_host_pages(self):
+        """A dropped swapped sequence's host pages (an abort) are released when the next plan
+        is complete (HostPageStore.free): held until then."""
+        return [page for page, _ in self.store._named]
 
     def check(self):
         super().check()
