@@ -6,6 +6,8 @@ Sessions clock, a scheduler whose pool evicts another request's pages instead of
 session's (and the session's once it went idle), and the host store's same rule.
 """
 
+import collections
+
 import pytest
 from test_swap import feed
 
@@ -13,6 +15,7 @@ from jpaged import SamplingParams
 from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
 from jpaged.core.host_page_store import HostPageStore
 from jpaged.core.page_allocator import PageAllocator
+from jpaged.core.parallel import DataParallelEngine
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.sequence import RequestGroup
 from jpaged.core.session_pages import Sessions
@@ -186,3 +189,29 @@ def test_through_the_host_tier_an_active_session_s_page_is_evicted_last_there_to
     # a's first page again: lost without a session, loaded from host page 2 with one.
     plans = run(sched, "a2", list(range(1, 6)), session)
     assert plans[0][1] == ([] if session is None else [[2, 4]])
+
+
+class Replica:
+    """A data-parallel replica that counts its requests."""
+
+    def __init__(self):
+        self.requests = []
+
+    def num_unfinished_requests(self):
+        return len(self.requests)
+
+    def add_request(self, request_id, prompt, params, **kwargs):
+        self.requests.append((request_id, kwargs["session"]))
+
+
+def test_data_parallel_sends_a_session_s_requests_to_its_replica():
+    front = object.__new__(DataParallelEngine)  # its routing only, over two fake replicas
+    front.replicas = [Replica(), Replica()]
+    front._owner, front._session_replica = {}, collections.OrderedDict()
+    params = SamplingParams(max_tokens=1)
+    for rid, session in [("1", "s"), ("2", None), ("3", "t"), ("4", "s"), ("5", "s"), ("6", "t")]:
+        front.add_request(rid, [1], params, session=session)
+    # Fewest unfinished first (1 -> 0, 2 -> 1, 3 -> 0), then each session's replica.
+    assert [r.requests for r in front.replicas] == [
+        [("1", "s"), ("3", "t"), ("4", "s"), ("5", "s"), ("6", "t")], [("2", None)]
+    ]  # fmt: skip
