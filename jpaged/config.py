@@ -109,6 +109,11 @@ class CacheConfig:
     kv_offload_dir_bytes: int = setting(
         DEFAULT_KV_OFFLOAD_DIR_BYTES, "most bytes of page files kept in --kv-offload-dir"
     )
+    session_idle_seconds: float = setting(
+        60.0,
+        "seconds a session stays active after its last request finished: an active "
+        "session's cached pages are evicted after every other free page (device and host)",
+    )
 
     def __post_init__(self) -> None:
         _positive("page_size", self.page_size)
@@ -125,6 +130,15 @@ class CacheConfig:
                 f"kv_offload_bytes must be a non-negative integer, got {self.kv_offload_bytes!r}"
             )
         _positive("kv_offload_dir_bytes", self.kv_offload_dir_bytes)
+        if (
+            isinstance(self.session_idle_seconds, bool)
+            or not isinstance(self.session_idle_seconds, (int, float))
+            or not 0 <= self.session_idle_seconds < float("inf")
+        ):
+            raise ValueError(
+                "session_idle_seconds must be a finite number >= 0, got "
+                f"{self.session_idle_seconds!r}"
+            )
         if self.kv_offload_bytes and (
             self.num_swap_pages is not None or self.swap_space_bytes is not None
         ):

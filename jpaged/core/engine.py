@@ -310,10 +310,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         pooling: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        session: str | None = None,
     ) -> None:
-        """Queues a request. params.output_kind says what step() returns for it. With
-        pooling, an embedding request (jpaged/pooling.py): params must ask for one token
-        (max_tokens=1, n=1), and its finished output carries the embedding. lora_request:
+        """Queues a request (of `session`: jpaged/core/session_pages.py). params.output_kind
+        says what step() returns for it. With pooling, an embedding request
+        (jpaged/pooling.py): params must ask for one token (max_tokens=1, n=1), and its
+        finished output carries the embedding. lora_request:
         the adapter it runs on (LoRAError, a ValueError, if it cannot be read)."""
         adapter = None
         if lora_request is not None:
@@ -321,7 +323,7 @@ class LLMEngine:
                 raise ValueError("lora_request given but LoRA is not enabled (enable_lora)")
             adapter = self.loras.resolve(lora_request)
         text, token_ids, pooler = self.inputs.validate(
-            request_id, prompt, params, cache_salt=cache_salt, pooling=pooling,
+            request_id, prompt, params, cache_salt=cache_salt, pooling=pooling, session=session,
             in_use=isinstance(request_id, str) and request_id in self._groups, unservable=self.scheduler.unservable,
             refusal_at_cap=self.runner.refusal_at_cap,
         )  # fmt: skip
@@ -334,6 +336,7 @@ class LLMEngine:
             params=params,
             arrival=self._arrivals,
             cache_salt=LoRAManager.salt(cache_salt, adapter),  # no prefix hit across adapters
+            session=session,
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
             pooler=pooler,
         )

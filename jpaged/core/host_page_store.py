@@ -77,7 +77,8 @@ class HostPageStore:
         self.page_size = page_size
         self.offload = offload
         self._seed = hashlib.sha256(identity.encode()).digest()
-        self._named: list[int] = []  # pages named by the plan being made
+        # Pages named by the plan being made, each with the active session it is kept for.
+        self._named: list[tuple[int, str | None]] = []
         self.disk = disk if offload and host_array is not None else None
         self._leaves = [] if host_array is None else jax.tree.leaves(host_array)
         if self.disk is not None:
@@ -118,7 +119,7 @@ class HostPageStore:
     def free(self, pages: list[int]) -> None:
         """Drops swapped pages: they may be read by this plan's swap-ins, so they are
         released when the plan is complete (end_plan)."""
-        self._named.extend(pages)
+        self._named.extend((p, None) for p in pages)
 
     # -- the prefix tier -------------------------------------------------------------------
     def page_hash(self, parent: int | None, token_ids: tuple[int, ...], salt) -> int:
@@ -152,7 +153,7 @@ class HostPageStore:
         for leaf, a in zip(self._leaves, arrays, strict=True):
             leaf[:, :, :, page] = a
         self.pages.cache_page(page, h, token_ids, salt=salt)
-        self._named.append(page)
+        self._named.append((page, None))
         self.num_disk_hits += 1
         return page
 
@@ -161,25 +162,29 @@ class HostPageStore:
         are whole: a host page named by the plan being made is never handed out)."""
         if self.disk is None:
             return
-        for page, entry in self.pages.evicted:
+        for page, entry, _ in self.pages.evicted:
             arrays = [leaf[:, :, :, page] for leaf in self._leaves]
             self.disk.put(entry.hash, entry.token_ids, entry.salt, arrays)
         self.pages.evicted.clear()
 
-    def load(self, page: int) -> None:
+    def load(self, page: int, session: str | None = None) -> None:
         """A host hit found by lookup is loaded by the plan being made: referenced until the
-        plan is complete (and then the most recently used)."""
+        plan is complete (and then the most recently used; kept for session, an active one
+        or None: jpaged/core/session_pages.py)."""
         self.pages.take_cached(page)
-        self._named.append(page)
+        self._named.append((page, session))
         self.num_hit_pages += 1
 
-    def offload_page(self, h: int, token_ids: tuple[int, ...], salt) -> int | None:
+    def offload_page(
+        self, h: int, token_ids: tuple[int, ...], salt, session: str | None = None
+    ) -> int | None:
         """The host page an evicted device page of hash h is copied into, or None: already
-        here (then it becomes the most recently used), or every host page in use."""
+        here (then it becomes the most recently used), or every host page in use. session:
+        the active session the page is kept for, or None."""
         page = self.pages.lookup(h, token_ids, salt=salt)
         if page is not None:
             self.pages.take_cached(page)
-            self._named.append(page)
+            self._named.append((page, session))
             return None
         if not self.pages.can_allocate(1):
             self.num_offload_skipped += 1
@@ -187,7 +192,7 @@ class HostPageStore:
         (page,) = self.pages.allocate(1)
         self._spill()
         self.pages.cache_page(page, h, token_ids, salt=salt)
-        self._named.append(page)
+        self._named.append((page, session))
         self.num_offloaded += 1
         return page
 
@@ -197,12 +202,13 @@ class HostPageStore:
         used first)."""
         self.num_pages_out += num_out
         self.num_pages_in += num_in
-        self.pages.free(self._named)
+        for page, session in self._named:
+            self.pages.free([page], session=session)
         self._named = []
 
     def restart(self) -> None:
         """The device state was made anew: no copy is pending and the tier is empty."""
-        self.pages.free(self._named)
+        self.pages.free([page for page, _ in self._named])
         self._named = []
         self.pages.reset_prefix_cache()  # the disk tier's files stay: they were whole
 

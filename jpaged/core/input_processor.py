@@ -52,6 +52,7 @@ class InputProcessor:
         in_use: bool,
         unservable: Callable[[int, int], str | None],
         refusal_at_cap: Callable[..., str | None],
+        session: str | None = None,
     ) -> tuple[str | None, list[int], Pooler | None]:
         """Checks a request -> (prompt text or None, token ids, an embedding request's
         Pooler or None). in_use: request_id names a request in the engine; unservable and
@@ -82,6 +83,8 @@ class InputProcessor:
             raise ValueError(at_cap)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        if session is not None and (not isinstance(session, str) or not session):
+            raise ValueError(f"session must be a non-empty string, got {session!r}")
         vocab = self.vocab_size
         bad = [t for t in (params.logit_bias or ()) if t >= vocab]
         if bad:

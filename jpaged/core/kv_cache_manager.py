@@ -30,6 +30,11 @@ records the cached pages it hands out anew, and take_edits names their copies to
 after the device's last hit (_host_hits), and admission loads those pages into fresh ones
 (swap_in) and caches them on the device again. Page hashes are then the store's sha256 chain.
 
+Sessions (jpaged/core/session_pages.py): the cached pages a sequence of an active session
+frees (free) are kept for it in the allocator, and the host pages its evicted or loaded
+pages take are kept for it in the host store: both evicted after every other free page.
+take_edits releases the pages of the sessions whose idle time has passed.
+
 Sliding windows (`sliding_window` W, given when every layer of the model sees only the last
 W keys): a step whose first query is at position `start` reads no key before
 start - W + 1, and later steps read even less, so each plan frees a running sequence's pages
@@ -82,6 +87,7 @@ from jpaged.config import EngineConfig
 from jpaged.core.host_page_store import HostPageStore
 from jpaged.core.page_allocator import NULL_PAGE, PageAllocator, page_hash
 from jpaged.core.sequence import Sequence
+from jpaged.core.session_pages import Sessions
 
 
 def _group_key(h: int, salt, group: int) -> tuple[int, object]:
@@ -177,6 +183,7 @@ class KVCacheManager:
         if self.host is not None and (windows != (None,) or not allocator.enable_prefix_caching):
             self.host = None
         self._page_hash = page_hash if self.host is None else self.host.page_hash
+        self.sessions = Sessions(config.cache.session_idle_seconds)
         if self.host is not None:
             allocator.evicted = []
 
@@ -209,6 +216,10 @@ class KVCacheManager:
         edits are one scatter on the device, where the order of two writes of one entry is
         not defined: only the last edit of each entry is kept (a beam forked into a row since
         the last plan and copying its shared last page in this one)."""
+        for session in self.sessions.expire():
+            self.allocator.release_session(session)
+            if self._store is not None:
+                self._store.pages.release_session(session)
         self._offload_evicted()
         if has_rows:
             updates = list({(r, c): (r, c, p) for r, c, p in self._updates}.values())
@@ -226,8 +237,9 @@ class KVCacheManager:
         host tier (before this plan's swap-ins and step, which may rewrite them)."""
         if self.host is None:
             return
-        for page, entry in self.allocator.evicted:
-            host_page = self.host.offload_page(entry.hash, entry.token_ids, entry.salt)
+        for page, entry, session in self.allocator.evicted:
+            session = session if self.sessions.is_active(session) else None
+            host_page = self.host.offload_page(entry.hash, entry.token_ids, entry.salt, session)
             if host_page is not None:
                 self._swap_out.append((page, host_page))
         self.allocator.evicted.clear()
@@ -381,6 +393,11 @@ class KVCacheManager:
             self._append_pages(seq, self.allocator.allocate(needs[g]), g)
         return True
 
+    def _session(self, seq: Sequence) -> str | None:
+        """seq's session while it is active, else None."""
+        session = seq.group.session
+        return session if self.sessions.is_active(session) else None
+
     def _device_row(self, seq: Sequence, group: int) -> int:
         """seq's row of the device table in a group's block of rows."""
         return group * self._group_stride + seq.table_row
@@ -469,7 +486,7 @@ class KVCacheManager:
         self.allocator.free([
             t[i] for i in range(longest - 1, -1, -1) for t in seq.tables
             if i < len(t) and t[i] != NULL_PAGE
-        ])  # fmt: skip
+        ], session=self._session(seq))  # fmt: skip
         seq.tables = [[] for _ in range(self.num_groups)]
         seq.page_hashes = []
         seq.slid_pages = {}  # the last ones stay cached: a hit on the whole sequence needs them
@@ -550,7 +567,7 @@ class KVCacheManager:
         table, ps = seq.tables[0], self.page_size
         for i, host_page in enumerate(loads, start=first):
             self._swap_in.append((host_page, table[i]))
-            self.host.load(host_page)
+            self.host.load(host_page, self._session(seq))
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
             self.allocator.cache_page(
                 table[i], seq.page_hashes[i], tokens, parent=table[i - 1] if i else None,

@@ -18,6 +18,11 @@ Invariants:
   its page tokens, its salt, and the page it matched for that parent, still in the same
   generation. The hash only finds the candidate; a collision (even a crafted one) costs a
   miss, never a wrong hit.
+
+Sessions (jpaged/core/session_pages.py): a cached page freed with session=key while that
+session is active is "kept": a second LRU list of free pages, handed out only when no other
+free page is left (least recently freed first there too), until release_session(key) moves
+the session's kept pages to the back of the free list (the session went idle).
 """
 
 from __future__ import annotations
@@ -59,10 +64,14 @@ class PageAllocator:
         # Bumped each time a page is handed out anew (its contents will be rewritten).
         self.generation = np.zeros(num_pages, dtype=np.int64)
         self.num_evictions = 0
-        # Cached pages handed out anew, (page, its entry), while a list: set by the host tier
+        # Free cached pages of active sessions, LRU order (module docstring), and their owners.
+        self._kept: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._keeper: dict[int, str] = {}  # kept page -> its session
+        self._session_pages: dict[str, dict[int, None]] = {}  # session -> its kept pages
+        # Cached pages handed out anew, (page, its entry, its session or None), while a list: set by the host tier
         # (jpaged/core/host_page_store.py), which copies them out before the step that
         # rewrites them and empties it (KVCacheManager.take_edits).
-        self.evicted: list[tuple[int, CachedPage]] | None = None
+        self.evicted: list[tuple[int, CachedPage, str | None]] | None = None
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -70,32 +79,42 @@ class PageAllocator:
         return self.num_pages - 1
 
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._kept)
 
     def num_used(self) -> int:
-        return self.num_usable_pages - len(self._free)
+        return self.num_usable_pages - self.num_free()
+
+    def num_kept(self) -> int:
+        """Free cached pages kept for active sessions (handed out last)."""
+        return len(self._kept)
 
     def num_cached(self) -> int:
         return len(self._cached)
 
     def free_pages(self) -> list[int]:
-        return list(self._free)
+        """The free pages in the order they are handed out (sessions' kept pages last)."""
+        return list(self._free) + list(self._kept)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free()
 
     def cached_entry(self, page: int) -> CachedPage | None:
         return self._cached.get(page)
 
     # -- allocation ------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"cannot allocate {n} pages: {len(self._free)} free")
+        if n > self.num_free():
+            raise RuntimeError(f"cannot allocate {n} pages: {self.num_free()} free")
         pages = []
         for _ in range(n):
-            page, _ = self._free.popitem(last=False)
+            session = None
+            if self._free:
+                page, _ = self._free.popitem(last=False)
+            else:  # only sessions' kept pages are left: the least recently freed
+                page = next(iter(self._kept))
+                session = self._unkeep(page)
             if self.evicted is not None and page in self._cached:
-                self.evicted.append((page, self._cached[page]))
+                self.evicted.append((page, self._cached[page], session))
             self._uncache(page)
             self.generation[page] += 1
             self.ref_counts[page] = 1
@@ -108,22 +127,47 @@ class PageAllocator:
             raise RuntimeError(f"share of page {page}, which is not allocated")
         self.ref_counts[page] += 1
 
-    def free(self, pages: list[int], *, forget: bool = False) -> None:
+    def free(self, pages: list[int], *, forget: bool = False, session: str | None = None) -> None:
         """Drops one reference to each page. Pass pages in eviction order: pages freed first
         are reused first (callers free a sequence's pages tail first, so a prefix outlives
         its suffix in the cache).
 
         forget: a page left unreferenced also leaves the prefix cache and goes to the front
         of the free list (a page that fell out of a sliding window and that no prefix hit
-        will ask for: reusing it first keeps the useful cached pages longer)."""
+        will ask for: reusing it first keeps the useful cached pages longer).
+        session: an active session whose sequence frees the pages: a cached page left
+        unreferenced is kept for it (module docstring; an uncached one is freed as usual)."""
         for page in pages:
             if page == NULL_PAGE or self.ref_counts[page] < 1:
                 raise RuntimeError(f"free of page {page}, which is not allocated")
             self.ref_counts[page] -= 1
             if self.ref_counts[page] == 0:
+                if session is not None and not forget and page in self._cached:
+                    self._kept[page] = None
+                    self._keeper[page] = session
+                    self._session_pages.setdefault(session, {})[page] = None
+                    continue
                 self._free[page] = None
                 if forget:
                     self._forget_free(page)
+
+    def _unkeep(self, page: int) -> str:
+        """Takes a kept page off the kept list -> its session."""
+        del self._kept[page]
+        session = self._keeper.pop(page)
+        pages = self._session_pages[session]
+        del pages[page]
+        if not pages:
+            del self._session_pages[session]
+        return session
+
+    def release_session(self, session: str) -> None:
+        """A session went idle: its kept pages become ordinary free pages, at the back of
+        the free list in their kept order (the most recently freed, as of now)."""
+        for page in self._session_pages.pop(session, {}):
+            del self._kept[page]
+            del self._keeper[page]
+            self._free[page] = None
 
     def forget(self, page: int, generation: int) -> None:
         """Drops a free page from the prefix cache and moves it to the front of the free list,
@@ -134,6 +178,9 @@ class PageAllocator:
 
     def _forget_free(self, page: int) -> None:
         """A free page out of the prefix cache and first in line to be handed out."""
+        if page in self._kept:
+            self._unkeep(page)
+            self._free[page] = None
         self._uncache(page)
         self._free.move_to_end(page, last=False)
 
@@ -187,12 +234,17 @@ class PageAllocator:
     def take_cached(self, page: int) -> None:
         """Takes a reference to a cached page found by lookup (revives it if it was free)."""
         if self.ref_counts[page] == 0:
-            del self._free[page]
+            if page in self._kept:
+                self._unkeep(page)
+            else:
+                del self._free[page]
             self.ref_counts[page] = 1
         else:
             self.ref_counts[page] += 1
 
     def reset_prefix_cache(self) -> None:
+        for session in list(self._session_pages):
+            self.release_session(session)
         self._cached.clear()
         self._by_hash.clear()
         if self.evicted is not None:

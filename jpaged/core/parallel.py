@@ -6,12 +6,14 @@
 Data parallelism is D engine replicas, each with its own scheduler, page allocator and page
 pool on its own T devices (row d of the ("data", "kv", "rep") mesh), behind one front with the
 LLMEngine interface. The front sends each new request to the replica with the fewest
-unfinished requests and steps every replica that has work. Weights are loaded once onto the
+unfinished requests (a request naming a session to the replica its session's last request
+went to, where its cached pages are: jpaged/core/session_pages.py) and steps every replica that has work. Weights are loaded once onto the
 whole mesh (replicated over "data"); each replica's params are views of its devices' shards.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Iterable
@@ -26,6 +28,8 @@ from jpaged.worker.model_loading import load_for_config
 from models import sharding
 
 logger = logging.getLogger(__name__)
+
+MAX_ROUTED_SESSIONS = 1 << 16  # sessions whose replica the front remembers (least recent go)
 
 
 def make_engine(config: EngineConfig):
@@ -64,6 +68,7 @@ class DataParallelEngine:
             replica = dataclasses.replace(loaded, params=params, mesh=mesh)
             self.replicas.append(LLMEngine(config, loaded=replica))
         self._owner: dict[str, LLMEngine] = {}
+        self._session_replica: collections.OrderedDict[str, LLMEngine] = collections.OrderedDict()
         first = self.replicas[0]
         self.config = first.config  # resolved (max_model_len ...)
         self.model_config = first.model_config
@@ -84,18 +89,27 @@ class DataParallelEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
+        session: str | None = None,
         pooling=None,
         lora_request=None,
     ) -> None:
-        """LLMEngine.add_request on the replica with the fewest unfinished requests."""
+        """LLMEngine.add_request on the replica with the fewest unfinished requests, or on
+        its session's (module docstring)."""
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        replica = min(self.replicas, key=lambda r: r.num_unfinished_requests())
+        replica = self._session_replica.get(session) if session is not None else None
+        if replica is None:
+            replica = min(self.replicas, key=lambda r: r.num_unfinished_requests())
         replica.add_request(
             request_id, prompt, params, cache_salt=cache_salt, pooling=pooling,
-            lora_request=lora_request,
+            lora_request=lora_request, session=session,
         )  # fmt: skip
         self._owner[request_id] = replica
+        if session is not None:
+            self._session_replica[session] = replica
+            self._session_replica.move_to_end(session)
+            if len(self._session_replica) > MAX_ROUTED_SESSIONS:
+                self._session_replica.popitem(last=False)
 
     def tokenize_prompt(self, prompt):
         return self.replicas[0].tokenize_prompt(prompt)

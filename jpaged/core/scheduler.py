@@ -150,6 +150,7 @@ class Scheduler:
         seq.needs_fork = group.params.n > 1
         group.seqs.append(seq)
         self.waiting.append(seq)
+        self.kv.sessions.begin(group.request_id, group.session)
 
     def abort(self, group: RequestGroup) -> None:
         group.aborted = True
@@ -170,6 +171,8 @@ class Scheduler:
         seq.num_placeholders = 0
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+        if seq.group.finished:  # its session's idle time starts (session_pages.py)
+            self.kv.sessions.end(seq.group.request_id)
 
     def unservable(self, num_prompt_tokens: int, n: int) -> str | None:
         """Why a request of num_prompt_tokens and n sequences could never be admitted, even

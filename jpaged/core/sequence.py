@@ -33,6 +33,7 @@ class RequestGroup:
     params: SamplingParams
     arrival: int
     cache_salt: str | None = None
+    session: str | None = None  # its session's key (jpaged/core/session_pages.py), or None
     seqs: list[Sequence] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     aborted: bool = False  # an n > 1 request aborted before its fork never gets n sequences

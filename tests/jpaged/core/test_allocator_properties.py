@@ -353,11 +353,16 @@ class Harness:
         if self.swap is not None:
             self.check_swap()
 
+    def pending_host_pages(self):
+        """Host pages dropped but held until the next plan is complete (none here)."""
+        return []
+
     def check_swap(self):
         """Host pages are held by the waiting swapped sequences only, and hold their tokens."""
         ps = self.ps
         seqs = [s for g in self.groups for s in g.seqs]
         swap_holders = collections.Counter(p for s in seqs for p in s.swap_pages)
+        swap_holders.update(self.pending_host_pages())
         assert all(s.status is SeqStatus.WAITING for s in seqs if s.swap_pages)
         assert self.swap.ref_counts[1:].tolist() == [
             swap_holders[p] for p in range(1, self.swap.num_pages)

@@ -175,9 +175,36 @@ def engines(tiny_checkpoints):
     }
 
 
-def sessions(engine, num_sessions=3, num_turns=3, max_tokens=8):
+@pytest.fixture(scope="module")
+def quantized(engines, tiny_checkpoints):
+    """dtype -> (reference engine, engine with the tier) with int8 or fp8 KV pages (the fp8
+    pair built on first use)."""
+    path = tiny_checkpoints["llama"]
+    pairs = {"int8": (engines["ref8"], engines["tier8"])}
+
+    def get(dtype):
+        if dtype not in pairs:
+            pairs[dtype] = (
+                make_engine(path, num_pages=8 * 16 + 1, kv_cache_dtype=dtype),
+                make_engine(path, num_pages=17, kv_offload_bytes=1 << 20, kv_cache_dtype=dtype),
+            )
+        return pairs[dtype]
+
+    return get
+
+
+QUANTIZED = {"int8": "int8", "fp8_e4m3": "float8_e4m3fn"}  # KV dtype -> its pages' numpy dtype
+
+
+def bits(a):
+    """An array's bytes, to compare bit for bit (fp8's NaN != NaN would not)."""
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def sessions(engine, num_sessions=3, num_turns=3, max_tokens=8, keyed=False):
     """Multi-turn sessions, interleaved: each turn of every session is sent at once, its
-    prompt the session's history (prompts, replies) and 6 new tokens. Returns the replies by
+    prompt the session's history (prompts, replies) and 6 new tokens (keyed: each request
+    names its session: jpaged/core/session_pages.py). Returns the replies by
     turn, the tokens the steps computed, every turn's prompt tokens and the stats."""
     engine.reset_stats()
     rng = np.random.default_rng(3)
@@ -197,7 +224,8 @@ def sessions(engine, num_sessions=3, num_turns=3, max_tokens=8):
         for turn in range(num_turns):
             for s in range(num_sessions):
                 history[s] = history[s] + rng.integers(3, vocab, 6).tolist()
-                engine.add_request(f"{turn}.{s}", history[s], params)
+                session = f"s{s}" if keyed else None
+                engine.add_request(f"{turn}.{s}", history[s], params, session=session)
                 num_prompt += len(history[s])
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -232,9 +260,29 @@ def test_sessions_evicted_to_host_come_back_with_the_same_tokens(engines):
     assert tier.runner.swap_space.nbytes <= OFFLOAD_BYTES < tier.runner.swap_space.nbytes + 4096
 
 
-def test_int8_sessions_through_the_host_tier_give_the_same_tokens(engines):
-    want, _, _, _ = sessions(engines["ref8"])
-    got, computed, once, stats = sessions(engines["tier8"])
+def test_sessions_named_on_their_requests_give_the_same_tokens_and_keep_their_pages(engines):
+    ref, tier = engines["ref"], engines["tier"]
+    want, _, _, _ = sessions(ref)
+    got, _, _, stats = sessions(tier, keyed=True)
+    assert got == want and stats["host_hit_pages"] > 0
+    # The sessions are active (60 s idle time): their free cached pages are kept, last out.
+    kv = tier.scheduler.kv
+    assert kv.sessions.num_active() == 3 and tier.allocator.num_kept() > 0
+    assert tier.allocator.free_pages()[-tier.allocator.num_kept() :] == list(tier.allocator._kept)
+    kv.sessions.idle_seconds = 0.0
+    kv.take_edits(False)  # the next plan releases them
+    assert kv.sessions.num_active() == 0 and tier.allocator.num_kept() == 0
+    assert tier.host_store.pages.num_kept() == 0
+    kv.sessions.idle_seconds = 60.0
+    with pytest.raises(ValueError, match="session must be a non-empty string"):
+        tier.add_request("bad", [5, 6], SamplingParams(max_tokens=1), session="")
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_quantized_sessions_through_the_host_tier_give_the_same_tokens(quantized, dtype):
+    ref, tier = quantized(dtype)
+    want, _, _, _ = sessions(ref)
+    got, computed, once, stats = sessions(tier)
     assert got == want
     # Preempted sequences are recomputed (recompute mode), from host hits among others.
     assert stats["host_hit_pages"] > 0 and stats["num_preemptions"] > 0
@@ -254,8 +302,11 @@ def device_pages(engine, pages):
     ]
 
 
-def test_an_int8_page_evicted_to_host_and_loaded_back_keeps_its_values_and_scales(engines):
-    engine = engines["tier8"]
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_a_quantized_page_evicted_to_host_and_loaded_back_keeps_its_values_and_scales(
+    quantized, dtype
+):
+    _, engine = quantized(dtype)
     store, alloc = engine.host_store, engine.allocator
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(11)
@@ -280,7 +331,7 @@ def test_an_int8_page_evicted_to_host_and_loaded_back_keeps_its_values_and_scale
     run("a", prompt)
     pages = cached(prompt)
     before = device_pages(engine, pages)
-    assert len(before) == 2 and before[0].dtype == np.int8  # values and scales
+    assert len(before) == 2 and before[0].dtype.name == QUANTIZED[dtype]  # values, scales
     for i in range(4):  # 4 x 15 tokens: every device page is handed out anew
         run(f"x{i}", rng.integers(3, vocab, 60).tolist())
     assert cached(prompt)[0] is None
@@ -293,12 +344,12 @@ def test_an_int8_page_evicted_to_host_and_loaded_back_keeps_its_values_and_scale
         host.append(store.lookup(h, page_tokens, None))
     assert None not in host
     for leaf, want in zip(jax.tree.leaves(engine.runner.swap_space), before, strict=True):
-        np.testing.assert_array_equal(leaf[:, :, :, host], want)
+        np.testing.assert_array_equal(bits(leaf[:, :, :, host]), bits(want))
     hits = store.num_hit_pages
     run("a again", prompt)
     assert store.num_hit_pages == hits + 3
     for got, want in zip(device_pages(engine, cached(prompt)), before, strict=True):
-        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(bits(got), bits(want))
 
 
 MAX_EXAMPLES = int(os.environ.get("JPAGED_TIER_EXAMPLES", "100"))
@@ -328,6 +379,11 @@ class TierHarness(Harness):
         self.swap = self.store.pages if swap else None
         table_shape = (max_num_seqs + 1, config.max_pages_per_seq)
         self.device = FakeDevice(num_pages, page_size, table_shape, host_pages)
+
+    def pending_host_pages(self):
+        """A dropped swapped sequence's host pages (an abort) are released when the next plan
+        is complete (HostPageStore.free): held until then."""
+        return [page for page, _ in self.store._named]
 
     def check(self):
         super().check()
