@@ -316,3 +316,53 @@ def test_gguf_equals_hf_directory_and_mxfp4_experts_dequantize_as_gguf_does(chec
         np.testing.assert_array_equal(np.asarray(layer[key]), want)
     rounded = np.asarray(layer["w_up_exps"]) - np.asarray(from_hf.params["layers"][2]["w_up_exps"])
     assert np.abs(rounded).max() > 0  # MXFP4's rounding: the blocks were read, not the floats
+
+
+# Engines for the forks and quantized pages below: 4 sequence slots (two beams, or forks),
+# one 32-token step bucket (each further bucket costs seconds of compiling).
+ENGINE = {"page_size": 4, "max_num_seqs": 4, "max_model_len": 64, "num_pages": 40,
+          "max_num_batched_tokens": 32, "min_token_bucket": 32}  # fmt: skip
+
+
+def _hf_beams(path, prompt, width: int, max_tokens: int) -> list[tuple[list[int], float]]:
+    """transformers' beam search (no EOS: every beam runs max_tokens): (ids, sum of logprobs)
+    best first (tests/jpaged/core/test_beam_search.py's reference, length_penalty 1)."""
+    import torch
+    from dense_families import hf_model
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model(path).generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=width,
+            num_return_sequences=width, max_new_tokens=max_tokens, pad_token_id=0,
+            return_dict_in_generate=True, output_scores=True,
+        )  # fmt: skip
+    rows = out.sequences[:, len(prompt) :].tolist()
+    return [(r, s * max_tokens) for r, s in zip(rows, out.sequences_scores.tolist(), strict=True)]
+
+
+@pytest.mark.needs_torch
+def test_forks_and_beam_search_equal_transformers(checkpoint):
+    """On the window and full groups (the window group's old pages freed, each fork holding
+    its own reference to the shared ones), one engine: n = 3 greedy forks (copy-on-write of
+    the prompt's partial page) each give transformers' greedy tokens of the prompt alone,
+    n = 2 seeded sampling forks diverge and run to their length, and a beam search of width
+    2 (beams that diverge, fork and drop, so a page written through a shared reference would
+    show) gives transformers' beams, sums of logprobs within 1e-4; the pool is whole after."""
+    from jpaged import LLM, BeamSearchParams, SamplingParams
+
+    prompt = np.random.default_rng(4).integers(0, VOCAB, 11).tolist()  # a partial 3rd page
+    sampled = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(n=3, temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(checkpoint), **ENGINE)
+    forks, greedy_forks = [[c.token_ids for c in o.outputs] for o in
+                           llm.generate([prompt, prompt], [sampled, greedy])]  # fmt: skip
+    assert forks[0] != forks[1] and len(forks[0]) == len(forks[1]) == 24
+    assert greedy_forks == hf_greedy(checkpoint, [prompt], 24) * 3
+    (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=24))
+    assert llm.stats()["pages_used"] == 0
+    want = _hf_beams(checkpoint, prompt, 2, 24)
+    assert [s.token_ids for s in out.sequences] == [w[0] for w in want]
+    assert want[0][0] != want[1][0]
+    for seq, (_, cum) in zip(out.sequences, want, strict=True):
+        assert seq.cum_logprob == pytest.approx(cum, abs=1e-4)
