@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from dense_families import (
     engine_greedy,
+    engine_greedy_and_stats,
     hf_greedy,
     hf_logits,
     paged_logits,
@@ -292,8 +294,6 @@ def test_gguf_equals_hf_directory_and_mxfp4_experts_dequantize_as_gguf_does(chec
     gguf's own dequantization of the file's blocks."""
     import dataclasses
 
-    import jax
-
     from models.loader import load_model
 
     _write_gguf(checkpoint, tmp_path / "f32.gguf", mxfp4=False)
@@ -366,3 +366,54 @@ def test_forks_and_beam_search_equal_transformers(checkpoint):
     assert want[0][0] != want[1][0]
     for seq, (_, cum) in zip(out.sequences, want, strict=True):
         assert seq.cum_logprob == pytest.approx(cum, abs=1e-4)
+
+
+def _quantized_greedy(loaded, prompt: list[int], max_tokens: int, dtype) -> list[int]:
+    """The greedy tokens of forward() itself over a pool of dtype pages (kv_quant's rows and
+    scales; the layers scanned, every layer on one shuffled page table of max_model_len 64,
+    its window masked in attention): the prompt in one chunk, then one token per step, each
+    the argmax of its logits; every step padded to 32 tokens (one program)."""
+    from dense_families import _forward, padded_chunk
+
+    from models.llama import compute_logits, stack_layers
+    from pallas_kernels import kv_quant
+
+    cfg, page, n = loaded.config, 4, 16
+    params = stack_layers(loaded.params)
+    shape = (cfg.num_kv_heads, cfg.num_layers * (n + 1), page, cfg.head_dim)
+    caches = (kv_quant.zeros(shape, dtype), kv_quant.zeros(shape, dtype))
+    table = np.random.default_rng(0).permutation(np.arange(1, n + 1)).astype(np.int32)
+    ids, start, out = list(prompt), 0, []
+    while len(out) < max_tokens:
+        pos = np.arange(start, len(ids))
+        tokens, positions, slots = padded_chunk(
+            ids[start:], pos, table[pos // page] * page + pos % page, 32
+        )
+        hidden, caches = _forward(
+            params, cfg, caches, tokens, positions, slots, jnp.asarray([len(ids)], jnp.int32),
+            jnp.asarray(table[None]), jnp.asarray([0, len(pos)], jnp.int32),
+        )  # fmt: skip
+        last = hidden[len(pos) - 1 : len(pos)]
+        out.append(int(np.asarray(compute_logits(params, cfg, last)).argmax()))
+        start = len(ids)
+        ids.append(out[-1])
+    return out
+
+
+@pytest.mark.needs_torch
+@pytest.mark.parametrize(("kv_cache_dtype", "stored"), [("int8", "int8"), ("fp8", "float8_e4m3fn")])
+def test_quantized_kv_pages_give_forwards_own_greedy_tokens(checkpoint, kv_cache_dtype, stored):
+    """--kv-cache-dtype int8 / fp8 on gpt-oss (sinks, window and full groups, the window
+    group's old pages freed; one sequence at a time, so the second prompt hits the first's
+    cached pages of their 10 shared tokens, the window group's freed at the first's first
+    decode step while its prefill was in flight): the engine's greedy tokens equal
+    forward()'s own argmax path over a pool of the same dtype."""
+    prompts = prompts_with_shared_prefix(VOCAB, [19, 26], prefix=10, seed=5)
+    got, stats = engine_greedy_and_stats(
+        checkpoint, prompts, 16, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=True,
+        **{**ENGINE, "max_num_seqs": 1},
+    )  # fmt: skip
+    assert stats["kv_cache_dtype"] == stored and stats["prefix_cache_hit_tokens"] >= 8
+    loaded = load_hf_model(checkpoint)
+    dtype = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_cache_dtype]
+    assert got == [_quantized_greedy(loaded, p, 16, dtype) for p in prompts]
