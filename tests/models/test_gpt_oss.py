@@ -417,3 +417,42 @@ def test_quantized_kv_pages_give_forwards_own_greedy_tokens(checkpoint, kv_cache
     loaded = load_hf_model(checkpoint)
     dtype = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_cache_dtype]
     assert got == [_quantized_greedy(loaded, p, 16, dtype) for p in prompts]
+
+
+def test_int8_weights_and_an_orbax_conversion(checkpoint, tmp_path):
+    """--quantization int8, stacked on the host: the projections and experts int8 with
+    per-channel scales, the sinks, biases and router float; the logits of every position
+    (a chunk of 5, then one of 4 reading it back) equal those of its weights dequantized.
+    An Orbax conversion restores the HF directory's params, stacked or not (the sinks and
+    every bias included)."""
+    import dataclasses
+
+    from models.llama import stack_layers
+    from models.loader import load_model
+    from models.orbax_checkpoint import convert_hf_to_orbax
+    from models.quantization import QuantizedWeight, dequantize
+
+    is_quantized = lambda a: isinstance(a, QuantizedWeight)
+    loaded = load_hf_model(checkpoint, quantization="int8", stacked=True)
+    layers = loaded.params["layers"]
+    assert {k for k, v in layers.items() if is_quantized(v)} == {
+        "wq", "wk", "wv", "wo", "w_gate_exps", "w_up_exps", "w_down_exps",
+    }  # fmt: skip
+    down = layers["w_down_exps"]
+    assert down.q.dtype == jnp.int8 and down.q.shape == (4, 4, 32, 64)  # [L, E, F, D]
+    plain = jax.tree.map(dequantize, loaded.params, is_leaf=is_quantized)
+    ids = np.random.default_rng(2).integers(0, VOCAB, 9).tolist()
+    want = paged_logits(dataclasses.replace(loaded, params=plain), [5, 4], ids)
+    np.testing.assert_allclose(paged_logits(loaded, [5, 4], ids), want, atol=1e-5, rtol=0)
+
+    convert_hf_to_orbax(checkpoint, tmp_path / "orbax")
+    from_hf = load_hf_model(checkpoint)
+    assert {"sinks", "bq", "bk", "bv", "bo", "b_router", "b_gate_exps", "b_up_exps",
+            "b_down_exps"} <= set(from_hf.params["layers"][0])  # fmt: skip
+    for stacked in (False, True):
+        restored = load_model(tmp_path / "orbax", stacked=stacked)
+        assert restored.config == from_hf.config
+        want = stack_layers(from_hf.params) if stacked else from_hf.params
+        assert jax.tree.structure(restored.params) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)
