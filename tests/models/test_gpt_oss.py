@@ -419,6 +419,7 @@ def test_quantized_kv_pages_give_forwards_own_greedy_tokens(checkpoint, kv_cache
     assert got == [_quantized_greedy(loaded, p, 16, dtype) for p in prompts]
 
 
+@pytest.mark.needs_torch
 def test_int8_weights_and_an_orbax_conversion(checkpoint, tmp_path):
     """--quantization int8, stacked on the host: the projections and experts int8 with
     per-channel scales, the sinks, biases and router float; the logits of every position
