@@ -124,6 +124,10 @@ def _layout_shape(cfg: ModelConfig, key: tuple) -> tuple[int, ...]:
         router=(d, e), w_gate_exps=(e, d, fe), w_up_exps=(e, d, fe), w_down_exps=(e, fe, d),
         router_bias=(e,), w_gate_shared=(d, fs), w_up_shared=(d, fs), w_down_shared=(fs, d),
     )  # fmt: skip
+    shapes.update(  # gpt-oss (attention_sinks, o_bias, router_logit_bias, expert_bias)
+        bo=(d,), sinks=(hq,), b_router=(e,), b_gate_exps=(e, fe), b_up_exps=(e, fe),
+        b_down_exps=(e, d),
+    )  # fmt: skip
     if cfg.qk_norm_full:  # OLMoE's norms over the whole projection
         shapes.update(q_norm=(hq, dh), k_norm=(hkv, dh))
     return shapes[key[-1]]

@@ -459,6 +459,9 @@ class KVCacheManager:
             if not self._anchored or self.windows[g] < 2:
                 self.allocator.free(table[i:dead], forget=True)
             else:
+                # Under async scheduling the prompt's last step may be in flight, its pages
+                # not yet registered (commit): register them before they leave the table.
+                self.cache_full_pages(seq, min(seq.num_computed_tokens, seq.num_prompt_tokens))
                 prompt_end = min(max(seq.num_prompt_tokens // ps, i), dead)
                 self.allocator.free(table[i:prompt_end])
                 if prompt_end < dead:

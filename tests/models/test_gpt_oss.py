@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from dense_families import (
     engine_greedy,
+    engine_greedy_and_stats,
     hf_greedy,
     hf_logits,
     paged_logits,
@@ -292,8 +294,6 @@ def test_gguf_equals_hf_directory_and_mxfp4_experts_dequantize_as_gguf_does(chec
     gguf's own dequantization of the file's blocks."""
     import dataclasses
 
-    import jax
-
     from models.loader import load_model
 
     _write_gguf(checkpoint, tmp_path / "f32.gguf", mxfp4=False)
@@ -316,3 +316,144 @@ def test_gguf_equals_hf_directory_and_mxfp4_experts_dequantize_as_gguf_does(chec
         np.testing.assert_array_equal(np.asarray(layer[key]), want)
     rounded = np.asarray(layer["w_up_exps"]) - np.asarray(from_hf.params["layers"][2]["w_up_exps"])
     assert np.abs(rounded).max() > 0  # MXFP4's rounding: the blocks were read, not the floats
+
+
+# Engines for the forks and quantized pages below: 4 sequence slots (two beams, or forks),
+# one 32-token step bucket (each further bucket costs seconds of compiling).
+ENGINE = {"page_size": 4, "max_num_seqs": 4, "max_model_len": 64, "num_pages": 40,
+          "max_num_batched_tokens": 32, "min_token_bucket": 32}  # fmt: skip
+
+
+def _hf_beams(path, prompt, width: int, max_tokens: int) -> list[tuple[list[int], float]]:
+    """transformers' beam search (no EOS: every beam runs max_tokens): (ids, sum of logprobs)
+    best first (tests/jpaged/core/test_beam_search.py's reference, length_penalty 1)."""
+    import torch
+    from dense_families import hf_model
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model(path).generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=width,
+            num_return_sequences=width, max_new_tokens=max_tokens, pad_token_id=0,
+            return_dict_in_generate=True, output_scores=True,
+        )  # fmt: skip
+    rows = out.sequences[:, len(prompt) :].tolist()
+    return [(r, s * max_tokens) for r, s in zip(rows, out.sequences_scores.tolist(), strict=True)]
+
+
+@pytest.mark.needs_torch
+def test_forks_and_beam_search_equal_transformers(checkpoint):
+    """On the window and full groups (the window group's old pages freed, each fork holding
+    its own reference to the shared ones), one engine: n = 3 greedy forks (copy-on-write of
+    the prompt's partial page) each give transformers' greedy tokens of the prompt alone,
+    n = 2 seeded sampling forks diverge and run to their length, and a beam search of width
+    2 (beams that diverge, fork and drop, so a page written through a shared reference would
+    show) gives transformers' beams, sums of logprobs within 1e-4; the pool is whole after."""
+    from jpaged import LLM, BeamSearchParams, SamplingParams
+
+    prompt = np.random.default_rng(4).integers(0, VOCAB, 11).tolist()  # a partial 3rd page
+    sampled = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(n=3, temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(checkpoint), **ENGINE)
+    forks, greedy_forks = [[c.token_ids for c in o.outputs] for o in
+                           llm.generate([prompt, prompt], [sampled, greedy])]  # fmt: skip
+    assert forks[0] != forks[1] and len(forks[0]) == len(forks[1]) == 24
+    assert greedy_forks == hf_greedy(checkpoint, [prompt], 24) * 3
+    (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=24))
+    assert llm.stats()["pages_used"] == 0
+    want = _hf_beams(checkpoint, prompt, 2, 24)
+    assert [s.token_ids for s in out.sequences] == [w[0] for w in want]
+    assert want[0][0] != want[1][0]
+    for seq, (_, cum) in zip(out.sequences, want, strict=True):
+        assert seq.cum_logprob == pytest.approx(cum, abs=1e-4)
+
+
+def _quantized_greedy(loaded, prompt: list[int], max_tokens: int, dtype) -> list[int]:
+    """The greedy tokens of forward() itself over a pool of dtype pages (kv_quant's rows and
+    scales; the layers scanned, every layer on one shuffled page table of max_model_len 64,
+    its window masked in attention): the prompt in one chunk, then one token per step, each
+    the argmax of its logits; every step padded to 32 tokens (one program)."""
+    from dense_families import _forward, padded_chunk
+
+    from models.llama import compute_logits, stack_layers
+    from pallas_kernels import kv_quant
+
+    cfg, page, n = loaded.config, 4, 16
+    params = stack_layers(loaded.params)
+    shape = (cfg.num_kv_heads, cfg.num_layers * (n + 1), page, cfg.head_dim)
+    caches = (kv_quant.zeros(shape, dtype), kv_quant.zeros(shape, dtype))
+    table = np.random.default_rng(0).permutation(np.arange(1, n + 1)).astype(np.int32)
+    ids, start, out = list(prompt), 0, []
+    while len(out) < max_tokens:
+        pos = np.arange(start, len(ids))
+        tokens, positions, slots = padded_chunk(
+            ids[start:], pos, table[pos // page] * page + pos % page, 32
+        )
+        hidden, caches = _forward(
+            params, cfg, caches, tokens, positions, slots, jnp.asarray([len(ids)], jnp.int32),
+            jnp.asarray(table[None]), jnp.asarray([0, len(pos)], jnp.int32),
+        )  # fmt: skip
+        last = hidden[len(pos) - 1 : len(pos)]
+        out.append(int(np.asarray(compute_logits(params, cfg, last)).argmax()))
+        start = len(ids)
+        ids.append(out[-1])
+    return out
+
+
+@pytest.mark.needs_torch
+@pytest.mark.parametrize(("kv_cache_dtype", "stored"), [("int8", "int8"), ("fp8", "float8_e4m3fn")])
+def test_quantized_kv_pages_give_forwards_own_greedy_tokens(checkpoint, kv_cache_dtype, stored):
+    """--kv-cache-dtype int8 / fp8 on gpt-oss (sinks, window and full groups, the window
+    group's old pages freed; one sequence at a time, so the second prompt hits the first's
+    cached pages of their 10 shared tokens, the window group's freed at the first's first
+    decode step while its prefill was in flight): the engine's greedy tokens equal
+    forward()'s own argmax path over a pool of the same dtype."""
+    prompts = prompts_with_shared_prefix(VOCAB, [19, 26], prefix=10, seed=5)
+    got, stats = engine_greedy_and_stats(
+        checkpoint, prompts, 16, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=True,
+        **{**ENGINE, "max_num_seqs": 1},
+    )  # fmt: skip
+    assert stats["kv_cache_dtype"] == stored and stats["prefix_cache_hit_tokens"] >= 8
+    loaded = load_hf_model(checkpoint)
+    dtype = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_cache_dtype]
+    assert got == [_quantized_greedy(loaded, p, 16, dtype) for p in prompts]
+
+
+@pytest.mark.needs_torch
+def test_int8_weights_and_an_orbax_conversion(checkpoint, tmp_path):
+    """--quantization int8, stacked on the host: the projections and experts int8 with
+    per-channel scales, the sinks, biases and router float; the logits of every position
+    (a chunk of 5, then one of 4 reading it back) equal those of its weights dequantized.
+    An Orbax conversion restores the HF directory's params, stacked or not (the sinks and
+    every bias included)."""
+    import dataclasses
+
+    from models.llama import stack_layers
+    from models.loader import load_model
+    from models.orbax_checkpoint import convert_hf_to_orbax
+    from models.quantization import QuantizedWeight, dequantize
+
+    is_quantized = lambda a: isinstance(a, QuantizedWeight)
+    loaded = load_hf_model(checkpoint, quantization="int8", stacked=True)
+    layers = loaded.params["layers"]
+    assert {k for k, v in layers.items() if is_quantized(v)} == {
+        "wq", "wk", "wv", "wo", "w_gate_exps", "w_up_exps", "w_down_exps",
+    }  # fmt: skip
+    down = layers["w_down_exps"]
+    assert down.q.dtype == jnp.int8 and down.q.shape == (4, 4, 32, 64)  # [L, E, F, D]
+    plain = jax.tree.map(dequantize, loaded.params, is_leaf=is_quantized)
+    ids = np.random.default_rng(2).integers(0, VOCAB, 9).tolist()
+    want = paged_logits(dataclasses.replace(loaded, params=plain), [5, 4], ids)
+    np.testing.assert_allclose(paged_logits(loaded, [5, 4], ids), want, atol=1e-5, rtol=0)
+
+    convert_hf_to_orbax(checkpoint, tmp_path / "orbax")
+    from_hf = load_hf_model(checkpoint)
+    assert {"sinks", "bq", "bk", "bv", "bo", "b_router", "b_gate_exps", "b_up_exps",
+            "b_down_exps"} <= set(from_hf.params["layers"][0])  # fmt: skip
+    for stacked in (False, True):
+        restored = load_model(tmp_path / "orbax", stacked=stacked)
+        assert restored.config == from_hf.config
+        want = stack_layers(from_hf.params) if stacked else from_hf.params
+        assert jax.tree.structure(restored.params) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)
