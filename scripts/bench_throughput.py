@@ -919,8 +919,11 @@ def hf_directory(args) -> Path:
         code = (
             "import sys, torch, transformers as t; d, f, out, dt = sys.argv[1:]; "
             "kw = dict(gguf_file=f); "
-            "t.AutoModelForCausalLM.from_pretrained(d, dtype=getattr(torch, dt), **kw)"
-            ".save_pretrained(out + '.tmp'); "
+            "m = t.AutoModelForCausalLM.from_pretrained(d, dtype=getattr(torch, dt), **kw); "
+            # Dequantized at load, but transformers 5.25 still marks it GGUF-quantized and
+            # refuses to save it: the weights are plain tensors of dt, so drop the mark.
+            "m.hf_quantizer = None; m.config.__dict__.pop('quantization_config', None); "
+            "m.save_pretrained(out + '.tmp'); "
             "t.AutoTokenizer.from_pretrained(d, **kw).save_pretrained(out + '.tmp')"
         )
         subprocess.run(
