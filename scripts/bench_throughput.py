@@ -619,7 +619,15 @@ def _subprocess_json(cmd: list[str], timeout: float | None, partial: Path | None
     except subprocess.TimeoutExpired:
         error = f"timed out after {timeout}s"
     if error is None:
-        return json.loads(res.stdout.strip().splitlines()[-1])
+        # The last line that is a JSON object: a peer's engine may log to stdout as it exits.
+        for line in reversed(res.stdout.strip().splitlines()):
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+        print(res.stderr[-3000:], file=sys.stderr)
+        error = f"no result line in the worker's output (last: {res.stdout.strip()[-200:]!r})"
     saved = json.loads(partial.read_text()) if partial and partial.exists() else {}
     return {**saved, "error": error}
 

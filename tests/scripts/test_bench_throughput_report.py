@@ -149,3 +149,12 @@ def test_vllm_runs_under_its_own_python_with_its_environment(tmp_path, capsys):
         f"{'vLLM 0.32.0+cpu (threads 0-1)':<40}{14137.0:>16.1f}   (this run, start-up 76s)",
         "ratio jpaged / vLLM (both this run): 2.00x; same tokens: all 2 requests",
     ]
+
+
+def test_a_workers_result_is_its_last_json_line_and_none_is_an_error():
+    """vLLM's engine may log to stdout after the worker's result line; a worker that prints
+    no result is an error naming what it printed, never a crash of the whole run."""
+    logs_after = "import json; print(json.dumps({'tokens_per_s': 2.5})); print('INFO shutting down')"
+    assert bench._subprocess_json([sys.executable, "-c", logs_after], 60) == {"tokens_per_s": 2.5}
+    nothing = bench._subprocess_json([sys.executable, "-c", "print('INFO only logs')"], 60)
+    assert nothing == {"error": "no result line in the worker's output (last: 'INFO only logs')"}
