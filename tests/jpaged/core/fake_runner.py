@@ -177,6 +177,7 @@ class FakeRunner:
             self.swap_space = np.full((num_swap_pages + 1, self.page_size), -1, np.int64)
         self._keys = {_plain(k) for k in bucket_keys(config)}
         self.num_steps = 0
+        self.swap_seconds, self.num_swap_steps = 0.0, 0  # read by LLMEngine.stats (issue 54)
         self.max_steps: int | None = None
         self.gate: threading.Semaphore | None = None
         self.reset_state()
