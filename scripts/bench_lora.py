@@ -15,54 +15,24 @@ format next to the checkpoint.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 
-MODULES = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
 RANK = 16
 
 
 def write_adapters(model: str, root: Path, n: int, rank: int = RANK) -> list[Path]:
     """n random PEFT adapters of rank `rank` on every projection of the checkpoint at model."""
-    from safetensors.numpy import save_file
+    from jpaged.lora.random_adapter import write_random_adapter
 
-    from models.loader import read_config
-
-    cfg = read_config(model)  # a Hugging Face directory or a GGUF
-    d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    h, kv = cfg.num_heads, cfg.num_kv_heads
-    dims = {"q_proj": (d, h * dh), "k_proj": (d, kv * dh), "v_proj": (d, kv * dh),
-            "o_proj": (h * dh, d), "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}  # fmt: skip
     paths = []
     for i in range(n):
         path = root / f"lora-r{rank}-{i}"
         paths.append(path)
-        if (path / "adapter_config.json").exists():
-            continue
-        rng = np.random.default_rng(1000 + i)
-        tensors = {}
-        for layer in range(cfg.num_layers):
-            for module, place in MODULES.items():
-                n_in, n_out = dims[module]
-                key = f"base_model.model.model.layers.{layer}.{place}.{module}"
-                tensors[f"{key}.lora_A.weight"] = rng.normal(0, 0.02, (rank, n_in)).astype(np.float32)
-                tensors[f"{key}.lora_B.weight"] = rng.normal(0, 0.02, (n_out, rank)).astype(np.float32)
-        path.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path / "adapter_model.safetensors"))
-        config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                  "target_modules": list(MODULES), "base_model_name_or_path": str(model)}  # fmt: skip
-        (path / "adapter_config.json").write_text(json.dumps(config))
+        if not (path / "adapter_config.json").exists():
+            write_random_adapter(path, model, rank=rank, seed=1000 + i, std=0.02)
     return paths
 
 

@@ -15,67 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-_PLACES = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
-ALL_MODULES = tuple(_PLACES)
+from jpaged.lora.random_adapter import write_random_adapter
 
-
-def _dims(config: dict) -> dict[str, tuple[int, int]]:
-    d, f = config["hidden_size"], config["intermediate_size"]
-    h, kv = config["num_attention_heads"], config.get("num_key_value_heads")
-    dh = config.get("head_dim") or d // h
-    q, k = h * dh, (kv or h) * dh
-    return {"q_proj": (d, q), "k_proj": (d, k), "v_proj": (d, k), "o_proj": (q, d),
-            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}  # fmt: skip
-
-
-def write_adapter(
-    path: str | Path,
-    base: str | Path,
-    *,
-    rank: int,
-    modules=ALL_MODULES,
-    alpha: float | None = None,
-    use_rslora: bool = False,
-    seed: int = 0,
-    std: float = 0.1,
-    dtype=np.float32,
-) -> Path:
-    """A random adapter for the checkpoint at base, saved as PEFT does into path."""
-    from safetensors.numpy import save_file
-
-    config = json.loads((Path(base) / "config.json").read_text())
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for i in range(config["num_hidden_layers"]):
-        for module in modules:
-            n_in, n_out = _dims(config)[module]
-            key = f"base_model.model.model.layers.{i}.{_PLACES[module]}.{module}"
-            tensors[f"{key}.lora_A.weight"] = rng.normal(0, std, (rank, n_in)).astype(dtype)
-            tensors[f"{key}.lora_B.weight"] = rng.normal(0, std, (n_out, rank)).astype(dtype)
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    adapter_config = {
-        "peft_type": "LORA",
-        "base_model_name_or_path": str(base),
-        "r": rank,
-        "lora_alpha": alpha if alpha is not None else 2 * rank,
-        "use_rslora": use_rslora,
-        "target_modules": list(modules),
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "task_type": "CAUSAL_LM",
-    }
-    (out / "adapter_config.json").write_text(json.dumps(adapter_config))
-    return out
+# One writer serves the tests and scripts/bench_lora.py (jpaged/lora/random_adapter.py).
+write_adapter = write_random_adapter
 
 
 def merge(base: str | Path, adapter: str | Path, out: str | Path) -> Path:
