@@ -161,9 +161,10 @@ def step(
         blocks = stride * jnp.arange(num_groups, dtype=jnp.int32)
         rows = inputs.table_rows[None, :] + blocks[:, None]
         table = page_table[rows, : key.num_page_cols]
-    lora_slots = None  # each token's adapter slot (models/lora.py), from its row's
-    if inputs.lora_slots is not None:
-        lora_slots = lora.token_slots(inputs.lora_slots, inputs.query_start, key.num_tokens)
+    lora_step = None  # each token's adapter slot (from its row's) and the step's slots
+    if key.lora_width:  # models/lora.py; width 0: no LoRA work
+        slots = lora.token_slots(inputs.lora_slots, inputs.query_start, key.num_tokens)
+        lora_step = lora.Step(slots, inputs.lora_ids)
     hidden, kv_pages = forward(
         params,
         model_config,
@@ -179,7 +180,7 @@ def step(
         max_query_len=key.spec_k + 1 if key.spec_k else None,
         attention_backend=backend,
         tp_axis=tp_axis,
-        lora_slots=lora_slots,
+        lora_slots=lora_step,
     )
     if key.draft:
         logits = compute_logits(params, model_config, hidden[inputs.logits_indices], tp_axis)
