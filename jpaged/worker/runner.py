@@ -113,9 +113,8 @@ class ModelRunner:
         self.lora_config = lora_config
         self._max_loras = 0 if lora_config is None else lora_config.max_loras  # 0: LoRA off
         if lora_config is not None:
-            if model_config.num_experts or mesh is not None:
-                what = "tensor parallelism" if mesh is not None else "mixture-of-experts models"
-                raise ValueError(f"LoRA adapters with {what} are not supported yet")
+            if model_config.kv_lora_rank:  # no q/k/v projections to adapt
+                raise ValueError("LoRA adapters with latent attention (MLA) are not supported")
             params = lora.with_slots(
                 params, model_config, lora_config.max_loras, lora_config.max_lora_rank, dtype
             )
