@@ -79,6 +79,11 @@ def b_name(module: str) -> str:
     return f"lora_b_{module}"
 
 
+def a_b_names(cfg: ModelConfig) -> list[str]:
+    """The slot params' names of one layer."""
+    return [name(m) for m in module_dims(cfg) for name in (a_name, b_name)]
+
+
 def slot_shapes(cfg: ModelConfig, num_slots: int, rank: int) -> dict[str, tuple[int, ...]]:
     """Each slot param's shape for one layer (without the leading layer axis)."""
     shapes = {}
@@ -181,6 +186,22 @@ class Step(NamedTuple):
 
     slots: jax.Array  # int32[T]: each token's slot, -1: the base model
     ids: jax.Array  # int32[W]: the distinct slots the step uses, -1 padding (W = N: all)
+
+
+def weight_specs(slot_specs):
+    """The PartitionSpecs of write_slots' weights (A [L, in, r], B [L, r, out]) from the slot
+    params' (stacked [L, in, N, r] / [L, N, r, out], or a list of per-layer dicts): the
+    slot axis dropped (a list's per-layer specs gain the layer axis)."""
+    from jax.sharding import PartitionSpec as P
+
+    def drop(name, spec):
+        entries = list(spec) + [None] * (4 - len(spec))
+        axis = 2 if name.startswith("lora_a_") else 1
+        return P(*(entries[:axis] + entries[axis + 1 :]))
+
+    if isinstance(slot_specs, dict):
+        return {k: drop(k, v) for k, v in slot_specs.items()}
+    return {k: drop(k, P(None, *v)) for k, v in slot_specs[0].items()}
 
 
 def token_slots(row_slots: jax.Array, query_start: jax.Array, num_tokens: int) -> jax.Array:

@@ -109,6 +109,7 @@ class ModelRunner:
             scan_layers=scan,
             cache_dir=cache_dir,
             kv_groups=kv_groups,
+            lora=lora_config is not None,
         )
         self.lora_config = lora_config
         self._max_loras = 0 if lora_config is None else lora_config.max_loras  # 0: LoRA off
