@@ -116,6 +116,8 @@ class ModelRunner:
         if lora_config is not None:
             if model_config.kv_lora_rank:  # no q/k/v projections to adapt
                 raise ValueError("LoRA adapters with latent attention (MLA) are not supported")
+            if broadcast is not None:  # followers would replay neither widths nor slot writes
+                raise ValueError("LoRA adapters across processes (multi-host) are not supported")
             params = lora.with_slots(
                 params, model_config, lora_config.max_loras, lora_config.max_lora_rank, dtype
             )
