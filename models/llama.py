@@ -277,7 +277,7 @@ def forward(
     max_query_len: int | None = None,
     attention_backend: str | None = None,
     tp_axis: str | tuple[str, ...] | None = None,
-    lora_slots: jax.Array | None = None,  # int32[T]: each token's adapter slot (-1: none)
+    lora_slots: lora.Step | None = None,  # the step's adapters (models/lora.py)
 ) -> tuple[jax.Array, KVPool]:
     """Runs the decoder over a ragged batch; returns final hidden states [T, D] and the pool.
 
@@ -295,7 +295,7 @@ def forward(
     max_query_len (static): the query tokens per sequence the step usually has at most (a
     verification step's k + 1; None: no bound), a hint for the CPU attention.
     tp_axis (static): the shard_map axis params and pools are split over (None: unsplit).
-    lora_slots: with LoRA slot params in the layers (models/lora.py), each token's adapter.
+    lora_slots: with LoRA slot params in the layers (models/lora.py), the step's adapters.
     """
     attn_kwargs = dict(
         sm_scale=cfg.sm_scale,

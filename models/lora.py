@@ -1,35 +1,51 @@
 """LoRA on device: fixed-shape adapter slots in the layer params, and the batched update.
 
-Each adapted projection W (one of MODULES) gets two stacked params next to the layer's own
-weights, shaped like them over the layers, one slice per device slot (N = max_loras):
+Each adapted projection W (one of the model's `modules`: all seven of a dense layer, the four
+attention projections of a mixture-of-experts model) gets two stacked params next to the
+layer's own weights, shaped like them over the layers, one slice per device slot
+(N = max_loras):
 
     lora_a_<module>  [L, in, N, r]     A of slot n: [:, :, n, :]   (r = max_lora_rank)
     lora_b_<module>  [L, N, r, out]    B of slot n, scaled (lora_alpha / r, or / sqrt(r))
 
 An adapter of a smaller rank is zero-padded to r, and a module it does not adapt is zero, so
 every slot holds the same shapes and writing one (write_slots, a slot index traced) never
-recompiles. Each token carries its slot (-1: the base model; token_slots expands the rows'),
-and the update is
+recompiles. Tensor parallel (models/sharding.py lora_specs): A replicated and B split over
+its output for the column-parallel q/k/v/gate/up, A split over its input and B replicated
+for the row-parallel o/down (their partial sums join the module's all-reduce).
 
-    y += ((x @ A_all) * [slot of each r-block == token's slot]) @ B_all
+A step's adapters (`Step`): each token's slot (-1: the base model; token_slots expands the
+rows') and the distinct slots the step uses, `ids` int32[W], W the step's LoRA width, chosen
+by the host from the adapters in the batch and bucketed (`widths`: 0, 1, powers of 4 below N,
+N), so a program is compiled per width (StepKey.lora_width) and none at an adapter load:
 
-two dense matmuls over all N slots at once (x @ A_all is [T, N * r]), the other slots'
-columns masked to zero, with no conditional: its cost grows with N * r, not with the adapters
-a step uses. Measured on the 2-core CPU (loaded; medians of interleaved runs):
-- one projection, in 576, out 1536, r 16, T = 512, 16 slots: 14.3 ms against 20.4 ms for
-  lax.ragged_dot over tokens sorted by slot, 45 ms for per-token gathered A and B and 41 ms
-  for a loop over slots;
-- 30 SmolLM2-shaped layers of the seven projections, 16 decode tokens on one adapter: the
-  base 158 ms, this 221 ms (N 16) and 135 against 106 ms (N 4); gathering only the step's
-  adapters into 1/4/16/N columns under lax.switch took 291 and 157 ms (XLA:CPU's
-  conditionals cost more than the masked columns: a switch whose branch does nothing already
-  took 128 against 94 ms), and a lax.cond skipping steps without adapters likewise.
+    W = 0        no Step at all: a base-only step does no LoRA work (the program has none)
+    W = 1        one adapter: its A [in, r] and B [r, out] sliced out, a rank-r update
+                 masked to its tokens
+    T <= W > 1   at most one token per distinct adapter (decode of many adapters): each
+                 token's A and B gathered, a batched matvec ("gathered bmm")
+    else         the W slots' A and B gathered (all N: none), two dense matmuls over W * r
+                 columns with each token's other columns masked to zero
+
+Measured on the 2-core CPU (loaded, load average 5-9; 30 SmolLM2-shaped layers of the seven
+projections, N 16, r 16; medians of interleaved runs): 16 decode tokens on 16 adapters, the
+base 131 ms, dense over all slots 257, gathered per token 202-207, lax.ragged_dot over tokens
+sorted by slot 328; one adapter, the base 192 ms, dense over all slots 320, the sliced slot
+171 (the noise); 64 tokens on 16 adapters, the base 304, dense 619, gathered per token 740
+(so dense above T = W); 256 tokens on 16 adapters, the base 1341, dense 2166, ragged_dot 6288.
+XLA:CPU's conditionals (lax.switch / lax.cond on the step's adapters)
+cost more than they saved, which is why the width is static, chosen by the host. On
+accelerators the same rules hold (the gathered bmm and the masked dense over W columns both
+map to batched matmuls); lax.ragged_dot over tokens sorted by adapter is the alternative there.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.config import ModelConfig
 
@@ -38,10 +54,11 @@ ATTENTION_MODULES = MODULES[:4]
 
 
 def module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each adaptable projection of a dense layer."""
+    """(in, out) features of each adaptable projection: the seven of a dense layer; of a
+    mixture-of-experts model the attention projections only (its experts are not adaptable)."""
     d, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {
+    dims = {
         "q_proj": (d, q),
         "k_proj": (d, kv),
         "v_proj": (d, kv),
@@ -50,6 +67,9 @@ def module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
         "up_proj": (d, f),
         "down_proj": (f, d),
     }
+    if cfg.num_experts:
+        return {m: dims[m] for m in ATTENTION_MODULES}
+    return dims
 
 
 def a_name(module: str) -> str:
@@ -58,6 +78,11 @@ def a_name(module: str) -> str:
 
 def b_name(module: str) -> str:
     return f"lora_b_{module}"
+
+
+def a_b_names(cfg: ModelConfig) -> list[str]:
+    """The slot params' names of one layer."""
+    return [name(m) for m in module_dims(cfg) for name in (a_name, b_name)]
 
 
 def slot_shapes(cfg: ModelConfig, num_slots: int, rank: int) -> dict[str, tuple[int, ...]]:
@@ -131,6 +156,55 @@ def write_slots(slots, index: jax.Array, weights: dict):
     ]
 
 
+def widths(max_loras: int) -> tuple[int, ...]:
+    """The LoRA widths programs are compiled for (StepKey.lora_width): 0, 1, the powers of 4
+    below max_loras, and max_loras."""
+    out, w = [0, 1], 4
+    while w < max_loras:
+        out.append(w)
+        w *= 4
+    return tuple(sorted({*out, max_loras}))
+
+
+def width_for(num_adapters: int, max_loras: int) -> int:
+    """The smallest width holding num_adapters distinct adapters."""
+    return next(w for w in widths(max_loras) if w >= num_adapters)
+
+
+def step_ids(row_slots: np.ndarray, width: int, max_loras: int) -> np.ndarray:
+    """int32[width] (host): the distinct slots of row_slots (-1: none) padded with -1, or
+    every slot when width is max_loras."""
+    if width == max_loras:
+        return np.arange(max_loras, dtype=np.int32)
+    used = np.unique(row_slots[row_slots >= 0]).astype(np.int32)
+    if len(used) > width:
+        raise ValueError(f"{len(used)} adapters in a step of LoRA width {width}")
+    return np.concatenate([used, np.full(width - len(used), -1, np.int32)])
+
+
+class Step(NamedTuple):
+    """A step's adapters on the device (see the module docstring)."""
+
+    slots: jax.Array  # int32[T]: each token's slot, -1: the base model
+    ids: jax.Array  # int32[W]: the distinct slots the step uses, -1 padding (W = N: all)
+
+
+def weight_specs(slot_specs):
+    """The PartitionSpecs of write_slots' weights (A [L, in, r], B [L, r, out]) from the slot
+    params' (stacked [L, in, N, r] / [L, N, r, out], or a list of per-layer dicts): the
+    slot axis dropped (a list's per-layer specs gain the layer axis)."""
+    from jax.sharding import PartitionSpec as P
+
+    def drop(name, spec):
+        entries = list(spec) + [None] * (4 - len(spec))
+        axis = 2 if name.startswith("lora_a_") else 1
+        return P(*(entries[:axis] + entries[axis + 1 :]))
+
+    if isinstance(slot_specs, dict):
+        return {k: drop(k, v) for k, v in slot_specs.items()}
+    return {k: drop(k, P(None, *v)) for k, v in slot_specs[0].items()}
+
+
 def token_slots(row_slots: jax.Array, query_start: jax.Array, num_tokens: int) -> jax.Array:
     """int32[T]: each token's adapter slot, its row's (row_slots int32[S], -1: the base;
     query_start int32[S + 1]); tokens past the rows (padding) get -1."""
@@ -139,19 +213,38 @@ def token_slots(row_slots: jax.Array, query_start: jax.Array, num_tokens: int) -
     return jnp.concatenate([row_slots, jnp.full((1,), -1, row_slots.dtype)])[row]
 
 
-def add(y: jax.Array, x: jax.Array, layer: dict, module: str, slots: jax.Array | None):
+def add(y: jax.Array, x: jax.Array, layer: dict, module: str, step: Step | None):
     """y (the projection of x, [T, ...out]) plus the LoRA update of each token's adapter
-    (slots int32[T], -1: none; token_slots); y as it is when LoRA is off (slots None) or the
-    layer has no slot params for module. Dense over all N slots, the others masked: no
-    conditional (see the module docstring)."""
+    (step: Step, or None: LoRA off, y as it is; also when the layer has no slot params for
+    module). The formulation follows the step's static width (the module docstring)."""
     a = layer.get(a_name(module))
-    if slots is None or a is None:
+    if step is None or a is None:
         return y
     b = layer[b_name(module)]  # [N, r, out]
     num_slots, rank = b.shape[0], b.shape[1]
-    xf = x.reshape(x.shape[0], -1).astype(a.dtype)  # [T, in]
-    h = jnp.einsum("ti,inr->tnr", xf, a)  # [T, N, r]
-    mine = slots[:, None] == jnp.arange(num_slots, dtype=slots.dtype)[None, :]  # [T, N]
-    h = jnp.where(mine[:, :, None], h, 0).reshape(x.shape[0], num_slots * rank)
-    delta = h @ b.reshape(num_slots * rank, -1)  # [T, out]
+    slots, ids = step
+    num_tokens, width = x.shape[0], ids.shape[0]
+    xf = x.reshape(num_tokens, -1).astype(a.dtype)  # [T, in]
+    if width == 1:  # one adapter: its rank-r update on its tokens
+        i = jnp.maximum(ids[0], 0)
+        a1 = jax.lax.dynamic_index_in_dim(a, i, a.ndim - 2, keepdims=False)  # [in, r]
+        b1 = jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)  # [r, out]
+        h = jnp.where(((slots == ids[0]) & (ids[0] >= 0))[:, None], xf @ a1, 0)  # [T, r]
+        delta = h @ b1
+    elif num_tokens <= width:  # gathered bmm: each token's own A and B
+        c = jnp.clip(slots, 0, num_slots - 1)
+        h = jnp.einsum("ti,itr->tr", xf, jnp.take(a, c, axis=a.ndim - 2))  # [T, r]
+        h = jnp.where((slots >= 0)[:, None], h, 0)
+        delta = jnp.einsum("tr,tro->to", h, jnp.take(b, c, axis=0))
+    else:  # dense over the step's W slots, other slots' columns masked
+        if width < num_slots:
+            c = jnp.clip(ids, 0, num_slots - 1)
+            a = jnp.take(a, c, axis=a.ndim - 2)  # [in, W, r]
+            b = jnp.take(b, c, axis=0)  # [W, r, out]
+        else:
+            ids = jnp.arange(num_slots, dtype=slots.dtype)
+        h = jnp.einsum("ti,inr->tnr", xf, a)  # [T, W, r]
+        mine = (slots[:, None] == ids[None, :]) & (ids >= 0)[None, :]  # [T, W]
+        h = jnp.where(mine[:, :, None], h, 0).reshape(num_tokens, width * rank)
+        delta = h @ b.reshape(width * rank, -1)  # [T, out]
     return y + delta.reshape(y.shape).astype(y.dtype)

@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from models import lora as lora_params
 from models.config import ModelConfig
 from models.quantization import QuantizedWeight, is_quantized
 
@@ -112,9 +113,28 @@ def vocab_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> bool:
     return cfg.vocab_size % tensor_parallel_size == 0
 
 
-def param_specs(cfg: ModelConfig, tensor_parallel_size: int, *, stacked: bool = False) -> dict:
+def lora_specs(cfg: ModelConfig) -> dict:
+    """The LoRA slot params' specs of one layer (models/lora.py, A [in, N, r], B [N, r, out]):
+    a column-parallel module's A replicated and B split over its output as the module's (q,
+    gate, up over TP; k, v over "kv"); a row-parallel one's (o, down) A split over its input
+    and B replicated, the partial update joining the module's all-reduce."""
+    out_split = {"q_proj": TP, "k_proj": KV, "v_proj": KV, "gate_proj": TP, "up_proj": TP}
+    specs = {}
+    for module in lora_params.module_dims(cfg):
+        if module in out_split:
+            a, b = P(), P(None, None, out_split[module])
+        else:
+            a, b = P(TP, None, None), P()
+        specs[lora_params.a_name(module)], specs[lora_params.b_name(module)] = a, b
+    return specs
+
+
+def param_specs(
+    cfg: ModelConfig, tensor_parallel_size: int, *, stacked: bool = False, lora: bool = False
+) -> dict:
     """PartitionSpecs in the params layout of models/config.py; stacked: "layers" as one
-    dict of [num_layers, ...] arrays (models/llama.py stack_layers), each spec led by None."""
+    dict of [num_layers, ...] arrays (models/llama.py stack_layers), each spec led by None.
+    lora: with the LoRA slot params in every layer (lora_specs)."""
     vocab = TP if vocab_parallel(cfg, tensor_parallel_size) else None
     col = P(None, TP)  # [hidden, F]
     heads_q = P(None, TP, None)  # [hidden, H, Dh]
@@ -173,6 +193,8 @@ def param_specs(cfg: ModelConfig, tensor_parallel_size: int, *, stacked: bool = 
             return dict(layer)
         return {**{k: v for k, v in layer.items() if k not in mlp}, **expert_layer}
 
+    lora_layer = lora_specs(cfg) if lora else {}
+    layer.update(lora_layer)  # expert layers take the attention's from layer
     every = {**layer, **expert_layer}
     if cfg.num_experts and not cfg.num_dense_layers:
         every = layer_specs(0)

@@ -6,7 +6,7 @@ adapter_model.safetensors with, for each adapted projection of layer i,
     base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight   [r, in]
     base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight   [out, r]
 
-(mlp.gate_proj, ... alike). `load_adapter` reads and checks everything before it returns, so a
+(mlp.gate_proj, ... alike; a mixture-of-experts model's attention projections only). `load_adapter` reads and checks everything before it returns, so a
 bad adapter leaves nothing behind: each problem is a LoRAError (a ValueError) of one line
 naming the adapter. The weights are kept as A [in, r] and B * scale [r, out] per (layer,
 module); `slot_weights` pads them to the slots' rank (models/lora.py's layout).
@@ -119,13 +119,25 @@ def _scale(name: str, config: dict) -> tuple[int, float]:
     return r, alpha / (math.sqrt(r) if config.get("use_rslora") else r)
 
 
-def _targets(name: str, config: dict) -> set[str] | None:
+def _moe_error(name: str, what: str) -> LoRAError:
+    return LoRAError(
+        name,
+        f"{what}: a mixture-of-experts model's experts and router are not adaptable, only "
+        f"its attention projections ({', '.join(device_lora.ATTENTION_MODULES)})",
+    )
+
+
+def _targets(name: str, config: dict, cfg: ModelConfig) -> set[str] | None:
     """The target_modules list (None: a regex, checked by the tensors' names instead)."""
     targets = config.get("target_modules")
     if isinstance(targets, str):
         return None
     if not isinstance(targets, list) or not targets:
         raise LoRAError(name, f"target_modules must be a list of module names, got {targets!r}")
+    if cfg.num_experts:
+        others = sorted(set(targets) - set(device_lora.ATTENTION_MODULES))
+        if others:
+            raise _moe_error(name, f"target module(s) {', '.join(map(str, others))}")
     unknown = sorted(set(targets) - set(device_lora.MODULES))
     if unknown:
         raise LoRAError(
@@ -161,16 +173,18 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> HostA
     rank, scale = _scale(name, config)
     if rank > max_rank:
         raise LoRAError(name, f"rank {rank} exceeds max_lora_rank {max_rank}")
-    targets = _targets(name, config)
-    if cfg.num_experts:
-        raise LoRAError(name, "mixture-of-experts models are not supported yet")
+    targets = _targets(name, config, cfg)
     dims = device_lora.module_dims(cfg)
     halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, tensor in _tensors(name, Path(request.lora_path)).items():
         m = _KEY.match(key)
+        if m is None and cfg.num_experts and ".lora_" in key:
+            raise _moe_error(name, f"tensor {key}")
         if m is None:
             raise LoRAError(name, f"tensor {key} is not a LoRA weight of a decoder layer")
         layer, module, half = int(m.group(1)), m.group(2), m.group(3)
+        if module not in dims and cfg.num_experts:
+            raise _moe_error(name, f"tensor {key}")
         if module not in dims:
             raise LoRAError(name, f"target module {module} is not one the model has ({key})")
         if targets is not None and module not in targets:

@@ -161,9 +161,10 @@ def step(
         blocks = stride * jnp.arange(num_groups, dtype=jnp.int32)
         rows = inputs.table_rows[None, :] + blocks[:, None]
         table = page_table[rows, : key.num_page_cols]
-    lora_slots = None  # each token's adapter slot (models/lora.py), from its row's
-    if inputs.lora_slots is not None:
-        lora_slots = lora.token_slots(inputs.lora_slots, inputs.query_start, key.num_tokens)
+    lora_step = None  # each token's adapter slot (from its row's) and the step's slots
+    if key.lora_width:  # models/lora.py; width 0: no LoRA work
+        slots = lora.token_slots(inputs.lora_slots, inputs.query_start, key.num_tokens)
+        lora_step = lora.Step(slots, inputs.lora_ids)
     hidden, kv_pages = forward(
         params,
         model_config,
@@ -179,7 +180,7 @@ def step(
         max_query_len=key.spec_k + 1 if key.spec_k else None,
         attention_backend=backend,
         tp_axis=tp_axis,
-        lora_slots=lora_slots,
+        lora_slots=lora_step,
     )
     if key.draft:
         logits = compute_logits(params, model_config, hidden[inputs.logits_indices], tp_axis)
@@ -280,6 +281,7 @@ class Programs:
       scan_layers: whether params["layers"] is stacked (the layers run under lax.scan) or a
         list (unrolled); it only sets the params' sharding specs, forward follows the params.
       kv_groups: the layers' paging groups (models/kv_groups.py); None: one group.
+      lora: the params carry LoRA slots (models/lora.py; under a mesh, sharding.lora_specs).
     """
 
     def __init__(
@@ -291,6 +293,7 @@ class Programs:
         scan_layers: bool = True,
         cache_dir: str | None = None,
         kv_groups: KVGroups | None = None,
+        lora: bool = False,
     ):
         self.model_config = model_config
         self.kv_groups = kv_groups
@@ -321,7 +324,7 @@ class Programs:
         if mesh is not None:
             self.state_specs = DeviceState(sharding.POOL_SPEC, sharding.POOL_SPEC, P())
             self.param_specs = sharding.param_specs(
-                model_config, sharding.tp_size(mesh), stacked=scan_layers
+                model_config, sharding.tp_size(mesh), stacked=scan_layers, lora=lora
             )
 
     def layout_params(self, params):
@@ -516,9 +519,16 @@ class Programs:
         """The LoRA slot write (models/lora.py write_slots: slots donated, the slot index
         traced), compiled once: loading an adapter at run time compiles nothing."""
         if self._lora_writer is None:
-            if self.mesh is not None:
-                raise ValueError("LoRA adapters are not supported with tensor parallelism yet")
-            fn = jax.jit(lora.write_slots, donate_argnums=(0,))
+            if self.mesh is None:
+                fn = jax.jit(lora.write_slots, donate_argnums=(0,))
+            else:  # each device writes its shard (sharding.lora_specs) of the slot
+                specs = self.param_specs["layers"]
+                pick = lambda layer: {k: layer[k] for k in lora.a_b_names(self.model_config)}
+                specs = pick(specs) if isinstance(specs, dict) else [pick(x) for x in specs]
+                fn = self._sharded_jit(
+                    lora.write_slots, in_specs=(specs, P(), lora.weight_specs(specs)),
+                    out_specs=specs, donate=0,
+                )  # fmt: skip
             self._lora_writer = self._compiled(
                 fn, slots, np.int32(0), weights, name="lora slot write"
             )

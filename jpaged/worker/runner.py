@@ -40,6 +40,7 @@ from jpaged.worker.step_inputs import (
     StepKey,
     bucket_keys,
     holds,
+    lora_width,
     needs_key,
     pack,
     pad_rows,
@@ -47,6 +48,7 @@ from jpaged.worker.step_inputs import (
     update_capacity,
     warm_up_inputs,
     warm_up_keys,
+    with_lora_widths,
 )
 from jpaged.worker.step_plan import StepPlan, empty_plan
 from models import lora
@@ -107,12 +109,15 @@ class ModelRunner:
             scan_layers=scan,
             cache_dir=cache_dir,
             kv_groups=kv_groups,
+            lora=lora_config is not None,
         )
         self.lora_config = lora_config
+        self._max_loras = 0 if lora_config is None else lora_config.max_loras  # 0: LoRA off
         if lora_config is not None:
-            if model_config.num_experts or mesh is not None:
-                what = "tensor parallelism" if mesh is not None else "mixture-of-experts models"
-                raise ValueError(f"LoRA adapters with {what} are not supported yet")
+            if model_config.kv_lora_rank:  # no q/k/v projections to adapt
+                raise ValueError("LoRA adapters with latent attention (MLA) are not supported")
+            if broadcast is not None:  # followers would replay neither widths nor slot writes
+                raise ValueError("LoRA adapters across processes (multi-host) are not supported")
             params = lora.with_slots(
                 params, model_config, lora_config.max_loras, lora_config.max_lora_rank, dtype
             )
@@ -157,11 +162,16 @@ class ModelRunner:
     # -- compilation -----------------------------------------------------------------------
     def num_buckets(self) -> int:
         """Programs the engine can need: every step key, the prelude (and swap copies)."""
-        return len(bucket_keys(self.config)) + 1 + (2 if self.swap_space is not None else 0)
+        keys = self._lora_keys(bucket_keys(self.config))
+        return len(keys) + 1 + (2 if self.swap_space is not None else 0)
 
     def warm_up_keys(self, context_len: int) -> list[StepKey]:
         """The step keys short requests (up to context_len tokens) meet first."""
-        return warm_up_keys(self.config, context_len)
+        return self._lora_keys(warm_up_keys(self.config, context_len))
+
+    def _lora_keys(self, keys: list[StepKey]) -> list[StepKey]:
+        """keys at every LoRA width with LoRA on (models/lora.py widths), else as they are."""
+        return keys if self.lora_config is None else with_lora_widths(keys, self._max_loras)
 
     def precompile(
         self, keys: list[StepKey] | None = None, context_len: int | None = None
@@ -182,7 +192,7 @@ class ModelRunner:
         """
         t0 = time.perf_counter()
         if keys is None:
-            keys = bucket_keys(self.config, self.config.precompile_max_len)
+            keys = self._lora_keys(bucket_keys(self.config, self.config.precompile_max_len))
         for key in keys:
             self.programs.step(
                 key, self.params, self.state, self.dummy_inputs(key), self.last_tokens
@@ -232,7 +242,7 @@ class ModelRunner:
             page_size=self.page_size,
             mask_words=self.mask_words,
             num_groups=self.num_groups,
-            lora=self.lora_config is not None,
+            lora=self._max_loras,
             **kwargs,
         )
 
@@ -310,6 +320,8 @@ class ModelRunner:
         own step samples (jpaged/spec_decode/draft_model.py).
         """
         key = step_key(plan, self.config)
+        if self._max_loras:
+            key = dataclasses.replace(key, lora_width=lora_width(plan, self._max_loras))
         if draft_offset is not None:
             key = dataclasses.replace(key, draft=True)
         key = self._runnable(key)
@@ -353,7 +365,8 @@ class ModelRunner:
         """None when a compiled step program holds a step of `needs` (step_inputs.holds) or
         Linux's mapping cap allows a compile (jpaged/worker/map_count.py); else the error
         that compiling its program would meet. Reads the process's mappings only when no
-        compiled program holds it."""
+        compiled program holds it. With LoRA on, at the widest LoRA width (any adapters)."""
+        needs = dataclasses.replace(needs, lora_width=max(needs.lora_width, self._max_loras))
         if any(holds(k, needs) for k in self.programs.step_keys()):
             return None
         return self.programs.compile_refusal("its step program")

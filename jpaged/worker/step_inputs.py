@@ -21,6 +21,7 @@ from jpaged.config import EngineConfig
 from jpaged.sample.sampler import MAX_LOGPROBS, Penalties, SamplingInputs
 from jpaged.sample.sampling_params import SamplingParams
 from jpaged.worker.step_plan import PLACEHOLDER, StepPlan, pow2_width
+from models import lora as lora_mod
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,9 @@ class StepKey:
     spec_draft: bool = False  # the proposals come from a draft model (its probabilities given)
     draft: bool = False  # a draft model's step: sample a proposal and return its distribution
     pooling: bool = False  # embedding rows: their hidden states pooled (jpaged/pooling.py)
+    # LoRA on: the distinct adapters the program applies (models/lora.py widths; 0: none,
+    # the program does no LoRA work)
+    lora_width: int = 0
 
 
 @jax.tree_util.register_dataclass
@@ -65,6 +69,7 @@ class StepInputs:
     draft_probs: jax.Array | None = None
     draft_offset: jax.Array | None = None  # int32[] (key.draft): the proposal's index
     lora_slots: jax.Array | None = None  # int32[S]: each row's adapter slot, -1: none (LoRA on)
+    lora_ids: jax.Array | None = None  # int32[key.lora_width]: the step's slots (lora.step_ids)
 
 
 def holds(program: StepKey, key: StepKey) -> bool:
@@ -78,7 +83,7 @@ def holds(program: StepKey, key: StepKey) -> bool:
         return False
     if program.decode_only and not key.decode_only:
         return False
-    sizes = ("num_tokens", "num_seqs", "num_page_cols", "num_logprobs", "bias_width")
+    sizes = ("num_tokens", "num_seqs", "num_page_cols", "num_logprobs", "bias_width", "lora_width")
     if any(getattr(program, f) < getattr(key, f) for f in sizes):
         return False
     if any(getattr(key, f) and not getattr(program, f) for f in ("prompt_logprobs", "pooling")):
@@ -310,7 +315,7 @@ def pack(
     prev_plan: StepPlan | None = None,
     token_bitmask: np.ndarray | None = None,
     num_groups: int = 1,
-    lora: bool = False,
+    lora: int = 0,
 ) -> StepInputs:
     """The plan padded to key's shapes.
 
@@ -325,7 +330,8 @@ def pack(
       token_bitmask: int32[len(plan), mask_words] of the constrained rows (others all ones),
         or None when no row is constrained.
       num_groups: paging groups (models/kv_groups.py): rows of slot_mapping.
-      lora: the programs take each row's adapter slot (padding rows: -1).
+      lora: max_loras when the programs take each row's adapter slot (padding rows: -1)
+        and the step's slots (key.lora_width of them); 0: LoRA off.
     """
     t_pad, s_pad = key.num_tokens, key.num_seqs
     t, s = plan.num_tokens, len(plan)
@@ -382,6 +388,7 @@ def pack(
         proposals=proposals,
         num_proposed=num_proposed,
         lora_slots=_lora_slots(plan, s_pad) if lora else None,
+        lora_ids=_lora_ids(plan, key, lora) if lora else None,
     )
 
 
@@ -389,6 +396,24 @@ def _lora_slots(plan: StepPlan, s_pad: int) -> np.ndarray:
     if plan.lora_slots is None:
         return np.full(s_pad, -1, np.int32)
     return _padded(plan.lora_slots.astype(np.int32), s_pad, -1)
+
+
+def _lora_ids(plan: StepPlan, key: StepKey, max_loras: int) -> np.ndarray:
+    return lora_mod.step_ids(_lora_slots(plan, key.num_seqs), key.lora_width, max_loras)
+
+
+def lora_width(plan: StepPlan, max_loras: int) -> int:
+    """The LoRA width of a plan's step: its distinct adapters, bucketed (models/lora.py)."""
+    if plan.lora_slots is None:
+        return 0
+    used = len(np.unique(plan.lora_slots[plan.lora_slots >= 0]))
+    return lora_mod.width_for(used, max_loras)
+
+
+def with_lora_widths(keys: list[StepKey], max_loras: int) -> list[StepKey]:
+    """keys at every LoRA width (models/lora.py widths): the programs LoRA steps can need."""
+    widths = lora_mod.widths(max_loras)
+    return [dataclasses.replace(k, lora_width=w) for k in keys for w in widths]
 
 
 def _prompt_targets(plan: StepPlan, key: StepKey) -> np.ndarray | None:

@@ -1,5 +1,7 @@
 """models/lora.py against a per-token numpy reference: each token gets x @ A[slot] @ B[slot]
-(nothing for -1; padding tokens nothing), for steps on 0 to 8 of 8 slots; writing a slot
+(nothing for -1; padding tokens nothing), for steps on 0 to 8 of 8 slots at every formulation
+(one adapter sliced, the step's slots gathered and dense, all slots dense, gathered per token
+when a step has no more tokens than its width, a program wider than the step); writing a slot
 changes that slot alone."""
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import pytest
 from models import lora
 
 N, R, D_IN, D_OUT = 8, 4, 16, 12
-ROWS, TOKENS = 10, 32  # one compiled shape for every case
+ROWS = 10
 
 
 @functools.partial(jax.jit, static_argnums=(4,))
-def _update(y, x, layer, row_slots, num_tokens, query_start):
+def _update(y, x, layer, row_slots, num_tokens, query_start, ids):
     slots = lora.token_slots(row_slots, query_start, num_tokens)
-    return lora.add(y, x, layer, "q_proj", slots)
+    return lora.add(y, x, layer, "q_proj", lora.Step(slots, ids))
 
 
 def _layer(rng):
@@ -30,8 +32,22 @@ def _layer(rng):
     }
 
 
-@pytest.mark.parametrize("num_adapters", [0, 1, 3, 5, 8])
-def test_update_equals_per_token_reference(num_adapters):
+def test_widths():
+    assert lora.widths(16) == (0, 1, 4, 16) and lora.widths(2) == (0, 1, 2)
+    assert lora.widths(4) == (0, 1, 4) and lora.widths(1) == (0, 1)
+    assert [lora.width_for(n, 16) for n in (0, 1, 2, 4, 5, 16)] == [0, 1, 4, 4, 16, 16]
+    with pytest.raises(ValueError, match="3 adapters in a step of LoRA width 2"):
+        lora.step_ids(np.array([0, 1, 2, -1]), 2, 8)
+
+
+# (adapters, width, tokens): width 1 sliced; 4 < N gathered and dense; N dense; tokens <= width
+# gathered per token (8 tokens, width 8); a width-4 program on a one-adapter step
+CASES = [(0, 1, 32), (1, 1, 32), (3, 4, 32), (1, 4, 32), (5, 8, 32), (8, 8, 32), (3, 8, 8),
+         (2, 4, 4)]  # fmt: skip
+
+
+@pytest.mark.parametrize("num_adapters,width,tokens", CASES)
+def test_update_equals_per_token_reference(num_adapters, width, tokens):
     rng = np.random.default_rng(num_adapters)
     layer = _layer(rng)
     adapters = rng.choice(N, num_adapters, replace=False)
@@ -39,11 +55,12 @@ def test_update_equals_per_token_reference(num_adapters):
     row_slots[:num_adapters] = adapters
     rng.shuffle(row_slots[: num_adapters + 2])
     lens = np.zeros(ROWS, np.int32)
-    lens[: num_adapters + 2] = rng.integers(1, 4, num_adapters + 2)
+    lens[: num_adapters + 2] = rng.integers(1, 4 if tokens > ROWS else 2, num_adapters + 2)
     query_start = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    x = rng.normal(size=(TOKENS, D_IN)).astype(np.float32)  # tokens past the rows: padding
-    y = rng.normal(size=(TOKENS, D_OUT)).astype(np.float32)
-    got = _update(y, x, layer, row_slots, TOKENS, query_start)
+    x = rng.normal(size=(tokens, D_IN)).astype(np.float32)  # tokens past the rows: padding
+    y = rng.normal(size=(tokens, D_OUT)).astype(np.float32)
+    ids = lora.step_ids(row_slots, width, N)
+    got = _update(y, x, layer, row_slots, tokens, query_start, ids)
     got = np.asarray(got)
     want = y.copy()
     a, b = np.asarray(layer["lora_a_q_proj"]), np.asarray(layer["lora_b_q_proj"])

@@ -56,3 +56,9 @@ def orbax_quant_results(tp_checkpoint, tmp_path_factory) -> dict:
     """sharded_worker.run_orbax_quant: Orbax loads with int8 / fp8 weights at T = 2 against
     the HF directory's."""
     return run_worker("orbax_quant", str(tp_checkpoint), str(tmp_path_factory.mktemp("oq")))
+
+
+@pytest.fixture(scope="session")
+def lora_results(tp_checkpoint, tmp_path_factory) -> dict:
+    """sharded_worker.run_lora: LoRA adapters at T = 1 and 8."""
+    return run_worker("lora", str(tp_checkpoint), str(tmp_path_factory.mktemp("lora_tp")))

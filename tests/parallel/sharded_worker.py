@@ -4,6 +4,7 @@
     python tests/parallel/sharded_worker.py multihost CKPT ADDR N I OUT   # 4 devices each
     python tests/parallel/sharded_worker.py quant CKPT TMP_DIR     # quantized weights, 8 devices
     python tests/parallel/sharded_worker.py orbax_quant CKPT TMP_DIR   # Orbax + int8/fp8, T = 2
+    python tests/parallel/sharded_worker.py lora CKPT TMP_DIR      # LoRA adapters, T = 1 and 8
 
 The device count must be set before JAX starts, so the tests run this file as a subprocess
 (pytest's own process has already initialised JAX with one device).
@@ -286,6 +287,36 @@ def run_multihost(ckpt: str, addr: str, num_processes: str, process_id: str, out
     return res
 
 
+def run_lora(ckpt: str, tmp: str) -> dict:
+    """Two LoRA adapters (ranks 8 and 4, every module) and the base in one batch at T = 1
+    and 8 (KV heads split over 4, each on two devices); the tokens (and the base model's alone at T = 1),
+    and the slot params' layout at T = 8
+    after a run-time load (the slot write keeps the shardings)."""
+    _env(8)
+    from jpaged import LLM, LoRARequest
+    from jpaged.lora.random_adapter import write_random_adapter
+
+    root = Path(tmp)
+    a1 = write_random_adapter(root / "a1", ckpt, rank=8, seed=1)
+    a2 = write_random_adapter(root / "a2", ckpt, rank=4, seed=2, modules=("q_proj", "v_proj",
+                              "o_proj", "up_proj", "down_proj"))  # fmt: skip
+    r1, r2 = LoRARequest("a1", 1, str(a1)), LoRARequest("a2", 2, str(a2))
+    loras = [r1, None, r2, r1, None]
+    results = {}
+    for t in (1, 8):
+        llm = LLM(ckpt, tensor_parallel_size=t, enable_lora=True, max_loras=2, max_lora_rank=8,
+                  **ENGINE)  # fmt: skip
+        outs = llm.generate(prompts(), sampling(), lora_request=loras)
+        results[f"tokens_{t}"] = [o.outputs[0].token_ids for o in outs]
+        if t == 1:  # the base model alone, each prompt
+            outs = llm.generate(prompts(), sampling())
+            results["base"] = [o.outputs[0].token_ids for o in outs]
+        if t == 8:
+            w = _layout(llm.llm_engine.runner)["weights"]
+            results["layout"] = {k[len("layers.lora_") :]: v for k, v in w.items() if "lora_" in k}
+    return results
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     modes = {
@@ -293,6 +324,7 @@ if __name__ == "__main__":
         "multihost": run_multihost,
         "quant": run_quant,
         "orbax_quant": run_orbax_quant,
+        "lora": run_lora,
     }
     result = modes[mode](*args)
     print(json.dumps(result))

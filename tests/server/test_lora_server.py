@@ -13,7 +13,7 @@ from serving_helpers import RunningServer, collect, request
 
 from jpaged import LLM, LoRARequest, SamplingParams
 
-pytest.importorskip("torch")
+pytestmark = pytest.mark.needs_torch  # left out by --without-torch (tests/needs_torch.py)
 
 PROMPT = [1, 5, 9, 13, 17, 21]
 

@@ -16,7 +16,7 @@ from lora_adapters import merge, write_adapter
 from jpaged import LLM, LoRARequest, SamplingParams
 from jpaged.lora import LoRAError
 
-pytest.importorskip("torch")
+pytestmark = pytest.mark.needs_torch  # left out by --without-torch (tests/needs_torch.py)
 
 PROMPTS = [[1, 5, 9, 13, 17, 21, 3, 7, 11], [2, 4, 6, 8]]
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
