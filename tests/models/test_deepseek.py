@@ -19,9 +19,12 @@ from models.loader import load_hf_model
 from pallas_kernels import kv_quant
 
 MAX_TOKENS = 12
+# One engine geometry for every float32 engine below (the GGUF's, the preemptions'), so they
+# share one set of compiled programs: 14 pages of 4 tokens hold one 48-token sequence, not
+# two long ones (the preemption prompts need 10 + 11 pages at once, so one is preempted).
 ENGINE = {
-    "max_num_seqs": 2, "max_model_len": 64, "max_num_batched_tokens": 16, "page_size": 4,
-    "num_pages": 40, "enable_prefix_caching": True, "compilation_cache_dir": None,
+    "max_num_seqs": 2, "max_model_len": 48, "max_num_batched_tokens": 16, "page_size": 4,
+    "num_pages": 14, "compilation_cache_dir": None,
 }  # fmt: skip
 
 
@@ -29,6 +32,12 @@ ENGINE = {
 def checkpoints(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("deepseek")
     return {f: save_tiny(root / f, f) for f in DEEPSEEK_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def v3_greedy(checkpoints) -> list[list[int]]:
+    """transformers' MAX_TOKENS greedy tokens of deepseek_v3 for each of prompts(160)."""
+    return hf_greedy(checkpoints["deepseek_v3"], prompts(160), MAX_TOKENS)
 
 
 def _hf_config(**overrides) -> dict:
@@ -112,42 +121,47 @@ def test_logits_equal_transformers(checkpoints, family):
 
 
 @pytest.mark.needs_torch
-def test_engine_greedy_tokens_equal_transformers(checkpoints):
-    """Five prompts sharing a prefix (prefix hits), chunked prefill, 12 greedy tokens each;
-    the pool's bytes per token are the latent row's."""
-    path = checkpoints["deepseek_v3"]
-    token_prompts = prompts(160)
-    want = hf_greedy(path, token_prompts, MAX_TOKENS)
-    got, stats = engine_greedy_and_stats(path, token_prompts, MAX_TOKENS, **ENGINE)
-    assert got == want
+def test_engine_greedy_tokens_of_a_gguf_equal_transformers(checkpoints, v3_greedy, tmp_path):
+    """The deepseek2 GGUF of deepseek_v3 (kv_b split as llama.cpp writes it today; its params
+    exactly the HF directory's, test_gguf_equals_hf_directory) through the engine: five
+    prompts sharing a prefix (prefix hits), chunked prefill, 12 greedy tokens each, two
+    sequences in a pool that holds one long one (preemptions); the pool's bytes per token are
+    the latent row's."""
+    path = tmp_path / "deepseek_v3.gguf"
+    _write_gguf(checkpoints["deepseek_v3"], path, split_kv_b=True)
+    got, stats = engine_greedy_and_stats(path, prompts(160), MAX_TOKENS,
+                                         enable_prefix_caching=True, **ENGINE)  # fmt: skip
+    assert got == v3_greedy
+    assert stats["prefix_cache_hit_tokens"] > 0
     assert stats["kv_bytes_per_token"] == 3 * (24 + 8) * 4  # float32 latent rows, 3 layers
 
 
 @pytest.mark.needs_torch
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_sequences_give_transformers_tokens(checkpoints, mode):
+    """deepseek_v3's HF directory on the GGUF test's engine geometry (its programs)."""
     extra = {"num_swap_pages": 64} if mode == "swap" else {}
-    ours, want = preempted_greedy(checkpoints["deepseek_v2"], 160, mode, **extra)
+    ours, want = preempted_greedy(checkpoints["deepseek_v3"], 160, mode, **ENGINE, **extra)
     assert ours == want
 
 
 @pytest.mark.needs_torch
-def test_int8_pages_hold_the_latent(checkpoints):
+def test_int8_pages_hold_the_latent(checkpoints, v3_greedy):
     """An int8 pool: a token's row is 32 int8 values and two bfloat16 scales per layer (108
     bytes against float32's 384), and its greedy tokens are transformers' (prefix hits and
     chunked prefill included)."""
     path = checkpoints["deepseek_v3"]
-    token_prompts = prompts(160)[:3]
-    got, stats = engine_greedy_and_stats(path, token_prompts, MAX_TOKENS, kv_cache_dtype="int8",
-                                         **ENGINE)  # fmt: skip
+    got, stats = engine_greedy_and_stats(path, prompts(160)[:3], MAX_TOKENS, kv_cache_dtype="int8",
+                                         enable_prefix_caching=True, **ENGINE)  # fmt: skip
     assert stats["kv_bytes_per_token"] == 3 * 2 * (16 + 2)
-    assert got == hf_greedy(path, token_prompts, MAX_TOKENS)
+    assert got == v3_greedy[:3]
 
 
 @pytest.mark.needs_torch
 def test_a_decode_step_on_the_interpreted_gpu_kernel_equals_the_reference(checkpoints):
     """The model's decode step with the latent GPU kernel (Pallas interpreter) in every layer
-    gives the reference's hidden states, from a pool prefilled with 11 tokens."""
+    gives the reference's hidden states, from a pool holding 11 tokens' rows (random: no
+    prefill program to compile)."""
     import jax
     import jax.numpy as jnp
 
@@ -155,21 +169,136 @@ def test_a_decode_step_on_the_interpreted_gpu_kernel_equals_the_reference(checkp
 
     loaded = load_hf_model(checkpoints["deepseek_v3"])
     cfg, page = loaded.config, 4
+    params = stack_layers(loaded.params)  # the expert layers scanned: one kernel for both
     ids = prompts(cfg.vocab_size)[0][:12]
     shape = (1, cfg.num_layers * 5, page, cfg.head_dim)
-    pool = (jnp.zeros(shape), jnp.zeros(shape))
+    # 11 tokens' latent rows (normed latents and rotated keys are of order 1) in every layer
+    rng = np.random.default_rng(0)
+    pool = tuple(jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
     table = jnp.asarray([[3, 1, 4, 2]], jnp.int32)
     slots = np.asarray([3, 1, 4])[np.arange(12) // page] * page + np.arange(12) % page
     run = jax.jit(forward, static_argnums=(1,),
                   static_argnames=("decode_only", "attention_backend"))  # fmt: skip
-    _, pool = run(loaded.params, cfg, pool, jnp.asarray(ids[:11]), jnp.arange(11),
-                  jnp.asarray(slots[:11], jnp.int32), jnp.asarray([11]), table,
-                  jnp.asarray([0, 11], jnp.int32))  # fmt: skip
     out = {}
     for backend in ("reference", "pallas_interpret"):
         out[backend], _ = run(
-            loaded.params, cfg, pool, jnp.asarray(ids[11:]), jnp.asarray([11]),
+            params, cfg, pool, jnp.asarray(ids[11:]), jnp.asarray([11]),
             jnp.asarray(slots[11:], jnp.int32), jnp.asarray([12]), table,
             jnp.asarray([0, 1], jnp.int32), decode_only=True, attention_backend=backend,
         )
     np.testing.assert_allclose(out["pallas_interpret"], out["reference"], atol=2e-5, rtol=0)
+
+
+def _write_gguf(hf_dir, out, *, split_kv_b: bool) -> None:
+    """The checkpoint as llama.cpp's converter (DeepseekV2Model) writes a deepseek2 file:
+    experts stacked per layer, rotary dims as stored (GGML's "norm" rope takes the pairs),
+    YaRN's log multiplier 0.1 x mscale_all_dim; split_kv_b: as it writes them today
+    (kv_b_proj split into attn_k_b [H, r, dn], transposed, and attn_v_b [H, dv, r]; one
+    latent "KV head" of key length r + dr, the head dims in *_length_mla), else as before
+    that split (attn_kv_b whole, the head dims in key_length / value_length)."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    n, heads, r = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["kv_lora_rank"]
+    dn, dr, dv = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    v3 = cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    writer = gguf.GGUFWriter(str(out), "deepseek2")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(n)
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    if cfg.get("q_lora_rank"):
+        writer.add_q_lora_rank(cfg["q_lora_rank"])
+    writer.add_kv_lora_rank(r)
+    if split_kv_b:
+        writer.add_head_count_kv(1)
+        writer.add_key_length(r + dr)
+        writer.add_value_length(r)
+        writer.add_key_length_mla(dn + dr)
+        writer.add_value_length_mla(dv)
+    else:
+        writer.add_head_count_kv(cfg["num_key_value_heads"])
+        writer.add_key_length(dn + dr)
+        writer.add_value_length(dv)
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    writer.add_expert_count(cfg["n_routed_experts"])
+    writer.add_expert_shared_count(cfg["n_shared_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    writer.add_expert_weights_norm(bool(cfg.get("norm_topk_prob")))
+    writer.add_expert_gating_func(
+        gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX
+    )
+    if v3 or cfg.get("topk_method") == "group_limited_greedy":
+        writer.add_expert_group_count(cfg["n_group"])
+        writer.add_expert_group_used_count(cfg["topk_group"])
+    writer.add_rope_dimension_count(dr)
+    rope = cfg["rope_parameters"]
+    if rope["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, n)
+    out_tensors = {}
+    for name, w in load_file(str(hf_dir / "model.safetensors")).items():
+        if ".experts." in name and ".shared_experts." not in name:  # [E, out, in] stacks
+            parts = name.split(".")
+            stacked = ".".join(parts[:5] + parts[6:])
+            stack = out_tensors.setdefault(
+                names.get_name(stacked, try_suffixes=(".weight",)),
+                np.zeros((cfg["n_routed_experts"], *w.shape), w.dtype),
+            )
+            stack[int(parts[5])] = w
+            continue
+        if split_kv_b and name.endswith("kv_b_proj.weight"):
+            kv_b = w.reshape(heads, dn + dv, r)
+            out_tensors[names.get_name(name.replace("kv_b", "k_b"), try_suffixes=(".weight",))] = (
+                np.swapaxes(kv_b[:, :dn], 1, 2)
+            )
+            out_tensors[names.get_name(name.replace("kv_b", "v_b"), try_suffixes=(".weight",))] = (
+                kv_b[:, dn:]
+            )
+            continue
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        out_tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = w
+    for name, w in out_tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(w, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.needs_torch
+@pytest.mark.parametrize(("family", "split_kv_b"), [("deepseek_v3", True), ("deepseek_v2", False)])
+def test_gguf_equals_hf_directory(checkpoints, tmp_path, family, split_kv_b):
+    """llama.cpp's deepseek2 file (V3: a query LoRA, YaRN, sigmoid routing, kv_b split as the
+    converter writes it today; V2: a direct query, softmax routing limited to groups, kv_b
+    whole as older files hold it) loads the HF directory's config and exactly its params."""
+    import dataclasses
+
+    import jax
+
+    from models.loader import load_model
+
+    path = tmp_path / f"{family}.gguf"
+    _write_gguf(checkpoints[family], path, split_kv_b=split_kv_b)
+    from_gguf, from_hf = load_model(path), load_hf_model(checkpoints[family])
+    fields = dataclasses.asdict(from_hf.config)
+    fields.update(eos_token_ids=(), bos_token_id=None)  # the tokenizer's, none written here
+    got = dataclasses.asdict(from_gguf.config)
+    assert got.pop("rms_norm_eps") == pytest.approx(fields.pop("rms_norm_eps"))  # float32
+    assert {k: v for k, v in got.items() if k in fields} == fields
+    flat_gguf = jax.tree_util.tree_leaves_with_path(from_gguf.params)
+    flat_hf = jax.tree_util.tree_leaves_with_path(from_hf.params)
+    assert [p for p, _ in flat_gguf] == [p for p, _ in flat_hf]
+    for (p, a), (_, b) in zip(flat_gguf, flat_hf, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
