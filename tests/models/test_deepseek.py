@@ -7,6 +7,7 @@ recompute and by swap, and int8 pages holding the latent."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from dense_families import engine_greedy_and_stats, hf_logits, paged_logits, preempted_greedy
@@ -79,18 +80,57 @@ def test_config_fields_and_the_latent_pool_geometry():
         ModelConfig.from_hf_config(_hf_config(attention_bias=True))
 
 
+# DeepSeek-V3's real attention and expert dims (config.json).
+DEEPSEEK_V3_ATTENTION = {
+    "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+    "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+}  # fmt: skip
+
+
 def test_deepseek_v3_kv_bytes_per_token_against_full_heads():
     """DeepSeek-V3's real attention dims (docs/memory.md): 61 layers, latent 512 + rope 64
     against 128 heads of K (128 + 64) and V (128), bfloat16: 70,272 bytes a token, 71x less."""
-    cfg = ModelConfig.from_hf_config(_hf_config(
-        hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, kv_lora_rank=512,
-        q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_group=8,
-        topk_group=4, first_k_dense_replace=3,
-    ))  # fmt: skip
+    cfg = ModelConfig.from_hf_config(_hf_config(**DEEPSEEK_V3_ATTENTION))
     mla = kv_page_bytes(cfg, 1, 2)
     full_heads = 61 * 128 * ((128 + 64) + 128) * 2
     assert (mla, full_heads) == (70_272, 4_997_120)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_at_equal_memory_the_latent_pool_holds_its_bytes_ratio_more_sequences(kv_cache_dtype):
+    """The engine's memory plan for DeepSeek-V3's real attention dims (bfloat16 activations)
+    against the same model with full K/V (128 KV heads of 160 values: K's 192 and V's 128 per
+    head, the same bytes), in the same 320 GiB pool budget: each holds sequences of 1,024
+    tokens as its bytes per token say, within one page per sequence, so the latent pool holds
+    the ratio of their bytes per token (71x in bfloat16) more, within that too."""
+    import dataclasses
+
+    from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
+    from jpaged.core.memory_plan import plan_memory
+
+    mla = ModelConfig.from_hf_config(_hf_config(**DEEPSEEK_V3_ATTENTION))
+    full = dataclasses.replace(mla, kv_lora_rank=0, num_kv_heads=128, head_dim=160)
+    budget, length, page = 320 << 30, 1024, 16
+    engine = EngineConfig(
+        cache=CacheConfig(page_size=page, kv_cache_memory_bytes=budget,
+                          kv_cache_dtype=kv_cache_dtype),
+        scheduler=SchedulerConfig(max_model_len=length, max_num_seqs=8192),
+    )  # fmt: skip
+    held, per_token = {}, {}
+    for name, cfg in (("mla", mla), ("full", full)):
+        plan = plan_memory(engine, cfg, jnp.bfloat16, "cpu")
+        per_token[name] = kv_page_bytes(cfg, page, 2, plan.kv_dtype) / page
+        held[name] = (plan.num_pages - 1) // (length // page)  # the null page is no one's
+        # as its bytes per token say, within one page per sequence
+        assert budget // ((length + page) * per_token[name]) <= held[name]
+        assert held[name] <= budget // (length * per_token[name])
+    ratio = per_token["full"] / per_token["mla"]
+    assert ratio > (71 if kv_cache_dtype == "auto" else 71.4)  # docs/memory.md's 71.1x, 71.5x
+    assert held["full"] >= 60
+    assert ratio * held["full"] * length / (length + page) <= held["mla"]
+    assert held["mla"] <= ratio * (held["full"] + 1) * (length + page) / length
 
 
 def test_params_stack_with_the_latent_attention():
