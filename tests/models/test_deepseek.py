@@ -198,6 +198,55 @@ def test_int8_pages_hold_the_latent(checkpoints, v3_greedy):
 
 
 @pytest.mark.needs_torch
+def test_forks_and_beam_search_equal_transformers(checkpoints):
+    """On the engine geometry above (its programs): n = 2 greedy forks (copy-on-write of the
+    prompt's partial page in the latent pool) each give transformers' greedy tokens of the
+    prompt alone, and a beam search of width 2 (beams that diverge, fork and drop) gives
+    transformers' beams, sums of logprobs within 1e-4; the pool is whole after."""
+    from dense_families import hf_beams
+
+    from jpaged import LLM, BeamSearchParams, SamplingParams
+
+    path = checkpoints["deepseek_v3"]
+    prompt = np.random.default_rng(4).integers(0, 160, 11).tolist()  # a partial 3rd page
+    llm = LLM(str(path), **ENGINE)
+    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (out,) = llm.generate([prompt], greedy)
+    assert [c.token_ids for c in out.outputs] == hf_greedy(path, [prompt], MAX_TOKENS) * 2
+    (beams,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=MAX_TOKENS))
+    assert llm.stats()["pages_used"] == 0
+    want = hf_beams(path, prompt, 2, MAX_TOKENS)
+    assert [s.token_ids for s in beams.sequences] == [w[0] for w in want]
+    assert want[0][0] != want[1][0]
+    for seq, (_, cum) in zip(beams.sequences, want, strict=True):
+        assert seq.cum_logprob == pytest.approx(cum, abs=1e-4)
+
+
+@pytest.mark.needs_torch
+def test_int8_weights_give_the_logits_of_their_dequantized_weights(checkpoints):
+    """--quantization int8, stacked on the host: the output projection, the dense, shared
+    and routed experts' projections int8 with per-channel scales (the latent projections,
+    norms and router float); the logits of every position (a chunk of 13, then one of 12
+    reading it back) equal those of its weights dequantized (the logits test's program)."""
+    import dataclasses
+
+    import jax
+
+    from models.quantization import QuantizedWeight, dequantize
+
+    is_quantized = lambda a: isinstance(a, QuantizedWeight)
+    loaded = load_hf_model(checkpoints["deepseek_v3"], quantization="int8", stacked=True)
+    quantized = {k for k, v in loaded.params["layers"].items() if is_quantized(v)}
+    assert {"wo", "w_gate", "w_gate_exps", "w_down_exps", "w_up_shared"} <= quantized
+    assert not quantized & {"wkv_a", "kv_a_norm", "router", "router_bias"}
+    plain = jax.tree.map(dequantize, loaded.params, is_leaf=is_quantized)
+    ids = prompts(loaded.config.vocab_size)[1]
+    want = paged_logits(dataclasses.replace(loaded, params=plain), [13, 12], ids)
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(paged_logits(loaded, [13, 12], ids), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.needs_torch
 def test_a_decode_step_on_the_interpreted_gpu_kernel_equals_the_reference(checkpoints):
     """The model's decode step with the latent GPU kernel (Pallas interpreter) in every layer
     gives the reference's hidden states, from a pool holding 11 tokens' rows (random: no

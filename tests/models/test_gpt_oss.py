@@ -18,6 +18,7 @@ import pytest
 from dense_families import (
     engine_greedy,
     engine_greedy_and_stats,
+    hf_beams,
     hf_greedy,
     hf_logits,
     paged_logits,
@@ -321,23 +322,6 @@ def test_gguf_equals_hf_directory_and_mxfp4_experts_dequantize_as_gguf_does(chec
     assert np.abs(rounded).max() > 0  # MXFP4's rounding: the blocks were read, not the floats
 
 
-def _hf_beams(path, prompt, width: int, max_tokens: int) -> list[tuple[list[int], float]]:
-    """transformers' beam search (no EOS: every beam runs max_tokens): (ids, sum of logprobs)
-    best first (tests/jpaged/core/test_beam_search.py's reference, length_penalty 1)."""
-    import torch
-    from dense_families import hf_model
-
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf_model(path).generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=width,
-            num_return_sequences=width, max_new_tokens=max_tokens, pad_token_id=0,
-            return_dict_in_generate=True, output_scores=True,
-        )  # fmt: skip
-    rows = out.sequences[:, len(prompt) :].tolist()
-    return [(r, s * max_tokens) for r, s in zip(rows, out.sequences_scores.tolist(), strict=True)]
-
-
 @pytest.mark.needs_torch
 def test_forks_and_beam_search_equal_transformers(checkpoint):
     """On the window and full groups (the window group's old pages freed, each fork holding
@@ -358,7 +342,7 @@ def test_forks_and_beam_search_equal_transformers(checkpoint):
     assert greedy_forks == hf_greedy(checkpoint, [prompt], 24) * 3
     (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=24))
     assert llm.stats()["pages_used"] == 0
-    want = _hf_beams(checkpoint, prompt, 2, 24)
+    want = hf_beams(checkpoint, prompt, 2, 24)
     assert [s.token_ids for s in out.sequences] == [w[0] for w in want]
     assert want[0][0] != want[1][0]
     for seq, (_, cum) in zip(out.sequences, want, strict=True):
