@@ -281,7 +281,8 @@ def test_a_decode_step_on_the_interpreted_gpu_kernel_equals_the_reference(checkp
 def _write_gguf(hf_dir, out, *, split_kv_b: bool) -> None:
     """The checkpoint as llama.cpp's converter (DeepseekV2Model) writes a deepseek2 file:
     experts stacked per layer, rotary dims as stored (GGML's "norm" rope takes the pairs),
-    YaRN's log multiplier 0.1 x mscale_all_dim; split_kv_b: as it writes them today
+    YaRN's log multiplier 0.1 x mscale_all_dim, V3's MTP block counted in block_count (as
+    GLM-4.5's files do; one of its tensors written); split_kv_b: as it writes them today
     (kv_b_proj split into attn_k_b [H, r, dn], transposed, and attn_v_b [H, dv, r]; one
     latent "KV head" of key length r + dr, the head dims in *_length_mla), else as before
     that split (attn_kv_b whole, the head dims in key_length / value_length)."""
@@ -297,7 +298,9 @@ def _write_gguf(hf_dir, out, *, split_kv_b: bool) -> None:
     writer = gguf.GGUFWriter(str(out), "deepseek2")
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_block_count(n)
+    writer.add_block_count(n + 1 if v3 else n)  # V3: its multi-token-prediction block after
+    if v3:
+        writer.add_nextn_predict_layers(1)
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
@@ -358,6 +361,8 @@ def _write_gguf(hf_dir, out, *, split_kv_b: bool) -> None:
             continue
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         out_tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = w
+    if v3:  # one of the MTP block's tensors (left unread)
+        out_tensors[f"blk.{n}.nextn.eh_proj.weight"] = np.zeros((cfg["hidden_size"], 128))
     for name, w in out_tensors.items():
         writer.add_tensor(name, np.ascontiguousarray(w, np.float32))
     writer.write_header_to_file()
@@ -370,7 +375,8 @@ def _write_gguf(hf_dir, out, *, split_kv_b: bool) -> None:
 @pytest.mark.parametrize(("family", "split_kv_b"), [("deepseek_v3", True), ("deepseek_v2", False)])
 def test_gguf_equals_hf_directory(checkpoints, tmp_path, family, split_kv_b):
     """llama.cpp's deepseek2 file (V3: a query LoRA, YaRN, sigmoid routing, kv_b split as the
-    converter writes it today; V2: a direct query, softmax routing limited to groups, kv_b
+    converter writes it today, a multi-token-prediction block after the decoder's, left
+    unread; V2: a direct query, softmax routing limited to groups, kv_b
     whole as older files hold it) loads the HF directory's config and exactly its params."""
     import dataclasses
 
