@@ -278,7 +278,7 @@ def test_a_decode_step_on_the_interpreted_gpu_kernel_equals_the_reference(checkp
     np.testing.assert_allclose(out["pallas_interpret"], out["reference"], atol=2e-5, rtol=0)
 
 
-def _write_gguf(hf_dir, out, *, split_kv_b: bool) -> None:
+def _write_gguf(hf_dir, out, *, split_kv_b: bool, gating: int | None = None) -> None:
     """The checkpoint as llama.cpp's converter (DeepseekV2Model) writes a deepseek2 file:
     experts stacked per layer, rotary dims as stored (GGML's "norm" rope takes the pairs),
     YaRN's log multiplier 0.1 x mscale_all_dim, V3's MTP block counted in block_count (as
@@ -325,9 +325,9 @@ def _write_gguf(hf_dir, out, *, split_kv_b: bool) -> None:
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
     writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
     writer.add_expert_weights_norm(bool(cfg.get("norm_topk_prob")))
-    writer.add_expert_gating_func(
-        gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX
-    )
+    if gating is None:
+        gating = gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX
+    writer.add_uint32("deepseek2.expert_gating_func", int(gating))
     if v3 or cfg.get("topk_method") == "group_limited_greedy":
         writer.add_expert_group_count(cfg["n_group"])
         writer.add_expert_group_used_count(cfg["topk_group"])
@@ -397,3 +397,6 @@ def test_gguf_equals_hf_directory(checkpoints, tmp_path, family, split_kv_b):
     assert [p for p, _ in flat_gguf] == [p for p, _ in flat_hf]
     for (p, a), (_, b) in zip(flat_gguf, flat_hf, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
+    _write_gguf(checkpoints[family], tmp_path / "bad.gguf", split_kv_b=split_kv_b, gating=3)
+    with pytest.raises(ValueError, match=r"bad.gguf: deepseek2.expert_gating_func 3 is not "):
+        load_model(tmp_path / "bad.gguf")
