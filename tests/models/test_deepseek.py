@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checkpoints import finish_gguf
 from dense_families import engine_greedy_and_stats, hf_logits, paged_logits, preempted_greedy
 from moe_families import DEEPSEEK_FAMILIES, hf_greedy, prompts, save_tiny
 
@@ -365,10 +366,7 @@ def _write_gguf(hf_dir, out, *, split_kv_b: bool, gating: int | None = None) -> 
         out_tensors[f"blk.{n}.nextn.eh_proj.weight"] = np.zeros((cfg["hidden_size"], 128))
     for name, w in out_tensors.items():
         writer.add_tensor(name, np.ascontiguousarray(w, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
 
 
 @pytest.mark.needs_torch
