@@ -153,7 +153,9 @@ def test_logits_equal_transformers(checkpoints, family):
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.num_dense_layers) == (1, 16, 1)
     ids = prompts(cfg.vocab_size)[1]
     ref = hf_logits(checkpoints[family], ids)
-    np.testing.assert_allclose(paged_logits(loaded, [len(ids)], ids), ref, atol=1e-5, rtol=0)
+    # the other families' expert layers scanned (two layer programs to compile, not three)
+    whole = paged_logits(loaded, [len(ids)], ids, stacked=family != "deepseek_v3")
+    np.testing.assert_allclose(whole, ref, atol=1e-5, rtol=0)
     if family != "deepseek_v3":  # the others' attention and experts differ in projections only
         return
     # chunked prefill then decode steps, the expert layers scanned
