@@ -13,8 +13,8 @@ models/config.py:
                          blocks, shared experts ffn_*_shexp, the choice bias exp_probs_b,
                          partial rotary rope.dimension_count; block_count counts the
                          nextn_predict_layers MTP blocks after the decoder, left unread),
-                         gemma2, gemma3, phi3 and gpt-oss (their names and fields:
-                         models/gguf_families.py)
+                         gemma2, gemma3, phi3, gpt-oss and deepseek2 (DeepSeek-V2/V3's
+                         latent attention; their names and fields: models/gguf_families.py)
   {arch}.*               layers, sizes, heads, head dim, context length, rope base, norm eps
   rope_freqs.weight      Llama 3.1+ rope scaling, stored as per-frequency divisors; read back
                          as the llama3 RopeScaling that produces exactly those divisors
@@ -459,7 +459,8 @@ def _config(file: GGUFFile) -> ModelConfig:
         head_dim = field("rope.dimension_count")  # full rotary: the head dim
     head_dim = int(head_dim) if head_dim is not None else hidden // num_heads
     value_dim = field("attention.value_length")
-    if value_dim is not None and int(value_dim) != head_dim:
+    mla = arch in gguf_families.MLA_ARCHITECTURES  # its head dims: deepseek2_fields
+    if value_dim is not None and int(value_dim) != head_dim and not mla:
         raise ValueError(
             f"{source}: value head dim {value_dim} differs from key head dim {head_dim}; "
             "not supported"
@@ -468,7 +469,7 @@ def _config(file: GGUFFile) -> ModelConfig:
     scaling_type = field("rope.scaling.type")
     if scaling_type == "linear":
         rope_scaling = LinearRopeScaling(factor=float(field("rope.scaling.factor", required=True)))
-    elif scaling_type not in (None, "none") and arch != "gpt-oss":  # gpt-oss: its own yarn
+    elif scaling_type not in (None, "none") and arch not in ("gpt-oss", "deepseek2"):  # yarn
         raise ValueError(f"{source}: {arch}.rope.scaling.type {scaling_type!r} is not supported")
     rope_theta = float(field("rope.freq_base", 10000.0))
     embed = gguf_tensor_name("model.embed_tokens.weight")
@@ -528,16 +529,18 @@ def _config(file: GGUFFile) -> ModelConfig:
         if value is not None and int(value) not in eos_ids:
             eos_ids.append(int(value))
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    # A family's own attention geometry or architecture (deepseek2's latent pool) wins.
+    shape = {k: family.pop(k) for k in ("architecture", "num_kv_heads", "head_dim") if k in family}
     try:
         return ModelConfig(
-            architecture=architecture,
+            architecture=shape.get("architecture", architecture),
             vocab_size=file.shape(embed)[0],
             hidden_size=hidden,
             intermediate_size=int(field("feed_forward_length", required=True)),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(field("attention.head_count_kv", num_heads)),
-            head_dim=head_dim,
+            num_kv_heads=shape.get("num_kv_heads", int(field("attention.head_count_kv", num_heads))),
+            head_dim=shape.get("head_dim", head_dim),
             rms_norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=rope_theta,
             max_position_embeddings=context_length,
@@ -545,8 +548,7 @@ def _config(file: GGUFFile) -> ModelConfig:
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in file.tensors,
             qk_norm=arch in ("qwen3", "qwen3moe", "gemma3")
             or (arch == "glm4moe" and "blk.0.attn_q_norm.weight" in file.tensors),
-            **moe,
-            **family,
+            **{**moe, **family},
             bos_token_id=int(bos) if bos is not None else None,
             eos_token_ids=tuple(eos_ids),
         )
@@ -712,7 +714,7 @@ def load_gguf_model(
     specs = gguf_families.stored_norm_specs(config, hf_checkpoint.tensor_specs(config))
     specs = gguf_families.gpt_oss_specs(config, specs)
     wanted = {gguf_tensor_name(spec.hf_name, file.arch) for spec in specs.values()}
-    wanted |= {ROPE_FREQS} | gguf_families.extra_tensors(file.arch)
+    wanted |= {ROPE_FREQS} | gguf_families.extra_tensors(file.arch, config.num_layers)
     # Blocks after the decoder's (GLM-4.5's multi-token-prediction blocks) are not run.
     mtp = range(config.num_layers, int(file.metadata.get(f"{file.arch}.block_count", 0)))
     unexpected = sorted(
@@ -733,6 +735,12 @@ def load_gguf_model(
 
     def read(spec: hf_checkpoint.TensorSpec) -> np.ndarray:
         name = gguf_tensor_name(spec.hf_name, file.arch)
+        try:
+            joined = gguf_families.kv_b_rows(config, name, file.tensors, file.read)
+        except ValueError as e:
+            raise ValueError(f"{file.path}: {e}") from None
+        if joined is not None:  # deepseek2's kv_b as llama.cpp's converter splits it
+            return joined
         if name not in file.tensors:
             raise ValueError(f"{file.path}: missing tensor {name!r}")
         shape = file.shape(name)

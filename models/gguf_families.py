@@ -1,4 +1,4 @@
-"""llama.cpp's Gemma 2, Gemma 3 (text), Phi-3 and gpt-oss GGUF files: their tensor names and the
+"""llama.cpp's Gemma 2, Gemma 3 (text), Phi-3, gpt-oss and DeepSeek-V2/V3 GGUF files: their tensor names and the
 ModelConfig fields their metadata gives, as llama.cpp's convert_hf_to_gguf.py writes them
 and its llama-model.cpp reads them back. models/gguf.py reads everything the architectures
 share (sizes, heads, rope base, norm eps, tokenizer) and asks this module for the rest.
@@ -20,6 +20,23 @@ share (sizes, heads, rope base, norm eps, tokenizer) and asks this module for th
            ffn_up_exps (with .bias; MXFP4 or float), YaRN ({arch}.rope.scaling.*: factor,
            original_context_length; not truncated, as gpt-oss's config), the clamped SwiGLU
            at llama.cpp's fixed limit 7 and alpha 1.702
+  deepseek2  DeepSeek-V2/V3 (and Kimi K2): latent attention ({arch}.attention.kv_lora_rank,
+           q_lora_rank when the query has its LoRA, rope.dimension_count the rotary dims; a
+           query head's dims in attention.key_length_mla and a value head's in
+           value_length_mla, or, in files converted before llama.cpp split kv_b, in
+           key_length / value_length), attn_q_a / attn_q_a_norm / attn_q_b or attn_q,
+           attn_kv_a_mqa, attn_kv_a_norm, and kv_b_proj either whole (attn_kv_b) or as
+           llama.cpp's converter now splits it (attn_k_b [H, r, dn], transposed, and attn_v_b
+           [H, dv, r]; joined back here, kv_b_rows); rotary dims in the checkpoint's
+           interleaved pairs (GGML's "norm" rope: not permuted); experts as glm4moe's
+           (leading_dense_block_count, ffn_*_shexp, exp_probs_b, expert_weights_scale /
+           _norm, expert_group_count / _used_count) with expert_gating_func sigmoid for V3
+           (DeepseekV3ForCausalLM) and softmax for V2 (DeepseekV2ForCausalLM: groups ranked
+           by their best expert, as V2's group_limited_greedy); YaRN as rope.scaling.type
+           "yarn", factor, original_context_length and yarn_log_multiplier (0.1 x
+           mscale_all_dim; llama.cpp assumes mscale equal to it, so the rotary embedding is
+           not scaled). Multi-token-prediction blocks (nextn_predict_layers, after the
+           decoder's) are left unread, as for glm4moe.
 
 Gemma's RMSNorm multiplies by (1 + w): the converter stores every "*norm.weight" with the 1
 already added (float32 sums), which is the layout's value (models/config.py), so those
@@ -44,7 +61,10 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "deepseek2": "DeepseekV3ForCausalLM",  # V2 when its experts' gating is softmax
 }
+# Architectures whose key and value head dims are the latent attention's (deepseek2_fields).
+MLA_ARCHITECTURES = ("deepseek2",)
 ROPE_FACTORS_LONG = "rope_factors_long.weight"
 ROPE_FACTORS_SHORT = "rope_factors_short.weight"
 # Hugging Face layer tensor -> llama.cpp's, where these architectures differ from llama's.
@@ -74,6 +94,18 @@ LAYER_NAMES = {
         "mlp.experts.up_proj_bias": "ffn_up_exps.bias",
         "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
     },
+    "deepseek2": {
+        "self_attn.q_a_proj.weight": "attn_q_a.weight",
+        "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+        "self_attn.q_b_proj.weight": "attn_q_b.weight",
+        "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+        "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+        "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+        "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+        "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+        "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+        "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    },
 }
 # Layer counts by which llama.cpp recognises Gemma's 27B models (scaled by hidden / heads).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -81,9 +113,34 @@ _GEMMA3_PATTERN = 6
 _GEMMA3_LOCAL_THETA = 10000.0
 
 
-def extra_tensors(arch: str) -> set[str]:
-    """Tensors of a file that are not params but that config_fields reads."""
-    return {ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT} if arch == "phi3" else set()
+def extra_tensors(arch: str, num_layers: int) -> set[str]:
+    """Tensors of a file that are not params by name but that config_fields or kv_b_rows
+    read."""
+    if arch == "phi3":
+        return {ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT}
+    if arch == "deepseek2":
+        return {f"blk.{i}.attn_{p}_b.weight" for i in range(num_layers) for p in "kv"}
+    return set()
+
+
+def kv_b_rows(config: ModelConfig, name: str, tensors: Any, read: Callable) -> np.ndarray | None:
+    """A deepseek2 file's blk.N.attn_kv_b.weight [H * (dn + dv), r] (Hugging Face's
+    kv_b_proj) joined from the halves llama.cpp's converter writes instead, attn_k_b [H, r,
+    dn] (transposed) and attn_v_b [H, dv, r]; None when name is not such a missing tensor."""
+    if not config.kv_lora_rank or name in tensors or not name.endswith(".attn_kv_b.weight"):
+        return None
+    k_name, v_name = (name.replace("attn_kv_b", f"attn_{p}_b") for p in "kv")
+    if k_name not in tensors or v_name not in tensors:
+        return None
+    h, r = config.num_heads, config.kv_lora_rank
+    dn, dv = config.qk_nope_head_dim, config.v_head_dim
+    k_b, v_b = read(k_name), read(v_name)
+    if k_b.shape != (h, r, dn) or v_b.shape != (h, dv, r):
+        raise ValueError(
+            f"tensors {k_name!r} {list(k_b.shape)} and {v_name!r} {list(v_b.shape)}, expected "
+            f"{[h, r, dn]} and {[h, dv, r]} from the metadata"
+        )
+    return np.concatenate([np.swapaxes(k_b, 1, 2), v_b], axis=1).reshape(h * (dn + dv), r)
 
 
 def config_fields(
@@ -116,6 +173,8 @@ def config_fields(
         return _phi3_fields(field, read, tensors, head_dim, context_length, source)
     if arch == "gpt-oss":
         return _gpt_oss_fields(field, tensors, num_layers, source)
+    if arch == "deepseek2":
+        return deepseek2_fields(field, tensors, num_heads, source)
     window = int(field("attention.sliding_window", 0)) or None
     key = f"{arch}.attention.sliding_window_pattern"
     pattern = metadata.get(key, 2 if arch == "gemma2" else _GEMMA3_PATTERN)
@@ -207,6 +266,64 @@ def _gpt_oss_fields(field: Callable[..., Any], tensors: Any, num_layers: int, so
         "swiglu_limit": 7.0,
         "swiglu_alpha": 1.702,
     }
+
+
+# gguf.ExpertGatingFuncType: llama.cpp's codes for softmax and sigmoid router scores.
+_SOFTMAX_GATING, _SIGMOID_GATING = 1, 2
+
+
+def deepseek2_fields(field: Callable[..., Any], tensors: Any, num_heads: int, source: str):
+    """DeepSeek-V2/V3's latent attention, experts and YaRN from a deepseek2 file's metadata
+    (module docstring), with DeepSeek-V3's values where llama.cpp falls back on them."""
+    r = int(field("attention.kv_lora_rank", required=True))
+    dr = int(field("rope.dimension_count", required=True))
+    q_rank = int(field("attention.q_lora_rank", 0)) if "blk.0.attn_q_a.weight" in tensors else 0
+    qk = int(field("attention.key_length_mla", 0) or field("attention.key_length", required=True))
+    dv = int(field("attention.value_length_mla", 0) or field("attention.value_length", 0))
+    if qk <= dr or dv <= 0:
+        raise ValueError(
+            f"{source}: deepseek2 query head dim {qk} must exceed rope.dimension_count {dr} and "
+            f"the value head dim ({dv}) be > 0"
+        )
+    gating = int(field("expert_gating_func", _SOFTMAX_GATING))
+    if gating not in (_SOFTMAX_GATING, _SIGMOID_GATING):
+        raise ValueError(
+            f"{source}: deepseek2.expert_gating_func {gating} is not supported; supported: "
+            f"{_SOFTMAX_GATING} (softmax, V2), {_SIGMOID_GATING} (sigmoid, V3)"
+        )
+    v3 = gating == _SIGMOID_GATING
+    fields: dict[str, Any] = {
+        "architecture": "DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM",
+        "kv_lora_rank": r, "q_lora_rank": q_rank, "qk_nope_head_dim": qk - dr,
+        "qk_rope_head_dim": dr, "v_head_dim": dv, "rope_interleave": True,
+        "num_kv_heads": 1, "head_dim": (r + dr) // 2,
+        "norm_topk_prob": bool(field("expert_weights_norm", v3)),
+        "moe_scoring": "sigmoid" if v3 else "softmax",
+        "router_bias": any(n.endswith(".exp_probs_b.bias") for n in tensors),
+        "num_expert_groups": int(field("expert_group_count", 1)),
+        "topk_groups": int(field("expert_group_used_count", 1)),
+        "group_score": "top2" if v3 else "max",
+        "routed_scaling_factor": float(field("expert_weights_scale", 1.0)),
+        "num_shared_experts": int(field("expert_shared_count", 0)),
+        "num_dense_layers": int(field("leading_dense_block_count", 0)),
+    }  # fmt: skip
+    scaling = field("rope.scaling.type")
+    if scaling == "yarn":
+        factor = float(field("rope.scaling.factor", required=True))
+        fields["rope_scaling"] = YarnRopeScaling(
+            factor=factor,
+            original_max_position_embeddings=int(
+                field("rope.scaling.original_context_length", required=True)
+            ),
+            beta_fast=float(field("rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(field("rope.scaling.yarn_beta_slow", 1.0)),
+            attention_factor=1.0,
+            # 0.1 x mscale_all_dim, stored as float32: 6 decimals recover the config's value.
+            mscale_all_dim=round(float(field("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1, 6),
+        )
+    elif scaling not in (None, "none"):
+        raise ValueError(f"{source}: deepseek2.rope.scaling.type {scaling!r} is not supported")
+    return fields
 
 
 def gpt_oss_specs(config: ModelConfig, specs: dict[tuple, Any]) -> dict[tuple, Any]:

@@ -39,7 +39,6 @@ from pallas_kernels.common import (
     any_memory_space,
     dot_f32,
     finish,
-    idiv,
     pad_page_table,
     split_pools,
     token_scales,
@@ -201,35 +200,11 @@ def _tpu_latent_kernel(lengths_ref, table_ref, qk_ref, qv_ref, k_hbm, v_hbm, *re
     page_size = k_hbm.shape[2]
     block_tokens = pages_per_block * page_size
     length = lengths_ref[b]
-    num_pages = idiv(length + page_size - 1, page_size)
-    window_start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
-    first_page = idiv(window_start, page_size)
-    num_blocks = idiv(num_pages - first_page + pages_per_block - 1, pages_per_block)
-    copier = tpu_decode.PageBlockCopier(
-        list(zip(hbm, bufs)), sems, table_ref, head=0, table_base=b * table_width,
-        first_page=first_page, num_valid_pages=num_pages, pages_per_block=pages_per_block,
-        page_size=page_size,
-    )  # fmt: skip
-
-    @pl.when(num_blocks > 0)
-    def _():
-        copier.start(0, 0)
-
     qk, qv = qk_ref[...], qv_ref[...]
 
-    def body(blk, carry):
+    def step(carry, tok0, window_start, k_block, v_block):
         acc_k, acc_v, m, l = carry
-        slot = lax.rem(blk, 2)
-        copier.wait(blk, slot)
-
-        @pl.when(blk + 1 < num_blocks)
-        def _():
-            copier.start(blk + 1, 1 - slot)
-
-        tok0 = (first_page + blk * pages_per_block) * page_size
-        written = tok0 + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1) < length
-        k, k_scale = tpu_decode.read_block(bufs[0::2], slot, dtype=qk.dtype, written=written)
-        v, v_scale = tpu_decode.read_block(bufs[1::2], slot, dtype=qk.dtype, written=written)
+        (k, k_scale), (v, v_scale) = k_block, v_block
         sk, sv = dot_f32(qk, k, trans_b=True), dot_f32(qv, v, trans_b=True)
         if k_scale is not None:
             sk, sv = sk * k_scale, sv * v_scale
@@ -257,7 +232,11 @@ def _tpu_latent_kernel(lengths_ref, table_ref, qk_ref, qv_ref, k_hbm, v_hbm, *re
         jnp.full((rows, 1), MASK_VALUE, jnp.float32),
         jnp.zeros((rows, 1), jnp.float32),
     )
-    acc_k, acc_v, _, l = lax.fori_loop(0, num_blocks, body, init)
+    acc_k, acc_v, _, l = tpu_decode.walk_blocks(
+        hbm, bufs, sems, table_ref, head=0, table_base=b * table_width, length=length,
+        page_size=page_size, pages_per_block=pages_per_block, sliding_window=sliding_window,
+        dtype=qk.dtype, step=step, init=init,
+    )  # fmt: skip
     ok_ref[...] = finish(acc_k, l).astype(ok_ref.dtype)
     ov_ref[...] = finish(acc_v, l).astype(ov_ref.dtype)
 

@@ -106,6 +106,50 @@ def block_scratch(k_data, v_data, scales, block_tokens: int) -> list:
     return [*bufs, pltpu.SemaphoreType.DMA((2, len(bufs)))]
 
 
+def walk_blocks(hbm, bufs, sems, table_ref, *, head, table_base, length, page_size: int,
+                pages_per_block: int, sliding_window: int | None, dtype, step, init):  # fmt: skip
+    """The double-buffered loop over one sequence's valid blocks of pages (the module
+    docstring's order: wait for this block's copies, start the next block's, compute),
+    shared by this module's kernel and the latent one (pallas_kernels/mla.py).
+
+    hbm, bufs, sems: split_refs' pools, buffers and semaphores; the sequence's pages are
+    table_ref[table_base:], of KV head `head`, its tokens [0, length), the window's last
+    sliding_window of them. step(carry, tok0, window_start, k, v) -> carry runs on each block
+    after its wait: tok0 the block's first token, k and v read_block's (rows [L, D] in
+    dtype where quantized, scales f32[1, L] or None). Returns the last carry (init when the
+    sequence has no block: length 0)."""
+    block_tokens = pages_per_block * page_size
+    num_pages = idiv(length + page_size - 1, page_size)
+    window_start = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
+    first_page = idiv(window_start, page_size)
+    num_blocks = idiv(num_pages - first_page + pages_per_block - 1, pages_per_block)
+    copier = PageBlockCopier(
+        list(zip(hbm, bufs)), sems, table_ref, head=head, table_base=table_base,
+        first_page=first_page, num_valid_pages=num_pages, pages_per_block=pages_per_block,
+        page_size=page_size,
+    )  # fmt: skip
+
+    @pl.when(num_blocks > 0)
+    def _():
+        copier.start(0, 0)
+
+    def body(blk, carry):
+        slot = lax.rem(blk, 2)
+        copier.wait(blk, slot)
+
+        @pl.when(blk + 1 < num_blocks)
+        def _():
+            copier.start(blk + 1, 1 - slot)
+
+        tok0 = (first_page + blk * pages_per_block) * page_size
+        written = tok0 + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1) < length
+        k = read_block(bufs[0::2], slot, dtype=dtype, written=written)
+        v = read_block(bufs[1::2], slot, dtype=dtype, written=written)
+        return step(carry, tok0, window_start, k, v)
+
+    return lax.fori_loop(0, num_blocks, body, init)
+
+
 def read_block(bufs, slot, *, dtype, written):
     """The (K or V) block in buffer slot after its wait: x [L, D] and its per-token scales
     f32[1, L] (None for plain pages). bufs: (data buffer, scale buffer or None)."""
@@ -155,39 +199,11 @@ def _decode_kernel(
     rows, head_dim = q_ref.shape
     page_size = k_hbm.shape[2]
     block_tokens = pages_per_block * page_size
-
     length = lengths_ref[b]
-    num_pages = idiv(length + page_size - 1, page_size)
-    if sliding_window is None:
-        window_start = 0
-    else:
-        window_start = jnp.maximum(length - sliding_window, 0)
-    first_page = idiv(window_start, page_size)
-    num_blocks = idiv(num_pages - first_page + pages_per_block - 1, pages_per_block)
-    copier = PageBlockCopier(
-        list(zip(hbm, bufs)), sems, table_ref, head=h, table_base=b * table_width,
-        first_page=first_page, num_valid_pages=num_pages, pages_per_block=pages_per_block,
-        page_size=page_size,
-    )
-
-    @pl.when(num_blocks > 0)
-    def _():
-        copier.start(0, 0)
-
     q = q_ref[...]
 
-    def body(blk, carry):
-        slot = lax.rem(blk, 2)
-        copier.wait(blk, slot)
-
-        @pl.when(blk + 1 < num_blocks)
-        def _():
-            copier.start(blk + 1, 1 - slot)
-
-        tok0 = (first_page + blk * pages_per_block) * page_size
-        written = tok0 + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1) < length
-        k, k_scale = read_block(bufs[0::2], slot, dtype=q.dtype, written=written)
-        v, v_scale = read_block(bufs[1::2], slot, dtype=q.dtype, written=written)
+    def step(carry, tok0, window_start, k_block, v_block):
+        (k, k_scale), (v, v_scale) = k_block, v_block
         s = dot_f32(q, k, trans_b=True) * sm_scale
         if k_scale is not None:
             s = s * k_scale
@@ -202,7 +218,11 @@ def _decode_kernel(
         jnp.full((rows, 1), MASK_VALUE, jnp.float32),
         jnp.zeros((rows, 1), jnp.float32),
     )
-    acc, m, l = lax.fori_loop(0, num_blocks, body, init)
+    acc, m, l = walk_blocks(
+        hbm, bufs, sems, table_ref, head=h, table_base=b * table_width, length=length,
+        page_size=page_size, pages_per_block=pages_per_block, sliding_window=sliding_window,
+        dtype=q.dtype, step=step, init=init,
+    )  # fmt: skip
     o_ref[...] = finish_rows(acc, m, l, sink_ref).astype(o_ref.dtype)
 
 

@@ -73,6 +73,22 @@ def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[
     return outs
 
 
+def hf_beams(path, prompt, width: int, max_tokens: int) -> list[tuple[list[int], float]]:
+    """transformers' beam search (no EOS: every beam runs max_tokens): (ids, sum of logprobs)
+    best first (tests/jpaged/core/test_beam_search.py's reference, length_penalty 1)."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model(path).generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=width,
+            num_return_sequences=width, max_new_tokens=max_tokens, pad_token_id=0,
+            return_dict_in_generate=True, output_scores=True,
+        )  # fmt: skip
+    rows = out.sequences[:, len(prompt) :].tolist()
+    return [(r, s * max_tokens) for r, s in zip(rows, out.sequences_scores.tolist(), strict=True)]
+
+
 def paged_logits(loaded, chunks: list[int], token_ids: list[int], *, page=4, stacked=False):
     """One sequence through forward() in chunks (1: a decode step) over a shuffled page
     table whose unused pages hold NaN; the logits of every position [len(token_ids), V].

@@ -80,6 +80,8 @@ def _deepseek_config(family: str, common: dict):
         "kv_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12,
         "n_routed_experts": 8, "moe_intermediate_size": 32, "n_shared_experts": 1,
         "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "eos_token_id": None,
+        # exact in float32, so a GGUF of the checkpoint has its config, and its programs
+        "rms_norm_eps": 2.0**-20,
         "pad_token_id": None, "bos_token_id": None,
     }  # fmt: skip
     if family == "deepseek_v2":

@@ -7,8 +7,10 @@ recompute and by swap, and int8 pages holding the latent."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from checkpoints import finish_gguf
 from dense_families import engine_greedy_and_stats, hf_logits, paged_logits, preempted_greedy
 from moe_families import DEEPSEEK_FAMILIES, hf_greedy, prompts, save_tiny
 
@@ -19,9 +21,12 @@ from models.loader import load_hf_model
 from pallas_kernels import kv_quant
 
 MAX_TOKENS = 12
+# One engine geometry for every float32 engine below (the GGUF's, the preemptions'), so they
+# share one set of compiled programs: 14 pages of 4 tokens hold one 48-token sequence, not
+# two long ones (the preemption prompts need 10 + 11 pages at once, so one is preempted).
 ENGINE = {
-    "max_num_seqs": 2, "max_model_len": 64, "max_num_batched_tokens": 16, "page_size": 4,
-    "num_pages": 40, "enable_prefix_caching": True, "compilation_cache_dir": None,
+    "max_num_seqs": 2, "max_model_len": 48, "max_num_batched_tokens": 16, "page_size": 4,
+    "num_pages": 14, "compilation_cache_dir": None,
 }  # fmt: skip
 
 
@@ -29,6 +34,12 @@ ENGINE = {
 def checkpoints(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("deepseek")
     return {f: save_tiny(root / f, f) for f in DEEPSEEK_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def v3_greedy(checkpoints) -> list[list[int]]:
+    """transformers' MAX_TOKENS greedy tokens of deepseek_v3 for each of prompts(160)."""
+    return hf_greedy(checkpoints["deepseek_v3"], prompts(160), MAX_TOKENS)
 
 
 def _hf_config(**overrides) -> dict:
@@ -70,18 +81,57 @@ def test_config_fields_and_the_latent_pool_geometry():
         ModelConfig.from_hf_config(_hf_config(attention_bias=True))
 
 
+# DeepSeek-V3's real attention and expert dims (config.json).
+DEEPSEEK_V3_ATTENTION = {
+    "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+    "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+}  # fmt: skip
+
+
 def test_deepseek_v3_kv_bytes_per_token_against_full_heads():
     """DeepSeek-V3's real attention dims (docs/memory.md): 61 layers, latent 512 + rope 64
     against 128 heads of K (128 + 64) and V (128), bfloat16: 70,272 bytes a token, 71x less."""
-    cfg = ModelConfig.from_hf_config(_hf_config(
-        hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, kv_lora_rank=512,
-        q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_group=8,
-        topk_group=4, first_k_dense_replace=3,
-    ))  # fmt: skip
+    cfg = ModelConfig.from_hf_config(_hf_config(**DEEPSEEK_V3_ATTENTION))
     mla = kv_page_bytes(cfg, 1, 2)
     full_heads = 61 * 128 * ((128 + 64) + 128) * 2
     assert (mla, full_heads) == (70_272, 4_997_120)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_at_equal_memory_the_latent_pool_holds_its_bytes_ratio_more_sequences(kv_cache_dtype):
+    """The engine's memory plan for DeepSeek-V3's real attention dims (bfloat16 activations)
+    against the same model with full K/V (128 KV heads of 160 values: K's 192 and V's 128 per
+    head, the same bytes), in the same 320 GiB pool budget: each holds sequences of 1,024
+    tokens as its bytes per token say, within one page per sequence, so the latent pool holds
+    the ratio of their bytes per token (71x in bfloat16) more, within that too."""
+    import dataclasses
+
+    from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
+    from jpaged.core.memory_plan import plan_memory
+
+    mla = ModelConfig.from_hf_config(_hf_config(**DEEPSEEK_V3_ATTENTION))
+    full = dataclasses.replace(mla, kv_lora_rank=0, num_kv_heads=128, head_dim=160)
+    budget, length, page = 320 << 30, 1024, 16
+    engine = EngineConfig(
+        cache=CacheConfig(page_size=page, kv_cache_memory_bytes=budget,
+                          kv_cache_dtype=kv_cache_dtype),
+        scheduler=SchedulerConfig(max_model_len=length, max_num_seqs=8192),
+    )  # fmt: skip
+    held, per_token = {}, {}
+    for name, cfg in (("mla", mla), ("full", full)):
+        plan = plan_memory(engine, cfg, jnp.bfloat16, "cpu")
+        per_token[name] = kv_page_bytes(cfg, page, 2, plan.kv_dtype) / page
+        held[name] = (plan.num_pages - 1) // (length // page)  # the null page is no one's
+        # as its bytes per token say, within one page per sequence
+        assert budget // ((length + page) * per_token[name]) <= held[name]
+        assert held[name] <= budget // (length * per_token[name])
+    ratio = per_token["full"] / per_token["mla"]
+    assert ratio > (71 if kv_cache_dtype == "auto" else 71.4)  # docs/memory.md's 71.1x, 71.5x
+    assert held["full"] >= 60
+    assert ratio * held["full"] * length / (length + page) <= held["mla"]
+    assert held["mla"] <= ratio * (held["full"] + 1) * (length + page) / length
 
 
 def test_params_stack_with_the_latent_attention():
@@ -103,7 +153,9 @@ def test_logits_equal_transformers(checkpoints, family):
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.num_dense_layers) == (1, 16, 1)
     ids = prompts(cfg.vocab_size)[1]
     ref = hf_logits(checkpoints[family], ids)
-    np.testing.assert_allclose(paged_logits(loaded, [len(ids)], ids), ref, atol=1e-5, rtol=0)
+    # the other families' expert layers scanned (two layer programs to compile, not three)
+    whole = paged_logits(loaded, [len(ids)], ids, stacked=family != "deepseek_v3")
+    np.testing.assert_allclose(whole, ref, atol=1e-5, rtol=0)
     if family != "deepseek_v3":  # the others' attention and experts differ in projections only
         return
     # chunked prefill then decode steps, the expert layers scanned
@@ -112,42 +164,96 @@ def test_logits_equal_transformers(checkpoints, family):
 
 
 @pytest.mark.needs_torch
-def test_engine_greedy_tokens_equal_transformers(checkpoints):
-    """Five prompts sharing a prefix (prefix hits), chunked prefill, 12 greedy tokens each;
-    the pool's bytes per token are the latent row's."""
-    path = checkpoints["deepseek_v3"]
-    token_prompts = prompts(160)
-    want = hf_greedy(path, token_prompts, MAX_TOKENS)
-    got, stats = engine_greedy_and_stats(path, token_prompts, MAX_TOKENS, **ENGINE)
-    assert got == want
+def test_engine_greedy_tokens_of_a_gguf_equal_transformers(checkpoints, v3_greedy, tmp_path):
+    """The deepseek2 GGUF of deepseek_v3 (kv_b split as llama.cpp writes it today; its params
+    exactly the HF directory's, test_gguf_equals_hf_directory) through the engine: five
+    prompts sharing a prefix (prefix hits), chunked prefill, 12 greedy tokens each, two
+    sequences in a pool that holds one long one (preemptions); the pool's bytes per token are
+    the latent row's."""
+    path = tmp_path / "deepseek_v3.gguf"
+    _write_gguf(checkpoints["deepseek_v3"], path, split_kv_b=True)
+    got, stats = engine_greedy_and_stats(path, prompts(160), MAX_TOKENS,
+                                         enable_prefix_caching=True, **ENGINE)  # fmt: skip
+    assert got == v3_greedy
+    assert stats["prefix_cache_hit_tokens"] > 0
     assert stats["kv_bytes_per_token"] == 3 * (24 + 8) * 4  # float32 latent rows, 3 layers
 
 
 @pytest.mark.needs_torch
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_sequences_give_transformers_tokens(checkpoints, mode):
+    """deepseek_v3's HF directory on the GGUF test's engine geometry (its programs)."""
     extra = {"num_swap_pages": 64} if mode == "swap" else {}
-    ours, want = preempted_greedy(checkpoints["deepseek_v2"], 160, mode, **extra)
+    ours, want = preempted_greedy(checkpoints["deepseek_v3"], 160, mode, **ENGINE, **extra)
     assert ours == want
 
 
 @pytest.mark.needs_torch
-def test_int8_pages_hold_the_latent(checkpoints):
+def test_int8_pages_hold_the_latent(checkpoints, v3_greedy):
     """An int8 pool: a token's row is 32 int8 values and two bfloat16 scales per layer (108
     bytes against float32's 384), and its greedy tokens are transformers' (prefix hits and
     chunked prefill included)."""
     path = checkpoints["deepseek_v3"]
-    token_prompts = prompts(160)[:3]
-    got, stats = engine_greedy_and_stats(path, token_prompts, MAX_TOKENS, kv_cache_dtype="int8",
-                                         **ENGINE)  # fmt: skip
+    got, stats = engine_greedy_and_stats(path, prompts(160)[:3], MAX_TOKENS, kv_cache_dtype="int8",
+                                         enable_prefix_caching=True, **ENGINE)  # fmt: skip
     assert stats["kv_bytes_per_token"] == 3 * 2 * (16 + 2)
-    assert got == hf_greedy(path, token_prompts, MAX_TOKENS)
+    assert got == v3_greedy[:3]
+
+
+@pytest.mark.needs_torch
+def test_forks_and_beam_search_equal_transformers(checkpoints):
+    """On the engine geometry above (its programs): n = 2 greedy forks (copy-on-write of the
+    prompt's partial page in the latent pool) each give transformers' greedy tokens of the
+    prompt alone, and a beam search of width 2 (beams that diverge, fork and drop) gives
+    transformers' beams, sums of logprobs within 1e-4; the pool is whole after."""
+    from dense_families import hf_beams
+
+    from jpaged import LLM, BeamSearchParams, SamplingParams
+
+    path = checkpoints["deepseek_v3"]
+    prompt = np.random.default_rng(4).integers(0, 160, 11).tolist()  # a partial 3rd page
+    llm = LLM(str(path), **ENGINE)
+    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (out,) = llm.generate([prompt], greedy)
+    assert [c.token_ids for c in out.outputs] == hf_greedy(path, [prompt], MAX_TOKENS) * 2
+    (beams,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=MAX_TOKENS))
+    assert llm.stats()["pages_used"] == 0
+    want = hf_beams(path, prompt, 2, MAX_TOKENS)
+    assert [s.token_ids for s in beams.sequences] == [w[0] for w in want]
+    assert want[0][0] != want[1][0]
+    for seq, (_, cum) in zip(beams.sequences, want, strict=True):
+        assert seq.cum_logprob == pytest.approx(cum, abs=1e-4)
+
+
+@pytest.mark.needs_torch
+def test_int8_weights_give_the_logits_of_their_dequantized_weights(checkpoints):
+    """--quantization int8, stacked on the host: the output projection, the dense, shared
+    and routed experts' projections int8 with per-channel scales (the latent projections,
+    norms and router float); the logits of every position (a chunk of 13, then one of 12
+    reading it back) equal those of its weights dequantized (the logits test's program)."""
+    import dataclasses
+
+    import jax
+
+    from models.quantization import QuantizedWeight, dequantize
+
+    is_quantized = lambda a: isinstance(a, QuantizedWeight)
+    loaded = load_hf_model(checkpoints["deepseek_v3"], quantization="int8", stacked=True)
+    quantized = {k for k, v in loaded.params["layers"].items() if is_quantized(v)}
+    assert {"wo", "w_gate", "w_gate_exps", "w_down_exps", "w_up_shared"} <= quantized
+    assert not quantized & {"wkv_a", "kv_a_norm", "router", "router_bias"}
+    plain = jax.tree.map(dequantize, loaded.params, is_leaf=is_quantized)
+    ids = prompts(loaded.config.vocab_size)[1]
+    want = paged_logits(dataclasses.replace(loaded, params=plain), [13, 12], ids)
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(paged_logits(loaded, [13, 12], ids), want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.needs_torch
 def test_a_decode_step_on_the_interpreted_gpu_kernel_equals_the_reference(checkpoints):
     """The model's decode step with the latent GPU kernel (Pallas interpreter) in every layer
-    gives the reference's hidden states, from a pool prefilled with 11 tokens."""
+    gives the reference's hidden states, from a pool holding 11 tokens' rows (random: no
+    prefill program to compile)."""
     import jax
     import jax.numpy as jnp
 
@@ -155,21 +261,142 @@ def test_a_decode_step_on_the_interpreted_gpu_kernel_equals_the_reference(checkp
 
     loaded = load_hf_model(checkpoints["deepseek_v3"])
     cfg, page = loaded.config, 4
+    params = stack_layers(loaded.params)  # the expert layers scanned: one kernel for both
     ids = prompts(cfg.vocab_size)[0][:12]
     shape = (1, cfg.num_layers * 5, page, cfg.head_dim)
-    pool = (jnp.zeros(shape), jnp.zeros(shape))
+    # 11 tokens' latent rows (normed latents and rotated keys are of order 1) in every layer
+    rng = np.random.default_rng(0)
+    pool = tuple(jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
     table = jnp.asarray([[3, 1, 4, 2]], jnp.int32)
     slots = np.asarray([3, 1, 4])[np.arange(12) // page] * page + np.arange(12) % page
     run = jax.jit(forward, static_argnums=(1,),
                   static_argnames=("decode_only", "attention_backend"))  # fmt: skip
-    _, pool = run(loaded.params, cfg, pool, jnp.asarray(ids[:11]), jnp.arange(11),
-                  jnp.asarray(slots[:11], jnp.int32), jnp.asarray([11]), table,
-                  jnp.asarray([0, 11], jnp.int32))  # fmt: skip
     out = {}
     for backend in ("reference", "pallas_interpret"):
         out[backend], _ = run(
-            loaded.params, cfg, pool, jnp.asarray(ids[11:]), jnp.asarray([11]),
+            params, cfg, pool, jnp.asarray(ids[11:]), jnp.asarray([11]),
             jnp.asarray(slots[11:], jnp.int32), jnp.asarray([12]), table,
             jnp.asarray([0, 1], jnp.int32), decode_only=True, attention_backend=backend,
         )
     np.testing.assert_allclose(out["pallas_interpret"], out["reference"], atol=2e-5, rtol=0)
+
+
+def _write_gguf(hf_dir, out, *, split_kv_b: bool, gating: int | None = None) -> None:
+    """The checkpoint as llama.cpp's converter (DeepseekV2Model) writes a deepseek2 file:
+    experts stacked per layer, rotary dims as stored (GGML's "norm" rope takes the pairs),
+    YaRN's log multiplier 0.1 x mscale_all_dim, V3's MTP block counted in block_count (as
+    GLM-4.5's files do; one of its tensors written); split_kv_b: as it writes them today
+    (kv_b_proj split into attn_k_b [H, r, dn], transposed, and attn_v_b [H, dv, r]; one
+    latent "KV head" of key length r + dr, the head dims in *_length_mla), else as before
+    that split (attn_kv_b whole, the head dims in key_length / value_length)."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    n, heads, r = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["kv_lora_rank"]
+    dn, dr, dv = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    v3 = cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    writer = gguf.GGUFWriter(str(out), "deepseek2")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(n + 1 if v3 else n)  # V3: its multi-token-prediction block after
+    if v3:
+        writer.add_nextn_predict_layers(1)
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    if cfg.get("q_lora_rank"):
+        writer.add_q_lora_rank(cfg["q_lora_rank"])
+    writer.add_kv_lora_rank(r)
+    if split_kv_b:
+        writer.add_head_count_kv(1)
+        writer.add_key_length(r + dr)
+        writer.add_value_length(r)
+        writer.add_key_length_mla(dn + dr)
+        writer.add_value_length_mla(dv)
+    else:
+        writer.add_head_count_kv(cfg["num_key_value_heads"])
+        writer.add_key_length(dn + dr)
+        writer.add_value_length(dv)
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    writer.add_expert_count(cfg["n_routed_experts"])
+    writer.add_expert_shared_count(cfg["n_shared_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    writer.add_expert_weights_norm(bool(cfg.get("norm_topk_prob")))
+    if gating is None:
+        gating = gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX
+    writer.add_uint32("deepseek2.expert_gating_func", int(gating))
+    if v3 or cfg.get("topk_method") == "group_limited_greedy":
+        writer.add_expert_group_count(cfg["n_group"])
+        writer.add_expert_group_used_count(cfg["topk_group"])
+    writer.add_rope_dimension_count(dr)
+    rope = cfg["rope_parameters"]
+    if rope["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, n)
+    out_tensors = {}
+    for name, w in load_file(str(hf_dir / "model.safetensors")).items():
+        if ".experts." in name and ".shared_experts." not in name:  # [E, out, in] stacks
+            parts = name.split(".")
+            stacked = ".".join(parts[:5] + parts[6:])
+            stack = out_tensors.setdefault(
+                names.get_name(stacked, try_suffixes=(".weight",)),
+                np.zeros((cfg["n_routed_experts"], *w.shape), w.dtype),
+            )
+            stack[int(parts[5])] = w
+            continue
+        if split_kv_b and name.endswith("kv_b_proj.weight"):
+            kv_b = w.reshape(heads, dn + dv, r)
+            out_tensors[names.get_name(name.replace("kv_b", "k_b"), try_suffixes=(".weight",))] = (
+                np.swapaxes(kv_b[:, :dn], 1, 2)
+            )
+            out_tensors[names.get_name(name.replace("kv_b", "v_b"), try_suffixes=(".weight",))] = (
+                kv_b[:, dn:]
+            )
+            continue
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        out_tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = w
+    if v3:  # one of the MTP block's tensors (left unread)
+        out_tensors[f"blk.{n}.nextn.eh_proj.weight"] = np.zeros((cfg["hidden_size"], 128))
+    for name, w in out_tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(w, np.float32))
+    finish_gguf(writer)
+
+
+@pytest.mark.needs_torch
+@pytest.mark.parametrize(("family", "split_kv_b"), [("deepseek_v3", True), ("deepseek_v2", False)])
+def test_gguf_equals_hf_directory(checkpoints, tmp_path, family, split_kv_b):
+    """llama.cpp's deepseek2 file (V3: a query LoRA, YaRN, sigmoid routing, kv_b split as the
+    converter writes it today, a multi-token-prediction block after the decoder's, left
+    unread; V2: a direct query, softmax routing limited to groups, kv_b
+    whole as older files hold it) loads the HF directory's config and exactly its params."""
+    import dataclasses
+
+    import jax
+
+    from models.loader import load_model
+
+    path = tmp_path / f"{family}.gguf"
+    _write_gguf(checkpoints[family], path, split_kv_b=split_kv_b)
+    from_gguf, from_hf = load_model(path), load_hf_model(checkpoints[family])
+    fields = dataclasses.asdict(from_hf.config)
+    fields.update(eos_token_ids=(), bos_token_id=None)  # the tokenizer's, none written here
+    got = dataclasses.asdict(from_gguf.config)
+    assert got.pop("rms_norm_eps") == pytest.approx(fields.pop("rms_norm_eps"))  # float32
+    assert {k: v for k, v in got.items() if k in fields} == fields
+    flat_gguf = jax.tree_util.tree_leaves_with_path(from_gguf.params)
+    flat_hf = jax.tree_util.tree_leaves_with_path(from_hf.params)
+    assert [p for p, _ in flat_gguf] == [p for p, _ in flat_hf]
+    for (p, a), (_, b) in zip(flat_gguf, flat_hf, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
+    _write_gguf(checkpoints[family], tmp_path / "bad.gguf", split_kv_b=split_kv_b, gating=3)
+    with pytest.raises(ValueError, match=r"bad.gguf: deepseek2.expert_gating_func 3 is not "):
+        load_model(tmp_path / "bad.gguf")

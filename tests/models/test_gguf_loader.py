@@ -218,7 +218,7 @@ def test_unsupported_architecture(tmp_path):
     with pytest.raises(
         ValueError,
         match=r"gpt2\.gguf: GGUF architecture 'gpt2' is not supported; supported: llama, "
-        r"qwen2, qwen3, gemma2, gemma3, phi3, gpt-oss, qwen3moe, olmoe, glm4moe$",
+        r"qwen2, qwen3, gemma2, gemma3, phi3, gpt-oss, deepseek2, qwen3moe, olmoe, glm4moe$",
     ):
         load_model(path)
 

@@ -18,6 +18,7 @@ import pytest
 from dense_families import (
     engine_greedy,
     engine_greedy_and_stats,
+    hf_beams,
     hf_greedy,
     hf_logits,
     paged_logits,
@@ -33,6 +34,11 @@ from models.loader import load_hf_model
 
 VOCAB = 160
 WINDOW = 4  # tiny_gpt_oss_config's sliding window
+# Engines of the greedy, forks and quantized pages tests: 4 sequence slots (two beams, or
+# forks), one 32-token step bucket (each further bucket costs seconds of compiling); one
+# geometry, so that the float32 ones share their compiled programs.
+ENGINE = {"page_size": 4, "max_num_seqs": 4, "max_model_len": 64, "num_pages": 40,
+          "max_num_batched_tokens": 32, "min_token_bucket": 32, "compilation_cache_dir": None}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -143,10 +149,8 @@ def test_engine_greedy_tokens_equal_transformers(checkpoint):
     """Five prompts sharing a prefix (prefix hits), chunked prefill, 12 greedy tokens each,
     through the engine's hybrid paging (window layers release their old pages)."""
     prompts = prompts_with_shared_prefix(VOCAB, [19, 33, 11, 26, 12], prefix=10)
-    got = engine_greedy(
-        checkpoint, prompts, 12, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16,
-        page_size=4, num_pages=40, enable_prefix_caching=True, compilation_cache_dir=None,
-    )  # fmt: skip
+    # the forks test's engine geometry (ENGINE, below), so its programs serve both
+    got = engine_greedy(checkpoint, prompts, 12, enable_prefix_caching=True, **ENGINE)
     assert got == hf_greedy(checkpoint, prompts, 12)
 
 
@@ -318,29 +322,6 @@ def test_gguf_equals_hf_directory_and_mxfp4_experts_dequantize_as_gguf_does(chec
     assert np.abs(rounded).max() > 0  # MXFP4's rounding: the blocks were read, not the floats
 
 
-# Engines for the forks and quantized pages below: 4 sequence slots (two beams, or forks),
-# one 32-token step bucket (each further bucket costs seconds of compiling).
-ENGINE = {"page_size": 4, "max_num_seqs": 4, "max_model_len": 64, "num_pages": 40,
-          "max_num_batched_tokens": 32, "min_token_bucket": 32}  # fmt: skip
-
-
-def _hf_beams(path, prompt, width: int, max_tokens: int) -> list[tuple[list[int], float]]:
-    """transformers' beam search (no EOS: every beam runs max_tokens): (ids, sum of logprobs)
-    best first (tests/jpaged/core/test_beam_search.py's reference, length_penalty 1)."""
-    import torch
-    from dense_families import hf_model
-
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf_model(path).generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=width,
-            num_return_sequences=width, max_new_tokens=max_tokens, pad_token_id=0,
-            return_dict_in_generate=True, output_scores=True,
-        )  # fmt: skip
-    rows = out.sequences[:, len(prompt) :].tolist()
-    return [(r, s * max_tokens) for r, s in zip(rows, out.sequences_scores.tolist(), strict=True)]
-
-
 @pytest.mark.needs_torch
 def test_forks_and_beam_search_equal_transformers(checkpoint):
     """On the window and full groups (the window group's old pages freed, each fork holding
@@ -361,7 +342,7 @@ def test_forks_and_beam_search_equal_transformers(checkpoint):
     assert greedy_forks == hf_greedy(checkpoint, [prompt], 24) * 3
     (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=24))
     assert llm.stats()["pages_used"] == 0
-    want = _hf_beams(checkpoint, prompt, 2, 24)
+    want = hf_beams(checkpoint, prompt, 2, 24)
     assert [s.token_ids for s in out.sequences] == [w[0] for w in want]
     assert want[0][0] != want[1][0]
     for seq, (_, cum) in zip(out.sequences, want, strict=True):
@@ -423,7 +404,8 @@ def test_quantized_kv_pages_give_forwards_own_greedy_tokens(checkpoint, kv_cache
 def test_int8_weights_and_an_orbax_conversion(checkpoint, tmp_path):
     """--quantization int8, stacked on the host: the projections and experts int8 with
     per-channel scales, the sinks, biases and router float; the logits of every position
-    (a chunk of 5, then one of 4 reading it back) equal those of its weights dequantized.
+    (a chunk of 9, then one of 7 reading it back) equal those of its weights dequantized
+    (whose program is the logits test's: same shapes).
     An Orbax conversion restores the HF directory's params, stacked or not (the sinks and
     every bias included)."""
     import dataclasses
@@ -442,9 +424,10 @@ def test_int8_weights_and_an_orbax_conversion(checkpoint, tmp_path):
     down = layers["w_down_exps"]
     assert down.q.dtype == jnp.int8 and down.q.shape == (4, 4, 32, 64)  # [L, E, F, D]
     plain = jax.tree.map(dequantize, loaded.params, is_leaf=is_quantized)
-    ids = np.random.default_rng(2).integers(0, VOCAB, 9).tolist()
-    want = paged_logits(dataclasses.replace(loaded, params=plain), [5, 4], ids)
-    np.testing.assert_allclose(paged_logits(loaded, [5, 4], ids), want, atol=1e-5, rtol=0)
+    # 23 ids as the logits test's (its pool and table shapes), the first 16 run
+    ids = np.random.default_rng(2).integers(0, VOCAB, 23).tolist()
+    want = paged_logits(dataclasses.replace(loaded, params=plain), [9, 7], ids)
+    np.testing.assert_allclose(paged_logits(loaded, [9, 7], ids), want, atol=1e-5, rtol=0)
 
     convert_hf_to_orbax(checkpoint, tmp_path / "orbax")
     from_hf = load_hf_model(checkpoint)

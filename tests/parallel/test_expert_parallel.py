@@ -18,12 +18,12 @@ from moe_families import FAMILIES, hf_greedy, prompts, save_tiny
 pytestmark = pytest.mark.needs_torch  # transformers writes the checkpoints and the reference
 
 
-def _run(root: Path, family: str) -> dict:
-    """transformers' tokens and the worker's results for one family (one worker process
-    per family, so pytest-xdist spreads the families over its workers)."""
-    want = hf_greedy(save_tiny(root / family, family), prompts(160))
+def _run(root: Path, *families: str) -> dict:
+    """transformers' tokens per family and the worker's results for the families (one worker
+    process per test: its start and jax's import cost seconds each)."""
+    want = {f: hf_greedy(save_tiny(root / f, f), prompts(160)) for f in families}
     res = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("moe_worker.py")), str(root), family],
+        [sys.executable, str(Path(__file__).with_name("moe_worker.py")), str(root), *families],
         capture_output=True,
         text=True,
         timeout=900,
@@ -31,7 +31,14 @@ def _run(root: Path, family: str) -> dict:
         check=False,
     )
     assert res.returncode == 0, res.stderr[-4000:]
-    return {"want": want, "got": json.loads(res.stdout.strip().splitlines()[-1])}
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    return {"want": want, "got": got}
+
+
+@pytest.fixture(scope="module")
+def latent_and_sinks(tmp_path_factory) -> dict:
+    """DeepSeek-V3's and gpt-oss's results from one worker process."""
+    return _run(tmp_path_factory.mktemp("moe"), "deepseek_v3", "gpt_oss")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -41,7 +48,7 @@ def test_tokens_equal_transformers_and_experts_are_split(tmp_path, family):
     results = _run(tmp_path, family)
     for t, ep in [(2, False), (2, True), (4, True)]:
         got = results["got"][f"{family}/{t}/{ep}"]
-        assert got["tokens"] == results["want"], (t, ep)
+        assert got["tokens"] == results["want"][family], (t, ep)
         assert got["pages_used"] == 0
     f = 32 if family == "qwen3moe" else 48
     layouts = {k: v["layout"] for k, v in results["got"].items()}
@@ -61,7 +68,7 @@ def test_glm4_moe_tokens_equal_transformers_and_experts_are_split(tmp_path):
     results = _run(tmp_path, "glm4moe")
     for t, ep in [(2, False), (2, True), (4, True)]:
         got = results["got"][f"glm4moe/{t}/{ep}"]
-        assert got["tokens"] == results["want"], (t, ep)
+        assert got["tokens"] == results["want"]["glm4moe"], (t, ep)
         assert got["pages_used"] == 0
     layouts = {k: v["layout"] for k, v in results["got"].items()}
     assert layouts["glm4moe/2/False"]["w_gate_exps"][1] == [2, 8, 64, 16]
@@ -72,14 +79,14 @@ def test_glm4_moe_tokens_equal_transformers_and_experts_are_split(tmp_path):
     assert layouts["glm4moe/4/True"]["w_gate_shared"][1] == [2, 64, 8]
 
 
-def test_deepseek_v3_tokens_equal_transformers_with_heads_split(tmp_path):
+def test_deepseek_v3_tokens_equal_transformers_with_heads_split(latent_and_sinks):
     """DeepSeek-V3 (latent attention, a dense first layer, grouped routing, a shared expert):
     greedy tokens at TP 2, EP 2 and EP 4 equal transformers'; the query and up-projections
     split over the 4 heads, the latent's projection replicated with the one-head pool."""
-    results = _run(tmp_path, "deepseek_v3")
+    results = latent_and_sinks
     for t, ep in [(2, False), (2, True), (4, True)]:
         got = results["got"][f"deepseek_v3/{t}/{ep}"]
-        assert got["tokens"] == results["want"], (t, ep)
+        assert got["tokens"] == results["want"]["deepseek_v3"], (t, ep)
         assert got["pages_used"] == 0
     layouts = {k: v["layout"] for k, v in results["got"].items()}
     assert layouts["deepseek_v3/2/False"]["wkv_b"][1] == [3, 24, 2, 28]
@@ -88,15 +95,15 @@ def test_deepseek_v3_tokens_equal_transformers_with_heads_split(tmp_path):
     assert layouts["deepseek_v3/4/True"]["w_gate_exps"][1] == [2, 2, 64, 32]
 
 
-def test_gpt_oss_tokens_equal_transformers_and_experts_are_split(tmp_path):
+def test_gpt_oss_tokens_equal_transformers_and_experts_are_split(latent_and_sinks):
     """gpt-oss (sinks, window and full layers, biased experts with the clamped SwiGLU):
     greedy tokens at TP 2, EP 2 and EP 4 equal transformers'; the sinks split with the query
     heads, the gate/up biases with the experts' F or the experts, the down bias replicated
     (added once after the all-reduce)."""
-    results = _run(tmp_path, "gpt_oss")
+    results = latent_and_sinks
     for t, ep in [(2, False), (2, True), (4, True)]:
         got = results["got"][f"gpt_oss/{t}/{ep}"]
-        assert got["tokens"] == results["want"], (t, ep)
+        assert got["tokens"] == results["want"]["gpt_oss"], (t, ep)
         assert got["pages_used"] == 0
     layouts = {k: v["layout"] for k, v in results["got"].items()}
     assert layouts["gpt_oss/2/False"]["w_gate_exps"][1] == [4, 4, 64, 16]
