@@ -26,6 +26,7 @@ all-gather of the logits. With tp_axis None nothing changes.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -321,22 +322,8 @@ def forward(
     # Quantized keys are stored rotated, and queries rotated alike (kv_quant.key_rotation).
     rotate_keys = kv_quant.is_quantized(k_pages.dtype)
 
-    def run_layer(carry, layer_and_offset, kind=kinds[0]):
-        x, k_pages, v_pages = carry
-        layer, offset, group = layer_and_offset
-        group = 0 if groups.num_groups == 1 else group  # a traced index only when needed
-        window, local, experts = kind  # static: a layer group's own
-        cos, sin = ropes[local]
+    def project(layer, x):  # a layer's first half up to attention: (q, k, v) [T, H, Dh]
         h = norm(x, layer["input_norm"], cfg.rms_norm_eps)
-        if cfg.kv_lora_rank:  # latent attention (models/mla.py)
-            out, k_pages, v_pages = mla.attention(
-                h, layer, cfg, cos, sin, k_pages, v_pages,
-                slot_mapping[group] + offset * page_size, page_table[group] + offset,
-                context_lens, query_start, norm=norm, rotate=rotate, decode_only=decode_only,
-                max_query_len=max_query_len, attn_kwargs=attn_kwargs,
-            )  # fmt: skip
-            return _feed_forward(x + _reduce(out, tp_axis), layer, cfg, norm, act, tp_axis,
-                                 experts, (k_pages, v_pages), lora_slots)  # fmt: skip
         q, k, v = (
             lora.add(quantization.einsum("td,dhk->thk", h, layer[w]), h, layer, m, lora_slots)
             for w, m in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"))
@@ -351,6 +338,13 @@ def forward(
             k = _full_rms_norm(k, layer["k_norm"], cfg.rms_norm_eps, cfg.num_kv_heads, _kv_axis(tp_axis))
         if cfg.clip_qkv is not None:
             q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
+        return q, k, v
+
+    def attend(qkv, k_pages, v_pages, offset, group, kind, sinks=None):
+        """Rope, the K/V writes and paged attention of one layer: ([T, H, Dh], pool)."""
+        q, k, v = qkv
+        window, local, _ = kind  # static: a layer group's own
+        cos, sin = ropes[local]
         q = rotate(q, cos, sin)
         k = rotate(k, cos, sin)
         if rotate_keys:
@@ -360,7 +354,7 @@ def forward(
         v_pages = _write_kv(v_pages, v, slots)
         table = page_table[group] + offset
         # gpt-oss's sink logits per query head (None: the other families' programs unchanged)
-        kw = attn_kwargs if "sinks" not in layer else {**attn_kwargs, "sinks": layer["sinks"]}
+        kw = attn_kwargs if sinks is None else {**attn_kwargs, "sinks": sinks}
         if decode_only:
             attn = pallas_kernels.paged_decode_attention(
                 q, k_pages, v_pages, context_lens, table, sliding_window=window, **kw
@@ -370,15 +364,46 @@ def forward(
                 q, k_pages, v_pages, context_lens, table, query_start,
                 max_query_len=max_query_len, sliding_window=window, **kw
             )
+        return attn, k_pages, v_pages
+
+    def finish(layer, x, attn, experts=kinds[0][2]):  # the o projection and the MLP: x [T, D]
         out = quantization.einsum("thk,hkd->td", attn, layer["wo"])
         out = _reduce(lora.add(out, attn, layer, "o_proj", lora_slots), tp_axis)
         if "bo" in layer:  # after the reduce: added once, not once per device
             out = out + layer["bo"]
         if cfg.post_norms:
             out = norm(out, layer["attn_out_norm"], cfg.rms_norm_eps)
-        x = x + out
-        return _feed_forward(x, layer, cfg, norm, act, tp_axis, experts, (k_pages, v_pages),
-                             lora_slots)
+        return _mlp_residual(x + out, layer, cfg, norm, act, tp_axis, experts, lora_slots)
+
+    def run_layer(carry, layer_and_offset, kind=kinds[0]):
+        x, k_pages, v_pages = carry
+        layer, offset, group = layer_and_offset
+        group = 0 if groups.num_groups == 1 else group  # a traced index only when needed
+        _, local, experts = kind  # static: a layer group's own
+        cos, sin = ropes[local]
+        if cfg.kv_lora_rank:  # latent attention (models/mla.py)
+            h = norm(x, layer["input_norm"], cfg.rms_norm_eps)
+            out, k_pages, v_pages = mla.attention(
+                h, layer, cfg, cos, sin, k_pages, v_pages,
+                slot_mapping[group] + offset * page_size, page_table[group] + offset,
+                context_lens, query_start, norm=norm, rotate=rotate, decode_only=decode_only,
+                max_query_len=max_query_len, attn_kwargs=attn_kwargs,
+            )  # fmt: skip
+            return _feed_forward(x + _reduce(out, tp_axis), layer, cfg, norm, act, tp_axis,
+                                 experts, (k_pages, v_pages), lora_slots)  # fmt: skip
+        attn, k_pages, v_pages = attend(
+            project(layer, x), k_pages, v_pages, offset, group, kind, layer.get("sinks")
+        )
+        return (finish(layer, x, attn, experts), k_pages, v_pages), None
+
+    def run_switched(carry, i):
+        """Layer i of a tuple of per-layer params (switch_layers): its projections chosen by
+        lax.switch, so each reads its own weights where they lie."""
+        x, k_pages, v_pages = carry
+        qkv = jax.lax.switch(i, [functools.partial(project, layer) for layer in layers], x)
+        attn, k_pages, v_pages = attend(qkv, k_pages, v_pages, offsets[i], 0, kinds[0])
+        x = jax.lax.switch(i, [functools.partial(finish, layer) for layer in layers], x, attn)
+        return (x, k_pages, v_pages), None
 
     carry = (x, k_pages, v_pages)
     layers = params["layers"]
@@ -397,6 +422,8 @@ def forward(
         carry, _ = jax.lax.scan(run_layer, carry, (layers, offsets, layer_groups))
     elif isinstance(layers, dict) and period < cfg.num_layers and not first:
         carry = _scan_groups(run_layer, carry, layers, offsets, layer_groups, kinds, period)
+    elif isinstance(layers, tuple) and switchable(cfg) and groups.num_groups == 1 and not tp_axis:
+        carry, _ = jax.lax.scan(run_switched, carry, jnp.arange(len(layers), dtype=jnp.int32))
     else:
         if isinstance(layers, dict):  # no repeating pattern: unrolled
             layers = [layer_at(layers, i) for i in range(cfg.num_layers)]
@@ -455,6 +482,31 @@ def stack_layers(params: dict, place=None) -> dict:
     return {**params, "layers": stacked}
 
 
+def switchable(cfg: ModelConfig) -> bool:
+    """Whether forward can run cfg's layers from a tuple of per-layer params (switch_layers):
+    uniform layers (one kind: layer_pattern 1) of q/k/v attention and a gated MLP."""
+    return not (cfg.kv_lora_rank or cfg.num_experts or cfg.attention_sinks) and (
+        layer_pattern(cfg) == 1
+    )
+
+
+def switches_layers(cfg: ModelConfig, platform: str, *, sharded: bool) -> bool:
+    """Whether scanned layers run switched (switch_layers) rather than stacked: on the CPU,
+    unsharded, for the models forward can switch. Elsewhere the stacked scan's slices cost
+    no copy worth a change to the accelerators' programs."""
+    return platform == "cpu" and not sharded and switchable(cfg)
+
+
+def switch_layers(params: dict) -> dict:
+    """params with "layers" as a tuple of per-layer dicts: forward then runs them under
+    lax.scan over the layer index, each layer's projections picked by lax.switch, so every
+    dot reads its weights where they lie. XLA:CPU copies a stacked layer's slice out before
+    each dot (about 16% of SmolLM2's decode step at batch 32), and unrolled layers compile
+    4x longer (docs/benchmarks.md, issue 53). Models forward cannot switch (switchable)
+    run the tuple unrolled."""
+    return {**params, "layers": tuple(unstack_layers(params)["layers"])}
+
+
 def unstack_layers(params: dict) -> dict:
     """params with "layers" as a list of per-layer dicts (for the unrolled loop)."""
     layers = params.get("layers")
@@ -481,12 +533,17 @@ def compute_logits(
 
 
 def _feed_forward(x, layer, cfg, norm, act, tp_axis, experts, pool, lora_slots=None):
-    """A layer's second half: x plus the (post-normed) MLP of normed x, as run_layer's carry."""
+    """A layer's second half as run_layer's carry (_mlp_residual)."""
+    return (_mlp_residual(x, layer, cfg, norm, act, tp_axis, experts, lora_slots), *pool), None
+
+
+def _mlp_residual(x, layer, cfg, norm, act, tp_axis, experts, lora_slots=None):
+    """x plus the (post-normed) MLP of normed x."""
     h = norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)
     out = _mlp(h, layer, cfg, act, tp_axis, experts, lora_slots)
     if cfg.post_norms:
         out = norm(out, layer["mlp_out_norm"], cfg.rms_norm_eps)
-    return (x + out, *pool), None
+    return x + out
 
 
 def _mlp(

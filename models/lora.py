@@ -113,7 +113,7 @@ def with_slots(params: dict, cfg: ModelConfig, num_slots: int, rank: int, dtype)
         extra = {k: jnp.zeros((cfg.num_layers, *s), dtype) for k, s in shapes.items()}
         return {**params, "layers": {**layers, **extra}}
     out = [{**layer, **{k: jnp.zeros(s, dtype) for k, s in shapes.items()}} for layer in layers]
-    return {**params, "layers": out}
+    return {**params, "layers": type(layers)(out)}  # a tuple stays one (switched layers)
 
 
 def split_slots(params: dict) -> tuple[dict, object]:
@@ -126,7 +126,7 @@ def split_slots(params: dict) -> tuple[dict, object]:
         return {**params, "layers": base}, slots
     base = [{k: v for k, v in layer.items() if not k.startswith("lora_")} for layer in layers]
     slots = [{k: v for k, v in layer.items() if k.startswith("lora_")} for layer in layers]
-    return {**params, "layers": base}, slots
+    return {**params, "layers": type(layers)(base)}, slots
 
 
 def join_slots(params: dict, slots) -> dict:
@@ -134,7 +134,8 @@ def join_slots(params: dict, slots) -> dict:
     layers = params["layers"]
     if isinstance(layers, dict):
         return {**params, "layers": {**layers, **slots}}
-    return {**params, "layers": [{**a, **b} for a, b in zip(layers, slots, strict=True)]}
+    joined = [{**a, **b} for a, b in zip(layers, slots, strict=True)]
+    return {**params, "layers": type(layers)(joined)}
 
 
 def write_slots(slots, index: jax.Array, weights: dict):

@@ -236,6 +236,8 @@ def op_profile(bench: StepBench, top: int) -> list[tuple[str, float, int]]:
 
 # -- the step's parts from jax's profiler, and the two bounds ---------------------------------
 
+_SWITCHED = r"while/body/(closed_call/)?cond/branch_\d+_fun/"
+
 # Each compiled op, by its origin ("jax op  result shape", op_profile), goes to one part of
 # the step; the first rule that matches wins. The layer loop's weight slices are the copies
 # XLA:CPU makes of each scanned layer's weights out of the stacked arrays.
@@ -244,6 +246,12 @@ _PART_RULES = (
     ("sampling", r"{vocab}|reduce_min|^cond"),
     ("layer loop: weight copies", r"while/body/.*dynamic_index_in_dim|^copy"),
     ("layer matmuls (op name lost: batch 1)", r"^dot\.\d+  f32\[1,\d+\]"),
+    # Switched layers (models/llama.py switch_layers): a layer's own ops sit in the branches
+    # of its lax.switch, the attention's in the while loops nested in its own branches.
+    ("q/k/v projections", _SWITCHED + r"(?!.*while/).*td,dhk->thk/dot_general"),
+    ("o projection", _SWITCHED + r"(?!.*while/).*thk,hkd->td/dot_general"),
+    ("MLP matmuls", _SWITCHED + r"(?!.*while/).*dot_general"),
+    ("norms, rope, residual, act", _SWITCHED + r"(?!.*while/)(?!.*(sort|gather))"),
     ("attention: page gather + mask",
      r"while/body/.*cond.*/(gather|jit\(_where\)/select_n)  f32\[\d+,\d+,\d+,\d+\]$"),
     ("attention: scores, softmax, PV", r"while/body/.*(cond|attention|ktld|ktgl)"),
@@ -531,9 +539,11 @@ def main(argv=None) -> None:
                    help="the machine's copy bandwidth and matmul peak, and each step's bounds")
     p.add_argument("--matmuls", action="store_true",
                    help="the step's matmul shapes in XLA:CPU and torch, at 1 and all threads")
-    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
-                   help="the step with its layers under lax.scan (default on; the parts are "
-                        "timed layer by layer either way)")
+    p.add_argument("--layers", choices=("switched", "stacked", "unrolled"), default="switched",
+                   help="the layers' layout: switched (the CPU engine's: per-layer weights "
+                        "under lax.scan, models/llama.py switch_layers), stacked (lax.scan over "
+                        "stacked weights, the accelerators') or unrolled; the parts are timed "
+                        "layer by layer either way")
     args = p.parse_args(argv)
 
     import os
@@ -550,11 +560,12 @@ def main(argv=None) -> None:
         args.model = str(ensure_smollm2())
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype=jnp.float32)
-    from models.llama import stack_layers
+    from models.llama import stack_layers, switch_layers
 
     cfg, params = loaded.config, loaded.params
-    if args.scan_layers:
-        params = stack_layers(params)
+    layout = {"switched": switch_layers, "stacked": stack_layers}.get(args.layers)
+    if layout is not None:
+        params = layout(params)
     cpus = len(os.sched_getaffinity(0))
     print(f"model {args.model} loaded in {time.perf_counter() - t0:.1f}s; jax {jax.__version__}, "
           f"{jax.devices()[0].device_kind}, {cpus} CPUs, XLA_FLAGS="

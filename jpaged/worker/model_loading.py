@@ -16,6 +16,7 @@ import functools
 from jpaged.config import EngineConfig
 from models import sharding
 from models.demo import builtin_generation_defaults, resolve_builtin
+from models.llama import switches_layers
 from models.loader import LoadedModel, load_model, read_config
 
 
@@ -23,11 +24,19 @@ def model_path(config: EngineConfig) -> str:
     return resolve_builtin(config.model)
 
 
+def _stacks_layers(config: EngineConfig, platform: str, mesh, model_config) -> bool:
+    """Whether the loader stacks the layers: when the engine scans them over stacked
+    weights (not switched per layer on the CPU: models/llama.py switches_layers)."""
+    switched = switches_layers(model_config, platform, sharded=mesh is not None)
+    return config.scans_layers(platform, model_config) and not switched
+
+
 def load_for_config(config: EngineConfig, *, data_parallel: bool = False) -> LoadedModel:
     """The model of config, sharded over a mesh when it asks for more than one device.
 
     Without data_parallel the mesh is replica 0's (T devices); with it, all D x T devices.
-    The layers come stacked when the engine scans them (EngineConfig.scans_layers). The
+    The layers come stacked when the engine scans them over stacked weights
+    (EngineConfig.scans_layers; on the CPU they are switched per layer: _stacks_layers). The
     built-in model's file gets the sampling defaults jpaged ships for it
     (models.demo.SMOLLM2_GENERATION_DEFAULTS) under any its metadata sets.
     """
@@ -47,7 +56,7 @@ def load_for_config(config: EngineConfig, *, data_parallel: bool = False) -> Loa
         mesh=mesh,
         revision=config.revision,
         expert_parallel=p.enable_expert_parallel,
-        stacked=functools.partial(config.scans_layers, jax.default_backend()),
+        stacked=functools.partial(_stacks_layers, config, jax.default_backend(), mesh),
         quantization=config.quantization,
     )
     shipped = builtin_generation_defaults(path)

@@ -42,7 +42,14 @@ from jpaged.worker.step_inputs import StepInputs, StepKey
 from models import lora, sharding
 from models.config import ModelConfig
 from models.kv_groups import KVGroups
-from models.llama import compute_logits, forward, stack_layers, unstack_layers
+from models.llama import (
+    compute_logits,
+    forward,
+    stack_layers,
+    switch_layers,
+    switches_layers,
+    unstack_layers,
+)
 from pallas_kernels import kv_quant
 from pallas_kernels.kv_quant import QuantizedPages
 
@@ -278,8 +285,9 @@ class Programs:
       model_config: the model the step runs.
       attention_backend: EngineConfig.attention_backend.
       mesh: the replica's Mesh params are sharded over, or None for one device.
-      scan_layers: whether params["layers"] is stacked (the layers run under lax.scan) or a
-        list (unrolled); it only sets the params' sharding specs, forward follows the params.
+      scan_layers: whether the layers run under lax.scan (params["layers"] stacked, or on
+        the CPU a tuple of per-layer dicts: models/llama.py switch_layers) or unrolled (a
+        list); it sets the params' layout and sharding specs, forward follows the params.
       kv_groups: the layers' paging groups (models/kv_groups.py); None: one group.
       lora: the params carry LoRA slots (models/lora.py; under a mesh, sharding.lora_specs).
     """
@@ -299,6 +307,9 @@ class Programs:
         self.kv_groups = kv_groups
         self.num_slots = _slots(model_config, kv_groups)
         self.scan_layers = scan_layers
+        self.switch_layers = scan_layers and switches_layers(
+            model_config, jax.default_backend(), sharded=mesh is not None
+        )
         self.attention_backend = attention_backend
         self.mesh = mesh
         self._steps: dict[StepKey, object] = {}
@@ -329,8 +340,11 @@ class Programs:
 
     def layout_params(self, params):
         """params (either layers layout, models/config.py) in the layout the programs run:
-        stacked under scan_layers (moved layer by layer, each on its sharding), else a list.
+        stacked under scan_layers (moved layer by layer, each on its sharding; on the CPU a
+        tuple, switch_layers), else a list.
         Under a mesh, param_specs then matches them (quantized params: sharding.specs_for)."""
+        if self.switch_layers:
+            return switch_layers(params)
         if self.mesh is None:
             return stack_layers(params) if self.scan_layers else unstack_layers(params)
         if self.scan_layers:
@@ -403,6 +417,8 @@ class Programs:
         if self.mesh is not None:
             mesh = (tuple(self.mesh.shape.items()), [d.id for d in self.mesh.devices.flat])
         identity = (self.model_config, self.attention_backend, self.scan_layers, mesh)
+        if self.switch_layers:  # the programs of the stacked layout's identity stay valid
+            identity = (*identity, "switched")
         return repr(identity if self.kv_groups is None else (*identity, self.kv_groups))
 
     def _compiled(self, fn, *args, name: str):

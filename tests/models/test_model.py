@@ -1,5 +1,6 @@
 """The model over the paged pool: prefill logits equal transformers'; decode equals prefill;
-the layers scanned (stacked weights) and unrolled give the same logits."""
+the layers scanned (stacked weights), switched (per-layer weights under a scan) and unrolled
+give the same logits."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import transformers
 from checkpoints import ARCHS
 from dense_families import padded_chunk
 
-from models.llama import compute_logits, forward, stack_layers
+from models.llama import compute_logits, forward, stack_layers, switch_layers, switchable
 from models.loader import load_hf_model
 
 PAGE = 8
@@ -95,3 +96,22 @@ def test_scanned_layers_equal_the_unrolled_loop(tiny_checkpoints, arch):
     assert stacked["layers"]["wq"].shape[0] == loaded.config.num_layers
     scanned = paged_logits(loaded, [11, 1, 1, 6], ids, params=stacked)
     np.testing.assert_allclose(scanned, unrolled, atol=2e-6, rtol=0)
+    if arch != "qwen3":  # one family (q/k norms in the switch's branches) keeps CI short
+        return
+    # Per-layer weights under the scan, each layer's projections picked by lax.switch.
+    switched = switch_layers(stacked)
+    assert switchable(loaded.config) and isinstance(switched["layers"], tuple)
+    assert len(switched["layers"]) == loaded.config.num_layers
+    hlo = _forward.lower(switched, loaded.config, *_dummy_args(loaded.config)).as_text()
+    assert "stablehlo.case" in hlo and "stablehlo.while" in hlo  # a scan, not unrolled
+    by_switch = paged_logits(loaded, [11, 1, 1, 6], ids, params=switched)
+    np.testing.assert_allclose(by_switch, unrolled, atol=2e-6, rtol=0)
+
+
+def _dummy_args(cfg, tokens=4, pages=4):
+    """forward's positional arguments after cfg, for lowering: one sequence of tokens."""
+    shape = (cfg.num_kv_heads, cfg.num_layers * pages, PAGE, cfg.head_dim)
+    ints = jnp.zeros(tokens, jnp.int32)
+    table = jnp.zeros((1, pages), jnp.int32)
+    lens, starts = jnp.asarray([tokens], jnp.int32), jnp.asarray([0, tokens], jnp.int32)
+    return (jnp.zeros(shape), jnp.zeros(shape)), ints, ints, ints, lens, table, starts

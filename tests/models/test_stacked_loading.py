@@ -1,6 +1,7 @@
 """The scanned layout straight from the loaders: stacked=True gives every layer's weights,
 bitwise, in one [num_layers, ...] array per name, from a Hugging Face directory, a GGUF file
-and an Orbax checkpoint; and the engine runs that layout (its runner does not stack again)."""
+and an Orbax checkpoint; and the engine runs the layout it loaded (on the CPU a Llama's
+layers switched per layer: per-layer weights, never stacked)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ def test_the_engine_takes_the_loaded_stacked_layers_as_they_are(checkpoint):
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     scanned = LLM(str(checkpoint), **kw)
     runner = scanned.llm_engine.runner
-    assert isinstance(runner.params["layers"], dict)
-    assert runner.params["layers"]["wq"].shape[0] == 3
+    # On the CPU the scan switches over per-layer weights (models/llama.py switch_layers).
+    assert isinstance(runner.params["layers"], tuple) and len(runner.params["layers"]) == 3
+    assert runner.params["layers"][0]["wq"].shape == (64, 4, 16)
     unrolled = LLM(str(checkpoint), scan_layers=False, **kw)
     assert isinstance(unrolled.llm_engine.runner.params["layers"], list)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]
@@ -93,7 +95,9 @@ def test_on_cpu_layers_over_the_line_run_unrolled_by_default(checkpoint, monkeyp
     assert stacked_loads == [False]
     assert isinstance(unrolled.llm_engine.runner.params["layers"], list)
     scanned = LLM(str(checkpoint), scan_layers=True, **kw)
-    assert stacked_loads == [False, True]
+    # Scanned on the CPU: switched per layer, so loaded per layer too (never stacked).
+    assert stacked_loads == [False, False]
+    assert isinstance(scanned.llm_engine.runner.params["layers"], tuple)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]
     tokens = [o.outputs[0].token_ids for o in scanned.generate(prompts, greedy)]

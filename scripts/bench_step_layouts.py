@@ -1,0 +1,93 @@
+"""The engine's step under each layers layout, A/B interleaved in one process (CPU aid).
+
+    taskset -c 1 python scripts/bench_step_layouts.py --cases 32:32:32:1:160,16:4:1:1:160 \
+        --layouts stacked,switched [--repeat 12]
+
+A case is T:S:rows:new:context: the step's token and sequence buckets (the CPU engine's own:
+a decode step of r rows runs bucket(r) tokens and rows, at least 16 tokens and 4 rows), the
+rows with `new` tokens each ending at `context` cached tokens (512:4:4:128:128 is a 512-token
+prefill of four 128-token prompts), over the full page-table width of a 2,048-token
+max_model_len. Layouts (models/llama.py): stacked (lax.scan over stacked weights: every layer's
+weights dynamic-sliced out, a copy on XLA:CPU), switched (per-layer weights under the scan,
+picked by lax.switch: the CPU default) and unrolled. For each case and layout: the compile
+time, whether the greedy tokens agree, and the CPU ms per step of this process (every thread:
+one core unless XLA_FLAGS says otherwise), median [p10 p90] of --repeat steps, the layouts
+run in turn so that a loaded machine slows them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+PAGE, COLS = 16, 128
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="32:32:32:1:160,16:4:1:1:160")
+    p.add_argument("--layouts", default="stacked,switched")
+    p.add_argument("--repeat", type=int, default=12)
+    args = p.parse_args()
+    import jax
+    import jax.numpy as jnp
+    import profile_step
+
+    from jpaged.worker.step_inputs import StepKey
+    from models import llama
+    from models.demo import ensure_smollm2
+    from models.loader import load_model
+
+    loaded = load_model(str(ensure_smollm2()), dtype=jnp.float32)
+    cfg = loaded.config
+    make = {"stacked": llama.stack_layers, "switched": llama.switch_layers,
+            "unrolled": llama.unstack_layers}
+    layouts = {name: make[name](loaded.params) for name in args.layouts.split(",")}
+    print(f"jax {jax.__version__}; XLA_FLAGS={os.environ['XLA_FLAGS']!r}", flush=True)
+    for case in args.cases.split(","):
+        t, s, rows, new, context = map(int, case.split(":"))
+        key = StepKey(t, s, COLS, False)
+        per_row = -(-context // PAGE) + 1
+        inputs, table = profile_step._inputs(cfg, key, rows=rows, context=context,
+                                             new_per_row=new, page_size=PAGE,
+                                             pages_per_seq=per_row)
+        table = np.pad(table, ((0, 0), (0, COLS - per_row)))
+        benches, tokens = {}, []
+        for name, params in layouts.items():
+            bench = profile_step.StepBench(params, cfg, key, inputs, table, rows * per_row + 1,
+                                           PAGE, args.repeat)
+            t0 = time.perf_counter()
+            bench.step_fn.lower(bench.params, bench.state, bench.inputs, bench.prev).compile()
+            compile_s = time.perf_counter() - t0
+            out, _, bench.state = bench.step_fn(bench.params, bench.state, bench.inputs,
+                                                bench.prev)
+            tokens.append(np.asarray(out.tokens))
+            benches[name] = bench
+            print(f"{case} {name}: compiled in {compile_s:.1f}s", flush=True)
+        print(f"  tokens equal: {all((x == tokens[0]).all() for x in tokens)}", flush=True)
+        times = {name: [] for name in benches}
+        for _ in range(args.repeat):
+            for name, bench in benches.items():
+                c0 = time.process_time()
+                out, _, bench.state = bench.step_fn(bench.params, bench.state, bench.inputs,
+                                                    bench.prev)
+                jax.block_until_ready(out.tokens)
+                times[name].append(1e3 * (time.process_time() - c0))
+        for name, v in times.items():
+            print(f"  {case} {name:9s} CPU ms median {np.median(v):8.1f} "
+                  f"[p10 {np.percentile(v, 10):.1f} p90 {np.percentile(v, 90):.1f}]", flush=True)
+
+
+if __name__ == "__main__":
+    main()
