@@ -96,6 +96,28 @@ def test_the_host_store_spills_to_disk_and_reads_back_the_same_bytes(tmp_path):
     assert store.stats()["disk_pages_written"] == 2 and store.num_used() == 0
 
 
+def test_a_read_back_never_takes_a_page_found_earlier_in_the_same_plan(tmp_path):
+    shape = (2, 2, 3, 3, 4, 8)  # [2, H, L, host pages + 1, page_size, D]
+    host = kv_quant.zeros(shape, np.dtype(np.int8), xp=np)
+    store = HostPageStore(
+        2, page_bytes=1, page_size=4, identity="m", host_array=host,
+        disk=DiskPageStore(tmp_path, max_bytes=1 << 20),
+    )  # fmt: skip
+    keys = [(store.page_hash(None, (i,) * 4, None), (i,) * 4) for i in range(3)]
+    for i, (h, tokens) in enumerate(keys):  # key 0 spilled; key 1 least recent in memory
+        p = store.offload_page(h, tokens, None)
+        for leaf, a in zip(jax_leaves(host), page(i)):
+            leaf[:, :, :, p] = a
+        store.end_plan(1, 0)
+    found = store.lookup(*keys[1], None)  # a prompt's first page: in memory
+    again = store.lookup(*keys[0], None)  # its second: read back from disk
+    assert found is not None and again is not None and again != found
+    for leaf, a in zip(jax_leaves(host), page(1)):  # still key 1's bytes
+        np.testing.assert_array_equal(leaf[:, :, :, found], a)
+    store.end_plan(0, 0)
+    assert store.num_used() == 0
+
+
 def jax_leaves(tree):
     import jax
 

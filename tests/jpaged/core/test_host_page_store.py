@@ -91,8 +91,11 @@ def test_the_store_evicts_its_least_recently_used_page_and_never_a_referenced_on
     assert store.lookup(*keys[1], None) is None and store.lookup(*keys[0], None) == 1
     assert store.lookup(keys[0][0], (9,), None) is None  # the tokens are checked
     assert store.lookup(keys[0][0], (0,), "salt") is None  # and the salt
+    assert store.num_used() == 1  # a page found is held until its plan is complete
+    store.end_plan(0, 0)
     # Swap pages are referenced: with both taken, an evicted page is not kept.
-    assert store.allocate(2) == [1, 2] and store.num_cached() == 0
+    # (page 1, found last, is the most recently used now)
+    assert store.allocate(2) == [2, 1] and store.num_cached() == 0
     assert store.offload_page(*keys[1], None) is None
     assert store.stats()["host_offload_skipped"] == 1
     store.free([1, 2])
