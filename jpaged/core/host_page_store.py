@@ -172,13 +172,14 @@ class HostPageStore:
             self.disk.put(entry.hash, entry.token_ids, entry.salt, arrays)
         self.pages.evicted.clear()
 
-    def load(self, page: int, session: str | None = None) -> None:
+    def load(self, page: int, session: str | None = None, *, count: bool = True) -> None:
         """A host hit found by lookup is loaded by the plan being made: referenced until the
         plan is complete (and then the most recently used; kept for session, an active one
-        or None: jpaged/core/session_pages.py)."""
+        or None: jpaged/core/session_pages.py). count: whether it counts as a hit (a paging
+        group's page beside the first group's does not: hits count positions)."""
         self.pages.take_cached(page)
         self._named.append((page, session))
-        self.num_hit_pages += 1
+        self.num_hit_pages += count
 
     def offload_page(
         self, h: int, token_ids: tuple[int, ...], salt, session: str | None = None
