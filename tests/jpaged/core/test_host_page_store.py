@@ -20,11 +20,10 @@ from hypothesis import strategies as st
 from test_allocator_properties import (
     EOS,
     MAX_MODEL_LEN,
-    OPS,
     FakeDevice,
     Harness,
     contexts,
-    prompts,
+    play_ops,
 )
 from test_memory import make_engine  # page_size 4, max_model_len 64, one bucket
 from test_swap import feed
@@ -424,21 +423,7 @@ def run_tier_ops(data, swap):
         host_pages=data.draw(st.integers(1, 3 * pages_per_seq), label="host_pages"),
         swap=swap,
     )
-    for _ in range(data.draw(st.integers(5, 40), label="num_ops")):
-        op = data.draw(st.sampled_from(OPS))
-        if op == "admit":
-            prompt = data.draw(prompts)
-            salt = data.draw(st.sampled_from([None, None, "tenant"]))
-            n = data.draw(st.integers(1, max_num_seqs))  # forks fit the rows
-            h.admit(prompt, n, data.draw(st.integers(1, 10)), salt, 0)
-        elif op == "step":
-            h.step(data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=4)))
-        elif op == "abort" and h.groups:
-            h.abort(data.draw(st.integers(0, len(h.groups) - 1)))
-        elif op == "reset_prefix_cache":
-            h.alloc.reset_prefix_cache()
-        h.check()
-    h.drain_and_check_no_leaks()
+    play_ops(h, data, max_num_seqs, seed_by_group=False)  # forks fit the rows
     assert h.store.num_used() == 0
     return h
 
