@@ -11,16 +11,19 @@ whole history). Modes, each a fresh server from the same --launch arguments:
 
 - off: no host tier (the baseline);
 - host: --kv-offload-bytes twice the working set's KV bytes (everything fits in host memory);
-- disk: a host tier of half --pool-share of the working set and --kv-offload-dir, so most
-  pages spill to disk; then the server is stopped and started again on the same directory (a warm
+- disk: a host tier the size of the device pool (at least one whole history: an admission
+  reads back from disk at most as many pages as the host tier has unheld) and
+  --kv-offload-dir, so the rest spills to disk; then the server is stopped and started again on the same directory (a warm
   restart) and every session's last turn is sent again: its history's pages that reached
   the disk are read back instead of computed.
 
 Per turn: TTFT p50/p99 (over the sessions), prompt tokens, prompt tokens computed (prompt less
 the hits the requests were admitted with, usage.cached_tokens), prompt tokens cached per tier
 (the server's /metrics counters before and after the turn: device = prefix hits less host
-hits, host = host hits less disk reads, disk = pages read from disk x page size; hits of
-re-admitted preempted sequences included), preemptions, the turn's seconds; per mode
+hits, host = host hits, pages read back from disk into host memory among them; hits of
+re-admitted preempted sequences included), the tokens of the pages read from disk (a page is
+read back whenever a lookup misses in host memory, also for an admission that then waits, so
+reads can exceed the hits they served), preemptions, the turn's seconds; per mode
 generated tokens/s over all turns. The KV bytes per token come from the "off" server's
 /metrics (jpaged_kv_bytes_per_token), so "off" is always run first.
 """
@@ -98,8 +101,8 @@ def tier_hits(before: dict, after: dict) -> dict[str, int]:
     disk = d("jpaged_kv_disk_hit_pages_total") * PAGE_SIZE
     return {
         "device_hit": hit - host,
-        "host_hit": host - disk,
-        "disk_hit": disk,
+        "host_hit": host,
+        "disk_read": disk,
         "preemptions": d("jpaged_preemptions_total"),
     }
 
@@ -189,10 +192,11 @@ def serve_flags(args, p: dict, mode: str, kv_bytes_per_token: float | None, dire
     if mode == "off":
         return flags
     working_bytes = int(p["working_pages"] * PAGE_SIZE * kv_bytes_per_token)
+    pool_bytes = int((p["num_pages"] + 1) * PAGE_SIZE * kv_bytes_per_token)
     if mode == "host":
         return flags + f" --kv-offload-bytes {2 * working_bytes}"
     return flags + (
-        f" --kv-offload-bytes {int(args.pool_share / 2 * working_bytes)} --kv-offload-dir "
+        f" --kv-offload-bytes {pool_bytes} --kv-offload-dir "
         f"{directory} --kv-offload-dir-bytes {4 * working_bytes}"
     )
 
@@ -248,11 +252,11 @@ async def _run_phase(args, wait_ready, sse_client, stream, new_tokens, phase: st
 
 def report(run: dict) -> None:
     print(f"\n{run['mode']}: {run['seconds']:.1f} s, {run['tokens_per_s']:.1f} generated tokens/s")
-    print("turn  prompt  computed  device  host  disk  preempt  ttft-p50  ttft-p99")
+    print("turn  prompt  computed  device  host  disk-read  preempt  ttft-p50  ttft-p99")
     for t in run["turns"]:
         print(
             f"{t['turn']:>4}  {t['prompt_tokens']:>6}  {t['computed']:>8}  {t['device_hit']:>6}"
-            f"  {t['host_hit']:>4}  {t['disk_hit']:>4}  {t['preemptions']:>7}"
+            f"  {t['host_hit']:>4}  {t['disk_read']:>9}  {t['preemptions']:>7}"
             f"  {t['ttft_p50']:>8.3f}  {t['ttft_p99']:>8.3f}  errors {t['errors'] or '-'}",
             flush=True,
         )
