@@ -143,6 +143,7 @@ def test_the_default_tier_on_an_accelerator_is_a_share_of_host_memory(monkeypatc
     monkeypatch.setattr(memory_plan, "available_host_memory", lambda: 64 << 30)
     full = kv_groups((None, None), free_window_pages=True, max_model_len=64)
     windowed = kv_groups((8, 8), free_window_pages=True, max_model_len=64)
+    mixed = kv_groups((8, None), free_window_pages=True, max_model_len=64)  # Gemma 2's
 
     def resolve(cache, groups=full, draft=False, replicas=1):
         return memory_plan.resolve_kv_offload_bytes(
@@ -153,7 +154,8 @@ def test_the_default_tier_on_an_accelerator_is_a_share_of_host_memory(monkeypatc
     assert resolve(CacheConfig(), replicas=2) == 8 << 30  # split over data-parallel replicas
     assert resolve(CacheConfig(swap_space_bytes=1 << 30)) == 0  # the swap space was sized
     assert resolve(CacheConfig(kv_offload_bytes=0)) == 0
-    assert resolve(CacheConfig(), groups=windowed) == 0  # sliding windows: off
+    assert resolve(CacheConfig(), groups=windowed) == 0  # one windowed group: off
+    assert resolve(CacheConfig(), groups=mixed) == 16 << 30  # a full first group: on
     assert resolve(CacheConfig(kv_offload_bytes=1 << 20), draft=True) == 0
     assert resolve(CacheConfig(enable_prefix_caching=False)) == 0
     assert memory_plan.resolve_kv_offload_bytes(CacheConfig(), "cpu", full, draft=False) == 0
