@@ -28,6 +28,11 @@ arrival times), so the short ones' p50/p99 show what the long ones cost them.
     # against a running server (gRPC port for its stats, HTTP port for --protocol http):
     python scripts/bench_serving.py --port 50051 --http-port 8000 --server-pid 1234
 
+Multi-turn agent sessions with the KV host/disk tier off and on (--workload agent, HTTP;
+scripts/serving_agent.py says what it runs and reports):
+
+    python scripts/bench_serving.py --workload agent --launch "" --sessions 4 --turns 8
+
 Tool calls (--workload tools, --protocol http): streamed chat requests with two tools
 (bounded JSON schemas), in three phases of --num-requests each at --concurrency: "tools"
 (tool_choice "required" and a named function in turn, parallel_tool_calls false, max_tokens
@@ -76,6 +81,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import serving_agent
 
 from server.proto.jpaged.v1 import generation_pb2 as pb
 from server.proto.jpaged.v1 import generation_pb2_grpc as pb_grpc
@@ -758,10 +765,11 @@ def main() -> int:
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     p.add_argument(
         "--workload",
-        choices=("completions", "tools", "tool-loop"),
+        choices=("completions", "tools", "tool-loop", "agent"),
         default="completions",
         help="tools: chat with tool calls beside plain chat; tool-loop: an agent's turns "
-        "(module docstring; both over HTTP)",
+        "(module docstring; both over HTTP); agent: multi-turn sessions, the KV host/disk "
+        "tier off and on (scripts/serving_agent.py)",
     )
     p.add_argument(
         "--tool-loop",
@@ -770,7 +778,7 @@ def main() -> int:
         const="tool-loop",
         help="--workload tool-loop (implies --protocol http)",
     )
-    p.add_argument("--turns", type=int, default=3, help="turns per tool-loop session")
+    p.add_argument("--turns", type=int, default=3, help="turns per tool-loop or agent session")
     p.add_argument("--port", type=int, default=50051, help="the server's gRPC port")
     p.add_argument(
         "--http-port", type=int, default=8000, help="the server's HTTP port (--protocol http)"
@@ -809,7 +817,10 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=0, help="unreported runs first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write all runs here")
+    serving_agent.add_arguments(p)
     args = p.parse_args()
+    if args.workload == "agent":
+        return run_agent(p, args)
     if args.workload == "tool-loop":
         args.protocol = "http"
     if args.workload == "tools" and args.protocol != "http":
@@ -827,6 +838,22 @@ def main() -> int:
         pathlib.Path(args.json).write_text(json.dumps(runs, indent=2))
     bad = any(r["errors"] or r["pages_used_after"] for r in runs)
     return 1 if bad else 0
+
+
+def run_agent(p, args) -> int:
+    """--workload agent: launches its own servers (scripts/serving_agent.py)."""
+    if args.launch is None:
+        p.error("--workload agent needs --launch (it starts a server per mode)")
+    runs = serving_agent.run_agent(
+        args,
+        launch,
+        wait_http_ready,
+        lambda: SSEClient(args.host, args.http_port, auth_headers(args)),
+        http_stream,
+    )
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(runs, indent=2))
+    return 1 if any(t["errors"] for r in runs for t in r["turns"]) else 0
 
 
 if __name__ == "__main__":

@@ -223,6 +223,7 @@ class EngineLoop:
         event: asyncio.Event | None = None,
         pooling: PoolingParams | None = None,
         lora_request=None,
+        session: str | None = None,
     ) -> RequestHandle:
         """Queues a request for the engine. Raises Draining, Overloaded or DuplicateRequestId.
 
@@ -235,6 +236,7 @@ class EngineLoop:
         event: the handle's change event, to share one among the handles of one call.
         pooling: an embedding request (jpaged/pooling.py); its handle gets the embedding.
         lora_request: the LoRA adapter it runs on (jpaged.LoRARequest), None: the base model.
+        session: its session's key (jpaged/core/session_pages.py), None: no session.
         """
         if self._draining:
             raise Draining("the server is shutting down")
@@ -251,7 +253,7 @@ class EngineLoop:
         with self._lock:
             self._num_queued_adds += 1
         params = params.clone(output_kind=RequestOutputKind.DELTA)
-        extra = {"pooling": pooling, "lora_request": lora_request}
+        extra = {"pooling": pooling, "lora_request": lora_request, "session": session}
         extra = {k: v for k, v in extra.items() if v is not None}
         self._commands.put(("add", engine_id, prompt, params, cache_salt, prepare, extra))
         return handle

@@ -396,8 +396,8 @@ class OpenAIServer:
             self._finish(call)
 
     async def _submit(self, rid: str, body, plans: list[proto.PromptPlan], *, lora=None):
-        """Submits every prompt (on the LoRA adapter lora, None: the base model) and waits
-        until the engine took or refused each."""
+        """Submits every prompt (on the LoRA adapter lora, None: the base model; in the
+        session body.session_key() names) and waits until the engine took or refused each."""
         handles = []
         shared = asyncio.Event()  # one wake-up for all the call's handles
         try:
@@ -412,6 +412,7 @@ class OpenAIServer:
                         prepare=plan.prepare,
                         event=shared,
                         lora_request=lora,
+                        session=body.session_key(),
                     )
                 )
             while not all(h.accepted or h.error is not None for h in handles):

@@ -155,6 +155,14 @@ class _SamplingRequest(_Strict):
     # vLLM's: the token ids of each choice (and the prompt's) in the response
     return_token_ids: bool = False
     cache_salt: str | None = None  # vLLM's: prefix-cache isolation between tenants
+    # The request's session (jpaged/core/session_pages.py: its cached KV pages are evicted
+    # last while the session is active): OpenAI's prompt_cache_key, else its user field.
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=256)
+    user: str | None = Field(default=None, min_length=1, max_length=256)
+
+    def session_key(self) -> str | None:
+        """The engine's session key: prompt_cache_key, else user, else None."""
+        return self.prompt_cache_key or self.user
 
     def num_logprobs(self) -> int | None:
         raise NotImplementedError

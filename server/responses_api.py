@@ -27,6 +27,11 @@ store: false, with the conversation that led to it (without instructions, which 
 not carry over) and its output as chat messages; previous_response_id continues it. It is an
 LRU of --responses-store-size entries (0 keeps nothing) in this process's memory, touched
 only on the event loop's thread. A call whose client went away is not kept.
+
+Sessions (jpaged/core/session_pages.py): a chain of previous_response_id is one session of
+the engine, keyed by the chain's first response id (kept in the store with each response),
+so the chain's cached KV pages are evicted last while it is active; prompt_cache_key, else
+user, names the session instead (as on chat and completions) and is then carried down the chain.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from typing import Any, Literal
 import pydantic
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server import openai_fields
 from server import openai_protocol as proto
@@ -103,6 +108,10 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     store: bool | None = None  # None: true, as OpenAI
     previous_response_id: str | None = None
+    # The session key (server/openai_protocol.py's _SamplingRequest); without either, the
+    # chain of previous_response_id is one session, named by its first response's id.
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=256)
+    user: str | None = Field(default=None, min_length=1, max_length=256)
     # refused when set: what they ask for cannot be done here
     background: bool | None = None
     conversation: Any = None
@@ -131,9 +140,11 @@ class _Conversation:
         return renamed(error, self.sources)
 
 
-def conversation(body: ResponsesRequest, previous: list[dict] | None) -> _Conversation:
+def conversation(
+    body: ResponsesRequest, previous: list[dict] | None, session: str | None = None
+) -> _Conversation:
     """The chat request a Responses request runs as. previous: the stored conversation of
-    previous_response_id."""
+    previous_response_id; session: the engine's session key (the chat's prompt_cache_key)."""
     sources = Messages()
     if body.instructions is not None:
         sources.add({"role": "system", "content": body.instructions}, "instructions")
@@ -160,6 +171,7 @@ def conversation(body: ResponsesRequest, previous: list[dict] | None) -> _Conver
         "temperature": body.temperature,
         "top_p": body.top_p,
         "response_format": response_format(body.text.format if body.text is not None else None),
+        "prompt_cache_key": session,
     }
     fields.update({k: v for k, v in optional.items() if v is not None})
     try:
@@ -176,6 +188,7 @@ def conversation(body: ResponsesRequest, previous: list[dict] | None) -> _Conver
 class Stored:
     response: dict  # the response object as sent
     messages: list[dict]  # its conversation and output as chat messages, no instructions
+    session: str | None = None  # the session key its request ran in
 
 
 class ResponseStore:
@@ -266,13 +279,13 @@ class ResponsesAPI:
         try:
             lora = srv._check_model(body.model)
             _check_fields(body)
-            previous = None
+            previous, session = None, rid  # a new chain: this response names its session
             if body.previous_response_id is not None:
                 entry = self.store.get(body.previous_response_id)
                 if entry is None:
                     raise _not_found(body.previous_response_id, "previous_response_id")
-                previous = entry.messages
-            conv = conversation(body, previous)
+                previous, session = entry.messages, entry.session or session
+            conv = conversation(body, previous, body.prompt_cache_key or body.user or session)
             chat = conv.chat
             tools, plans = await srv._chat_plans(chat)  # as a chat plans it: one behaviour
         except APIError as e:
@@ -375,7 +388,7 @@ class ResponsesAPI:
             "top_p": params.top_p,
             "truncation": "disabled",
             "usage": None,
-            "user": None,
+            "user": body.user,
             "metadata": {},
         }
 
@@ -407,7 +420,9 @@ class ResponsesAPI:
         }
         if run.store:
             output = items_to_messages(run.output.items, "output").messages
-            self.store.put(response["id"], Stored(response, run.conversation.history + output))
+            session = run.conversation.chat.session_key()
+            messages = run.conversation.history + output
+            self.store.put(response["id"], Stored(response, messages, session))
         return response
 
 

@@ -132,11 +132,16 @@ class HostPageStore:
         return int.from_bytes(hashlib.sha256(prefix + body).digest(), "big")
 
     def lookup(self, h: int, token_ids: tuple[int, ...], salt) -> int | None:
-        """The host page holding the page of hash h, token_ids and salt, or None."""
+        """The host page holding the page of hash h, token_ids and salt, or None. A page
+        found is held until the plan is complete (end_plan), so that a later lookup of the
+        same plan reading a page back from disk cannot hand it out anew."""
         if not self.offload:
             return None
         page = self.pages.lookup(h, token_ids, salt=salt)
-        if page is None and self.disk is not None and h in self.disk:
+        if page is not None:
+            self.pages.take_cached(page)
+            self._named.append((page, None))
+        elif self.disk is not None and h in self.disk:
             page = self._read_back(h, token_ids, salt)
         return page
 
@@ -167,13 +172,14 @@ class HostPageStore:
             self.disk.put(entry.hash, entry.token_ids, entry.salt, arrays)
         self.pages.evicted.clear()
 
-    def load(self, page: int, session: str | None = None) -> None:
+    def load(self, page: int, session: str | None = None, *, count: bool = True) -> None:
         """A host hit found by lookup is loaded by the plan being made: referenced until the
         plan is complete (and then the most recently used; kept for session, an active one
-        or None: jpaged/core/session_pages.py)."""
+        or None: jpaged/core/session_pages.py). count: whether it counts as a hit (a paging
+        group's page beside the first group's does not: hits count positions)."""
         self.pages.take_cached(page)
         self._named.append((page, session))
-        self.num_hit_pages += 1
+        self.num_hit_pages += count
 
     def offload_page(
         self, h: int, token_ids: tuple[int, ...], salt, session: str | None = None

@@ -126,7 +126,8 @@ class Admission:
     dead: tuple[int, ...]  # per group: leading pages no query of the step reads
     needs: tuple[int, ...]  # per group: fresh pages to allocate
     swapped: bool  # its K/V comes back from host swap pages
-    loads: tuple[int, ...] = ()  # host-tier hits after the device hits: host pages to load
+    # per group, the host-tier hits after the device hits: host pages to load (_host_hits)
+    loads: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +181,10 @@ class KVCacheManager:
         # the cached pages it hands out anew, copied to the host by take_edits.
         self._store = host_store  # its pages named by a plan are released by take_edits
         self.host = host_store if host_store is not None and host_store.offload else None
-        if self.host is not None and (windows != (None,) or not allocator.enable_prefix_caching):
+        # The tier needs every group's pages anchored to a full first group (or one full group).
+        if self.host is not None and (
+            (windows != (None,) and not self._anchored) or not allocator.enable_prefix_caching
+        ):
             self.host = None
         self._page_hash = page_hash if self.host is None else self.host.page_hash
         self.sessions = Sessions(config.cache.session_idle_seconds)
@@ -259,7 +263,7 @@ class KVCacheManager:
         but seq.page_hashes (its prefix hit's)."""
         swapped = bool(seq.swap_pages)
         groups = range(self.num_groups)
-        loads: list[int] = []
+        loads: tuple[tuple[int, ...], ...] = ()
         if swapped:  # its computed K/V comes back from host into fresh pages
             hits, computed = [[] for _ in groups], seq.num_computed_tokens
         elif (
@@ -267,9 +271,12 @@ class KVCacheManager:
         ) and seq.num_output_tokens == 0:
             hits, computed = [[] for _ in groups], 0  # prompt logprobs, embeddings: every token
         else:
-            hits = self._prefix_hits(seq)
-            loads = self._host_hits(seq, len(hits[0]))
-            computed = (len(hits[0]) + len(loads)) * self.page_size
+            if self.host is not None and self._anchored:
+                hits, loads = self._tiered_hits(seq)
+            else:
+                hits = self._prefix_hits(seq)
+                loads = self._host_hits(seq, len(hits[0]))
+            computed = (len(hits[0]) + len(loads[0] if loads else ())) * self.page_size
         num_new = min(seq.num_tokens - computed, budget)
         if num_new < seq.num_tokens - computed and not self.sched.enable_chunked_prefill:
             return None
@@ -297,7 +304,7 @@ class KVCacheManager:
             tuple(dead),
             tuple(needs),
             swapped,
-            tuple(loads),
+            loads,
         )
 
     def allocate(self, seq: Sequence, admission: Admission) -> None:
@@ -316,7 +323,7 @@ class KVCacheManager:
             pages = self.allocator.allocate(admission.needs[g])
             self._append_pages(seq, pages, g)
             if admission.loads:
-                self._load(seq, admission.loads, len(hits[0]))
+                self._load(seq, admission.loads[g], g, computed // self.page_size)
             if admission.swapped:  # group g's swapped pages: those of positions dead[g] ..
                 num_swapped = math.ceil(computed / self.page_size) - dead[g]
                 self._swap_in.extend(zip(swap_pages[:num_swapped], pages))
@@ -510,7 +517,7 @@ class KVCacheManager:
                     prev = table[i - 1] if i else None
                 if table[i] == NULL_PAGE or prev == NULL_PAGE:  # freed: see slide
                     continue
-                group_hash, group_salt = _group_key(h, salt, g)
+                group_hash, group_salt = self._group_key(h, salt, g)
                 self.allocator.cache_page(
                     table[i], group_hash, tokens, parent=prev, salt=group_salt
                 )
@@ -523,6 +530,17 @@ class KVCacheManager:
         every group: a hit serves every layer or none. The first group's are its leading
         cached pages, each found after the one before; the other groups' come from
         _anchored_hits or _chained_hits (module docstring), NULL_PAGE where not needed."""
+        first = self._device_chain(seq)
+        if self._anchored:
+            hits = self._anchored_hits(seq, first)
+        else:
+            hits = self._chained_hits(seq, first)
+        del seq.page_hashes[len(hits[0]) :]
+        return hits
+
+    def _device_chain(self, seq: Sequence) -> list[int]:
+        """The first group's leading cached pages of seq (each found after the one before,
+        leaving a token to compute); seq.page_hashes becomes their hashes."""
         ps, salt = self.page_size, seq.group.cache_salt
         first: list[int] = []
         seq.page_hashes = []
@@ -536,19 +554,14 @@ class KVCacheManager:
             first.append(page)
             seq.page_hashes.append(h)
             parent = h
-        if self._anchored:
-            hits = self._anchored_hits(seq, first)
-        else:
-            hits = self._chained_hits(seq, first)
-        del seq.page_hashes[len(hits[0]) :]
-        return hits
+        return first
 
-    def _host_hits(self, seq: Sequence, num_device_hits: int) -> list[int]:
-        """The host tier's pages of seq's full pages after its num_device_hits device hits
+    def _host_hits(self, seq: Sequence, num_device_hits: int) -> tuple[tuple[int, ...], ...]:
+        """(the host tier's pages of seq's full pages after its num_device_hits device hits,)
         (each found after the one before, leaving a token to compute), their hashes appended
-        to seq.page_hashes; [] without the tier."""
+        to seq.page_hashes; () without the tier."""
         if self.host is None:
-            return []
+            return ()
         ps, salt = self.page_size, seq.group.cache_salt
         parent = seq.page_hashes[-1] if seq.page_hashes else None
         found: list[int] = []
@@ -561,26 +574,75 @@ class KVCacheManager:
             found.append(page)
             seq.page_hashes.append(h)
             parent = h
-        return found
+        return (tuple(found),)
 
-    def _load(self, seq: Sequence, loads: tuple[int, ...], first: int) -> None:
-        """Names the copies of host hits into seq's fresh pages of positions first, first +
-        1, ... and caches those pages on the device (the copies precede every step that
-        reads them: swap_in)."""
-        table, ps = seq.tables[0], self.page_size
-        for i, host_page in enumerate(loads, start=first):
+    def _tiered_hits(self, seq: Sequence):
+        """(hits, loads) per group with the host tier and a full first group: the largest L
+        at which, in every group g > 0, the pages of positions dead_g(L) .. L - 1 are device
+        hits (anchored to the first group's, as _anchored_hits) up to some k and host hits
+        from k; the first group's device hits, then its host hits, to L. A window group thus
+        loads from host only the pages of its window at L."""
+        first = self._device_chain(seq)
+        host0 = self._host_hits(seq, len(first))[0]
+        num_first, ps, salt = len(first), self.page_size, seq.group.cache_salt
+        device: dict[tuple[int, int], int | None] = {}
+        host: dict[tuple[int, int], int | None] = {}
+
+        def on_device(g: int, i: int) -> int | None:
+            if (g, i) not in device:
+                device[g, i] = self._group_lookup(seq, g, i, first[i])
+            return device[g, i]
+
+        def on_host(g: int, i: int) -> int | None:
+            if (g, i) not in host:
+                h, group_salt = self._group_key(seq.page_hashes[i], salt, g)
+                tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
+                host[g, i] = self.host.lookup(h, tokens, group_salt)
+            return host[g, i]
+
+        for end in range(num_first + len(host0), -1, -1):
+            parts = []
+            for g in range(1, self.num_groups):
+                low = k = self._num_dead_pages(end * ps, g)
+                while k < min(end, num_first) and on_device(g, k) is not None:
+                    k += 1
+                if any(on_host(g, i) is None for i in range(k, end)):
+                    break
+                parts.append((low, k))
+            else:
+                break
+        hits = [first[: min(end, num_first)]]
+        loads = [tuple(host0[: max(end - num_first, 0)])]
+        for g, (low, k) in enumerate(parts, start=1):
+            hits.append([NULL_PAGE] * low + [device[g, i] for i in range(low, k)])
+            loads.append(tuple(host[g, i] for i in range(k, end)))
+        del seq.page_hashes[end:]
+        return hits, tuple(loads)
+
+    def _load(self, seq: Sequence, loads: tuple[int, ...], group: int, end: int) -> None:
+        """Names the copies of group `group`'s host hits into seq's fresh pages of positions
+        end - len(loads) .. end - 1 and caches those pages on the device, anchored as
+        cache_full_pages does (the copies precede every step that reads them: swap_in)."""
+        table, ps, salt = seq.tables[group], self.page_size, seq.group.cache_salt
+        for i, host_page in enumerate(loads, start=end - len(loads)):
             self._swap_in.append((host_page, table[i]))
-            self.host.load(host_page, self._session(seq))
+            self.host.load(host_page, self._session(seq), count=group == 0)
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
-            self.allocator.cache_page(
-                table[i], seq.page_hashes[i], tokens, parent=table[i - 1] if i else None,
-                salt=seq.group.cache_salt,
-            )  # fmt: skip
+            h, group_salt = self._group_key(seq.page_hashes[i], salt, group)
+            parent = seq.tables[0][i] if group else (table[i - 1] if i else None)
+            self.allocator.cache_page(table[i], h, tokens, parent=parent, salt=group_salt)
+
+    def _group_key(self, h: int, salt, group: int) -> tuple[int, object]:
+        """_group_key, with the host tier's sha256 digests for the other groups' pages (keys
+        a disk file can name, exact up to a sha256 collision)."""
+        if group == 0 or self.host is None:
+            return _group_key(h, salt, group)
+        return self.host.page_hash(h, (), ("group", group)), (salt, group)
 
     def _group_lookup(self, seq: Sequence, group: int, i: int, parent: int | None) -> int | None:
         """Group `group`'s cached page of seq's page i, cached after exactly `parent` (under
         the group's own hash and salt: _group_key)."""
-        h, group_salt = _group_key(seq.page_hashes[i], seq.group.cache_salt, group)
+        h, group_salt = self._group_key(seq.page_hashes[i], seq.group.cache_salt, group)
         tokens = tuple(seq.token_ids[i * self.page_size : (i + 1) * self.page_size])
         return self.allocator.lookup(h, tokens, parent=parent, salt=group_salt)
 

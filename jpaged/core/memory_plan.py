@@ -211,8 +211,9 @@ def resolve_kv_offload_bytes(
     by default none on CPU (the pool already lives in host memory), none where the swap space
     was sized (num_swap_pages, swap_space_bytes), and else HOST_OFFLOAD_SHARE of the available
     host memory on an accelerator, split over the data-parallel replicas. Off without prefix
-    caching, with a sliding window or paging groups, with a draft model (its pool shares the
-    page ids) and across processes (host copies are not broadcast)."""
+    caching, with a sliding window but no full first paging group (its hits are chained:
+    jpaged/core/kv_cache_manager.py), with a draft model (its pool shares the page ids) and
+    across processes (host copies are not broadcast)."""
     wanted = cache.kv_offload_bytes
     swap_sized = cache.num_swap_pages is not None or cache.swap_space_bytes is not None
     if wanted is None and swap_sized:
@@ -228,8 +229,8 @@ def resolve_kv_offload_bytes(
     why_not = None
     if not cache.enable_prefix_caching:
         why_not = "prefix caching is off"
-    elif groups.grouped or any(w is not None for w in groups.windows):
-        why_not = "the model has sliding-window layers"
+    elif groups.windows[0] is not None:
+        why_not = "the model's first paging group has a sliding window (chained hits)"
     elif draft:
         why_not = "a draft model shares the pool's page ids"
     elif jax.process_count() > 1:
@@ -375,9 +376,12 @@ def host_page_store(
         f"{config.model}|{config.quantization}|{m.architecture}|{np.dtype(kv_dtype).name}|"
         f"{page_size}x{m.num_layers}x{m.num_kv_heads}x{m.head_dim}"
     )
+    page_bytes = kv_page_bytes(model_config, page_size, 0, kv_dtype)
+    if host_array is not None:  # one page id's bytes (a paging group's layers only)
+        page_bytes = sum(leaf[:, :, :, 0].nbytes for leaf in jax.tree.leaves(host_array))
     return HostPageStore(
         num_host_pages,
-        page_bytes=kv_page_bytes(model_config, page_size, 0, kv_dtype),
+        page_bytes=page_bytes,
         page_size=page_size,
         identity=identity,
         offload=bool(config.cache.kv_offload_bytes),

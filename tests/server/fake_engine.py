@@ -127,6 +127,7 @@ class FakeEngine:
         self.num_steps = 0
         # Every accepted request's SamplingParams and cache_salt, for tests to inspect.
         self.received: dict[str, tuple[SamplingParams, str | None]] = {}
+        self.sessions: dict[str, str | None] = {}  # every accepted request's session key
 
     # ---- the LLMEngine interface ------------------------------------------------------
 
@@ -137,6 +138,7 @@ class FakeEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
+        session: str | None = None,
     ) -> None:
         if any(r.request_id == request_id for r in self._waiting + self._running):
             raise ValueError(f"request_id {request_id!r} already exists")
@@ -167,6 +169,7 @@ class FakeEngine:
             _Request(request_id, text, prompt_ids, params, cache_salt, offset, choices)
         )
         self.received[request_id] = (params, cache_salt)
+        self.sessions[request_id] = session
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)

@@ -703,11 +703,14 @@ def test_openai_fields_that_do_not_apply_are_accepted_with_one_warning(server, c
     openai_fields._warned.clear()
     ignored = {"include": ["message.output_text.logprobs"], "metadata": {"k": "v"},
                "reasoning": {"effort": "low"}, "service_tier": "flex", "truncation": "auto",
-               "user": "u1", "prompt_cache_key": "k", "safety_identifier": "s",
-               "top_logprobs": 2, "max_tool_calls": 3, "stream_options": {}}  # fmt: skip
+               "safety_identifier": "s", "top_logprobs": 2, "max_tool_calls": 3,
+               "stream_options": {}}  # fmt: skip
+    # read, not ignored: they name the session (tests/server/test_session_keys.py)
+    used = {"user": "u1", "prompt_cache_key": "k"}
     with caplog.at_level(logging.WARNING, logger="jpaged.server"):
         for _ in range(2):
-            got = create(server, input="t5", max_output_tokens=1, background=False, **ignored)
+            got = create(server, input="t5", max_output_tokens=1, background=False, **ignored,
+                         **used)  # fmt: skip
             assert got["status"] == "incomplete"
     warned = [r.getMessage() for r in caplog.records if "ignoring request field" in r.msg]
     assert sorted(warned) == [

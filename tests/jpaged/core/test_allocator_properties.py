@@ -440,6 +440,15 @@ def run_ops(data, kv_allocation, swap=False, spec=False, window=None, windows=No
         window=window,
         windows=windows,
     )
+    play_ops(h, data, max_num_seqs)
+    return h
+
+
+def play_ops(h, data, max_num_seqs: int, *, seed_by_group: bool = True) -> None:
+    """Draws 5-40 operations (admit n <= max_num_seqs forks, step, abort, reset the prefix
+    cache) and applies them to the harness h, checking every invariant after each; then
+    drains h and checks that no page leaked. seed_by_group: each admission's seed is the
+    number of groups admitted before it (else 0)."""
     for _ in range(data.draw(st.integers(5, 40), label="num_ops")):
         op = data.draw(st.sampled_from(OPS))
         if op == "admit":
@@ -447,7 +456,7 @@ def run_ops(data, kv_allocation, swap=False, spec=False, window=None, windows=No
             n = data.draw(st.integers(1, max_num_seqs))
             max_tokens = data.draw(st.integers(1, 10))
             salt = data.draw(st.sampled_from([None, None, "tenant"]))
-            h.admit(prompt, n, max_tokens, salt, seed=len(h.groups))
+            h.admit(prompt, n, max_tokens, salt, seed=len(h.groups) if seed_by_group else 0)
         elif op == "step":
             h.step(data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=4)))
         elif op == "abort" and h.groups:
@@ -456,7 +465,6 @@ def run_ops(data, kv_allocation, swap=False, spec=False, window=None, windows=No
             h.alloc.reset_prefix_cache()
         h.check()
     h.drain_and_check_no_leaks()
-    return h
 
 
 _SETTINGS = settings(

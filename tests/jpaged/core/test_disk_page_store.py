@@ -70,7 +70,10 @@ def test_the_directory_stays_under_its_bytes_least_recently_used_removed_first(t
     assert len(list(again.directory.iterdir())) == 2 and again.num_bytes <= 2 * size
 
 
-def test_the_host_store_spills_to_disk_and_reads_back_the_same_bytes(tmp_path):
+def spilled_store(tmp_path):
+    """A host store of 2 int8 pages over a disk tier, after 3 offloads of page(i) under
+    keys[i] (the third evicts the first: spilled; key 1 is the least recent in memory):
+    (store, its host array, keys)."""
     shape = (2, 2, 3, 3, 4, 8)  # [2, H, L, host pages + 1, page_size, D]
     host = kv_quant.zeros(shape, np.dtype(np.int8), xp=np)
     store = HostPageStore(
@@ -78,13 +81,17 @@ def test_the_host_store_spills_to_disk_and_reads_back_the_same_bytes(tmp_path):
         disk=DiskPageStore(tmp_path, max_bytes=1 << 20),
     )  # fmt: skip
     keys = [(store.page_hash(None, (i,) * 4, None), (i,) * 4) for i in range(3)]
-    written = {}
-    for i, (h, tokens) in enumerate(keys):  # the third evicts the first: spilled
+    for i, (h, tokens) in enumerate(keys):
         p = store.offload_page(h, tokens, None)
-        written[i] = page(i)
-        for leaf, a in zip(jax_leaves(host), written[i]):  # the runner's copy
+        for leaf, a in zip(jax_leaves(host), page(i)):  # the runner's copy
             leaf[:, :, :, p] = a
         store.end_plan(1, 0)
+    return store, host, keys
+
+
+def test_the_host_store_spills_to_disk_and_reads_back_the_same_bytes(tmp_path):
+    store, host, keys = spilled_store(tmp_path)
+    written = {0: page(0)}
     assert store.stats()["disk_pages_written"] == 1
     assert store.pages.lookup(*keys[0], salt=None) is None  # not in host memory
     p = store.lookup(*keys[0], None)  # read back from disk, evicting key 1 (spilled)
@@ -94,6 +101,17 @@ def test_the_host_store_spills_to_disk_and_reads_back_the_same_bytes(tmp_path):
     store.load(p)
     store.end_plan(0, 1)
     assert store.stats()["disk_pages_written"] == 2 and store.num_used() == 0
+
+
+def test_a_read_back_never_takes_a_page_found_earlier_in_the_same_plan(tmp_path):
+    store, host, keys = spilled_store(tmp_path)
+    found = store.lookup(*keys[1], None)  # a prompt's first page: in memory
+    again = store.lookup(*keys[0], None)  # its second: read back from disk
+    assert found is not None and again is not None and again != found
+    for leaf, a in zip(jax_leaves(host), page(1)):  # still key 1's bytes
+        np.testing.assert_array_equal(leaf[:, :, :, found], a)
+    store.end_plan(0, 0)
+    assert store.num_used() == 0
 
 
 def jax_leaves(tree):

@@ -20,11 +20,10 @@ from hypothesis import strategies as st
 from test_allocator_properties import (
     EOS,
     MAX_MODEL_LEN,
-    OPS,
     FakeDevice,
     Harness,
     contexts,
-    prompts,
+    play_ops,
 )
 from test_memory import make_engine  # page_size 4, max_model_len 64, one bucket
 from test_swap import feed
@@ -91,8 +90,11 @@ def test_the_store_evicts_its_least_recently_used_page_and_never_a_referenced_on
     assert store.lookup(*keys[1], None) is None and store.lookup(*keys[0], None) == 1
     assert store.lookup(keys[0][0], (9,), None) is None  # the tokens are checked
     assert store.lookup(keys[0][0], (0,), "salt") is None  # and the salt
+    assert store.num_used() == 1  # a page found is held until its plan is complete
+    store.end_plan(0, 0)
     # Swap pages are referenced: with both taken, an evicted page is not kept.
-    assert store.allocate(2) == [1, 2] and store.num_cached() == 0
+    # (page 1, found last, is the most recently used now)
+    assert store.allocate(2) == [2, 1] and store.num_cached() == 0
     assert store.offload_page(*keys[1], None) is None
     assert store.stats()["host_offload_skipped"] == 1
     store.free([1, 2])
@@ -141,6 +143,7 @@ def test_the_default_tier_on_an_accelerator_is_a_share_of_host_memory(monkeypatc
     monkeypatch.setattr(memory_plan, "available_host_memory", lambda: 64 << 30)
     full = kv_groups((None, None), free_window_pages=True, max_model_len=64)
     windowed = kv_groups((8, 8), free_window_pages=True, max_model_len=64)
+    mixed = kv_groups((8, None), free_window_pages=True, max_model_len=64)  # Gemma 2's
 
     def resolve(cache, groups=full, draft=False, replicas=1):
         return memory_plan.resolve_kv_offload_bytes(
@@ -151,7 +154,8 @@ def test_the_default_tier_on_an_accelerator_is_a_share_of_host_memory(monkeypatc
     assert resolve(CacheConfig(), replicas=2) == 8 << 30  # split over data-parallel replicas
     assert resolve(CacheConfig(swap_space_bytes=1 << 30)) == 0  # the swap space was sized
     assert resolve(CacheConfig(kv_offload_bytes=0)) == 0
-    assert resolve(CacheConfig(), groups=windowed) == 0  # sliding windows: off
+    assert resolve(CacheConfig(), groups=windowed) == 0  # one windowed group: off
+    assert resolve(CacheConfig(), groups=mixed) == 16 << 30  # a full first group: on
     assert resolve(CacheConfig(kv_offload_bytes=1 << 20), draft=True) == 0
     assert resolve(CacheConfig(enable_prefix_caching=False)) == 0
     assert memory_plan.resolve_kv_offload_bytes(CacheConfig(), "cpu", full, draft=False) == 0
@@ -421,21 +425,7 @@ def run_tier_ops(data, swap):
         host_pages=data.draw(st.integers(1, 3 * pages_per_seq), label="host_pages"),
         swap=swap,
     )
-    for _ in range(data.draw(st.integers(5, 40), label="num_ops")):
-        op = data.draw(st.sampled_from(OPS))
-        if op == "admit":
-            prompt = data.draw(prompts)
-            salt = data.draw(st.sampled_from([None, None, "tenant"]))
-            n = data.draw(st.integers(1, max_num_seqs))  # forks fit the rows
-            h.admit(prompt, n, data.draw(st.integers(1, 10)), salt, 0)
-        elif op == "step":
-            h.step(data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=4)))
-        elif op == "abort" and h.groups:
-            h.abort(data.draw(st.integers(0, len(h.groups) - 1)))
-        elif op == "reset_prefix_cache":
-            h.alloc.reset_prefix_cache()
-        h.check()
-    h.drain_and_check_no_leaks()
+    play_ops(h, data, max_num_seqs, seed_by_group=False)  # forks fit the rows
     assert h.store.num_used() == 0
     return h
 
