@@ -174,7 +174,9 @@ class FakeRunner:
         self.num_swap_pages = num_swap_pages
         self.swap_space = None
         if num_swap_pages:
-            self.swap_space = np.full((num_swap_pages + 1, self.page_size), -1, np.int64)
+            # The real runner's page axis (3) of a (2, heads, slots, pages, page, dim) host
+            # array, where the host page store reads and writes its pages.
+            self.swap_space = np.full((1, 1, 1, num_swap_pages + 1, self.page_size), -1, np.int64)
         self._keys = {_plain(k) for k in bucket_keys(config)}
         self.num_steps = 0
         self.swap_seconds, self.num_swap_steps = 0.0, 0  # read by LLMEngine.stats (issue 54)
@@ -214,10 +216,10 @@ class FakeRunner:
     def swap(self, plan) -> None:
         for dev, host in plan.swap_out.tolist():
             assert dev != NULL_PAGE and 0 < host <= self.num_swap_pages, (dev, host)
-            self.swap_space[host] = self.pool[dev]
+            self.swap_space[0, 0, 0, host] = self.pool[dev]
         for host, dev in plan.swap_in.tolist():
             assert dev != NULL_PAGE and 0 < host <= self.num_swap_pages, (host, dev)
-            self.pool[dev] = self.swap_space[host]
+            self.pool[dev] = self.swap_space[0, 0, 0, host]
 
     def execute(self, plan) -> SamplerOutput:
         return self.fetch(self.dispatch(plan))
