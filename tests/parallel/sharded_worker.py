@@ -171,9 +171,11 @@ def run_tp(ckpt: str, orbax_dir: str) -> dict:
 
 def _quantized_layout(params) -> dict:
     """Spec and per-device shape of each array of the stacked quantized params ("wq.q",
-    "wq.scale", "w_down.offset"), and of one float one (input_norm)."""
+    "wq.scale", "w_down.offset"; layer 0's where the layers are per-layer params), and of one
+    float one (input_norm)."""
     out = {}
-    for name, x in params["layers"].items():
+    layers = params["layers"]  # one device on the CPU: a tuple of per-layer params (switched)
+    for name, x in (layers if isinstance(layers, dict) else layers[0]).items():
         arrays = {"q": x.q, "scale": x.scale, "offset": x.offset} if hasattr(x, "q") else {"": x}
         for part, a in arrays.items():
             if a is not None:
