@@ -238,6 +238,21 @@ def add_gguf_tokenizer(writer: Any, hf_dir: str | Path, bos_id: int, eos_id: int
     writer.add_add_bos_token(True)
 
 
+def stack_expert(out: dict, names: Any, hf_name: str, w: Any, num_experts: int) -> None:
+    """Puts expert weight w (HF name "model.layers.L.mlp.experts.E.<proj>.weight") at row E of
+    its GGUF stack blk.L.ffn_<proj>_exps [num_experts, out, in] in out (names: gguf's tensor
+    name map), making the stack on the first expert seen."""
+    import numpy as np
+
+    parts = hf_name.split(".")
+    stacked = ".".join(parts[:5] + parts[6:])
+    stack = out.setdefault(
+        names.get_name(stacked, try_suffixes=(".weight",)),
+        np.zeros((num_experts, *w.shape), w.dtype),
+    )
+    stack[int(parts[5])] = w
+
+
 def finish_gguf(writer: Any) -> None:
     """Writes a GGUFWriter's header, metadata and tensors to its file and closes it."""
     writer.write_header_to_file()

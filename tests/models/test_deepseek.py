@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpoints import finish_gguf
+from checkpoints import finish_gguf, stack_expert
 from dense_families import engine_greedy_and_stats, hf_logits, paged_logits, preempted_greedy
 from moe_families import DEEPSEEK_FAMILIES, hf_greedy, prompts, save_tiny
 
@@ -345,13 +345,7 @@ def _write_gguf(hf_dir, out, *, split_kv_b: bool, gating: int | None = None) -> 
     out_tensors = {}
     for name, w in load_file(str(hf_dir / "model.safetensors")).items():
         if ".experts." in name and ".shared_experts." not in name:  # [E, out, in] stacks
-            parts = name.split(".")
-            stacked = ".".join(parts[:5] + parts[6:])
-            stack = out_tensors.setdefault(
-                names.get_name(stacked, try_suffixes=(".weight",)),
-                np.zeros((cfg["n_routed_experts"], *w.shape), w.dtype),
-            )
-            stack[int(parts[5])] = w
+            stack_expert(out_tensors, names, name, w, cfg["n_routed_experts"])
             continue
         if split_kv_b and name.endswith("kv_b_proj.weight"):
             kv_b = w.reshape(heads, dn + dv, r)

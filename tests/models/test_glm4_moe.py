@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checkpoints import stack_expert
 from dense_families import hf_logits, paged_logits
 from moe_families import engine_greedy, hf_greedy, prompts, save_tiny
 
@@ -274,13 +275,7 @@ def _write_gguf(hf_dir, out) -> None:
     out_tensors = {}
     for name, w in load_file(str(hf_dir / "model.safetensors")).items():
         if ".experts." in name:  # blk.N.ffn_{gate,up,down}_exps [E, out, in]
-            parts = name.split(".")
-            stacked = ".".join(parts[:5] + parts[6:])
-            stack = out_tensors.setdefault(
-                names.get_name(stacked, try_suffixes=(".weight",)),
-                np.zeros((cfg["n_routed_experts"], *w.shape), w.dtype),
-            )
-            stack[int(parts[5])] = w
+            stack_expert(out_tensors, names, name, w, cfg["n_routed_experts"])
             continue
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         out_tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = w
