@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import ctypes
 import dataclasses
 import functools
@@ -86,6 +87,16 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
+    num_chars: int = 0  # characters of the choice's whole text so far
+    # (characters, tokens) of the whole output after each arrival that added tokens: which
+    # token a character offset of the text fell in (tokens_through)
+    marks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def tokens_through(self, chars: int) -> int:
+        """How many tokens had arrived once the output's text reached chars characters
+        (exact to the arrival: a step's tokens arrive together)."""
+        k = bisect.bisect_left(self.marks, (chars, -1))
+        return self.marks[k][1] if k < len(self.marks) else self.num_tokens
 
     def take(self) -> tuple[str, list[int], list[dict[int, float]]]:
         """(text, token ids, logprobs) that arrived since the last take."""
@@ -140,6 +151,9 @@ class RequestHandle:
             if d.logprobs is not None:
                 c.logprobs.extend(d.logprobs)
             c.num_tokens += len(d.token_ids)
+            c.num_chars += len(d.text)
+            if d.token_ids:
+                c.marks.append((c.num_chars, c.num_tokens))
             c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
             c.cumulative_logprob = d.cumulative_logprob
         self.finished = out.finished

@@ -26,6 +26,7 @@ import time
 from typing import TYPE_CHECKING
 
 from server.engine_loop import ChoiceState, RequestHandle
+from server.reasoning_parsers import reasoning_tokens
 from server.tool_parsers import ToolCallStream
 
 if TYPE_CHECKING:
@@ -328,7 +329,7 @@ class Assembler:
     def usage(self) -> dict:
         prompt = sum(h.num_prompt_tokens for h in self.handles)
         completion = sum(c.num_tokens for h in self.handles for c in h.choices)
-        return {
+        usage = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
@@ -336,6 +337,11 @@ class Assembler:
                 "cached_tokens": sum(h.num_cached_tokens for h in self.handles)
             },
         }
+        if self._reasoning is not None:  # OpenAI's count of the completion's reasoning
+            thought = sum(reasoning_tokens(self._reasoning[cur.index], cur.state)
+                          for cur in self._cursors)  # fmt: skip
+            usage["completion_tokens_details"] = {"reasoning_tokens": thought}
+        return usage
 
     # ---- logprobs -----------------------------------------------------------------------
 

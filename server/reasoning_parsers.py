@@ -28,10 +28,14 @@ in the decoded output.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from jpaged.sample.sampling_params import SamplingParams
 from jpaged.structured_output.params import ReasoningPrefix
 from server.openai_protocol import PromptPlan
+
+if TYPE_CHECKING:
+    from server.engine_loop import ChoiceState
 
 _WS = " \t\r\n"
 
@@ -130,9 +134,13 @@ class ReasoningStream:
         self._held = ""
         self.reasoning: str | None = None
         self.content = ""
+        self._fed = 0  # characters fed so far
+        # characters of the output through the end tag, once it was read (None before)
+        self.end_offset: int | None = None
 
     def feed(self, delta: str, final: bool) -> tuple[str, str]:
         text, self._held = self._held + delta, ""
+        self._fed += len(delta)
         reasoning = content = ""
         while True:
             if self._state == _OPENING:
@@ -152,6 +160,7 @@ class ReasoningStream:
                 if k >= 0:
                     reasoning += text[:k]
                     text = text[k + len(self._end) :]
+                    self.end_offset = self._fed - len(text)  # text: the fed text's tail
                     self._state = _GAP
                     continue
                 keep = 0 if final else _tag_prefix_len(text, self._end)
@@ -170,6 +179,17 @@ class ReasoningStream:
             self.reasoning += reasoning
         self.content += content
         return reasoning, content
+
+
+def reasoning_tokens(stream: ReasoningStream | None, choice: ChoiceState) -> int:
+    """How many of choice's tokens are its reasoning, as stream read its text: none without
+    reasoning, every token through the one that completed the end tag, all of them while the
+    reasoning is unclosed (exact to the arrival: tokens of one step arrive together)."""
+    if stream is None or stream.reasoning is None:
+        return 0
+    if stream.end_offset is None:
+        return choice.num_tokens
+    return choice.tokens_through(stream.end_offset)
 
 
 def _tag_prefix_len(text: str, tag: str) -> int:

@@ -9,9 +9,9 @@ rendered before anything reaches the engine thread) and submits, collects and fi
 one engine request as a chat's, so aborts, drain, metrics and the prefix cache behave the
 same. The tool plan's ToolCallStream reads the model's text into output items: a message
 item for content, a function_call item per call, in text order. With --reasoning-parser the
-reasoning is split off first (as a chat's) into a reasoning item before them; its tokens are
-not counted apart (usage.output_tokens_details.reasoning_tokens stays 0: the deltas' token
-ids do not say where the reasoning ends). Every refusal is a one-line 4xx naming the Responses field (input[2].call_id, text.format.schema, max_output_tokens),
+reasoning is split off first (as a chat's) into a reasoning item before them, and
+usage.output_tokens_details.reasoning_tokens counts its tokens, through the end tag's (exact
+to the step that wrote it: server/reasoning_parsers.py reasoning_tokens). Every refusal is a one-line 4xx naming the Responses field (input[2].call_id, text.format.schema, max_output_tokens),
 never the chat field the pipeline checked.
 
 Streamed, a response is OpenAI's semantic events, sequence_number counting from 0:
@@ -408,6 +408,7 @@ class ResponsesAPI:
             response["status"] = "completed"
             response["completed_at"] = int(time.time())
         usage = run.call.asm.usage()
+        thought = run.output.reasoning_tokens(run.call.asm.handles[0].choices[0])
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         response["usage"] = {
             "input_tokens": usage["prompt_tokens"],
@@ -415,7 +416,7 @@ class ResponsesAPI:
             # is implicit (every prompt's full pages), so none are written on request
             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": thought},
             "total_tokens": usage["total_tokens"],
         }
         if run.store:

@@ -29,11 +29,14 @@ import dataclasses
 import json
 import re
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.openai_protocol import APIError
-from server.reasoning_parsers import ReasoningStream
+from server.reasoning_parsers import ReasoningStream, reasoning_tokens
 from server.tool_parsers import ToolCallStream
+
+if TYPE_CHECKING:
+    from server.engine_loop import ChoiceState
 
 
 def bad(param: str, what: str, status: int = 400) -> APIError:
@@ -256,6 +259,10 @@ class OutputItems:
         self.items: list[dict] = []
         self._open: dict | None = None  # the item being written: the last one
         self._calls: dict[int, int] = {}  # the stream's call index -> output index
+
+    def reasoning_tokens(self, choice: ChoiceState) -> int:
+        """How many of choice's tokens (the response's one choice) were reasoning."""
+        return reasoning_tokens(self._reasoning, choice)
 
     def feed(self, text: str, final: bool) -> list[dict]:
         events = []

@@ -308,6 +308,41 @@ def test_plain_answers_and_cut_off_reasoning(servers):
     assert message == {"role": "assistant", "content": "".join(script)}
 
 
+def usage_of(server, script: list[str], streamed: bool = False, **body) -> dict:
+    """The usage of one chat: the response's, or the streamed usage chunk's."""
+    server.engine.scripts.append(script)
+    body = {"messages": ASK, "max_tokens": 50, **body}
+    if not streamed:
+        r = post(server, body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.http_url + "/v1/chat/completions", json=body) as r:
+        events = sse_events(r.iter_lines())
+    return events[-2]["usage"]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_usage_counts_the_reasoning_tokens(servers, streamed):
+    """completion_tokens_details.reasoning_tokens: every token through the one that completes
+    the end tag (each scripted piece is one token; the fake engine adds EOS)."""
+    qwen3, r1 = servers["qwen3"], servers["deepseek_r1"]
+    cases = [
+        (r1, ["Two and", " two.</think>", "\n\nThe answer", " is 4."], {}, 2, 5),
+        (r1, ["Two", " </th", "ink>", "\n\nOk."], {}, 3, 5),  # the tag over two tokens
+        (r1, ["Two and", " two </th", "ink>x"], {"max_tokens": 2}, 2, 2),  # never closed
+        (qwen3, ["Paris is", " sunny."], {}, 0, 3),  # no reasoning at all
+        (qwen3, ["<think>", "hm", "</think>", "Ok"], {}, 3, 5),
+        (qwen3, ["Sun", "ny?</think>", "Sunny."], {"chat_template": THINKING_TEMPLATE}, 2, 4),
+    ]
+    for server, script, extra, thought, completion in cases:
+        usage = usage_of(server, script, streamed, **extra)
+        assert usage["completion_tokens"] == completion, script
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": thought}, script
+    # a server without --reasoning-parser counts nothing apart
+    assert "completion_tokens_details" not in usage_of(servers["none"], ["a", "b"], streamed)
+
+
 def test_constraints_reach_the_engine_behind_the_reasoning(servers):
     """The engine gets the request's constraint with the reasoning prefix its prompt calls
     for (the fake engine does not decode under it; test_reasoning_qwen3.py's model does), and

@@ -161,12 +161,12 @@ def fixed(response: dict) -> dict:
     return out
 
 
-def usage(input_tokens: int, output_tokens: int, cached: int = 0) -> dict:
+def usage(input_tokens: int, output_tokens: int, cached: int = 0, reasoning: int = 0) -> dict:
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": input_tokens + output_tokens,
     }
 
@@ -296,7 +296,8 @@ def test_reasoning_is_an_item_before_the_message(reasoning_server):
     assert fixed(got) == {**BASE, "id": "-", "created_at": "-", "completed_at": "-",
                           "status": "completed",
                           "output": [reasoning_item("Let me think."), message("It is sunny.")],
-                          "usage": usage(2, 7)}  # fmt: skip  # 6 pieces and EOS
+                          "usage": usage(2, 7, reasoning=3)}  # fmt: skip
+    # 6 pieces and EOS; the reasoning "Let me", " think.", "</think>"
     # the stored conversation leaves the reasoning out, as chat templates do
     reasoning_server.engine.scripts.append(ANSWER)
     create(reasoning_server, input="and?", previous_response_id=got["id"])
@@ -316,6 +317,7 @@ def test_reasoning_streamed(reasoning_server):
     ]  # fmt: skip
     final = events[-1]["response"]
     assert fixed(final)["output"] == [reasoning_item("Let me think."), message("It is sunny.")]
+    assert final["usage"] == usage(2, 7, reasoning=3)
     item = final["output"][0]
     assert events[2]["item"] == {**item, "content": [], "status": "in_progress"}
     part = {"type": "reasoning_text", "text": ""}
