@@ -21,11 +21,10 @@ from jpaged.sample.sampling_params import SamplingParams
 from server.openai_protocol import (
     APIError,
     ChatCompletionRequest,
-    PromptPlan,
-    chat_renderer,
     check_template_kwargs,
     from_validation_errors,
 )
+from server.prompt_plans import PromptPlan, chat_renderer
 from server.proto.jpaged.v1 import generation_pb2 as pb
 from server.tool_calls import ToolPlan, plan_tools
 

@@ -56,6 +56,7 @@ from server.openai_protocol import (
     TokenizeRequest,
 )
 from server.openai_responses import DONE, Assembler, sse
+from server.prompt_plans import PromptPlan, chat_renderer, completion_renderer
 from server.prompt_scores import PromptScores
 from server.reasoning_parsers import Reasoning, ReasoningPromptPlan, get_parser
 from server.tokenizer_info import tokenizer_config
@@ -213,7 +214,7 @@ class OpenAIServer:
             proto.check_template_kwargs(body)
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             prompt = tool_prompt(self._template(body), tools, self._tool_call_parser)
-            render = proto.chat_renderer(body, self._chat_template, tools=tools, prompt=prompt)
+            render = chat_renderer(body, self._chat_template, tools=tools, prompt=prompt)
             # rendered as a chat is, in a worker thread (a template's error is a 400 there)
             ids = (await asyncio.to_thread(render, self._loop.engine))[1]
         else:
@@ -292,7 +293,7 @@ class OpenAIServer:
             lora = self._check_model(body.model)
             params = self._params(body)
             plans = [
-                self._plan(proto.completion_renderer(p, echo=body.echo), params, body, "prompt")
+                self._plan(completion_renderer(p, echo=body.echo), params, body, "prompt")
                 for p in proto.prompts_of(body)
             ]
         except APIError as e:
@@ -312,13 +313,13 @@ class OpenAIServer:
 
     async def _chat_plans(
         self, body: ChatCompletionRequest
-    ) -> tuple[ToolPlan, list[proto.PromptPlan]]:
+    ) -> tuple[ToolPlan, list[PromptPlan]]:
         """A chat's tool plan and its prompt plan, the prompt rendered and tokenized in a
         worker thread: a conversation that cannot be rendered is an APIError(400) here and
         never reaches the engine thread. Raises APIError naming the field."""
         tools = plan_tools(body, parser_name=self._tool_call_parser, template=self._template(body))
         params = self._params(body, tool_constraint=tools.constraint)
-        render = proto.chat_renderer(
+        render = chat_renderer(
             body, self._chat_template, tools=tools.tools, prompt=tools.prompt
         )
         plan = self._plan(render, params, body, "messages")
@@ -342,7 +343,7 @@ class OpenAIServer:
             tool_constraint=tool_constraint,
         )
 
-    def _plan(self, render, params, body, where: str) -> proto.PromptPlan:
+    def _plan(self, render, params, body, where: str) -> PromptPlan:
         kwargs = {
             "default_max_tokens": self._defaults.get("max_tokens"),
             "where": where,
@@ -350,16 +351,16 @@ class OpenAIServer:
         }
         if where == "messages" and self._reasoning is not None:  # a chat of a reasoning model
             return ReasoningPromptPlan(render, params, parser=self._reasoning, **kwargs)
-        return proto.PromptPlan(render, params, **kwargs)
+        return PromptPlan(render, params, **kwargs)
 
     @staticmethod
-    def _reasoning_of(plan: proto.PromptPlan) -> Reasoning | None:
+    def _reasoning_of(plan: PromptPlan) -> Reasoning | None:
         """How a rendered chat's output splits into reasoning and content (None: a server
         without --reasoning-parser, or not a chat)."""
         return plan.reasoning if isinstance(plan, ReasoningPromptPlan) else None
 
     async def _run(
-        self, kind: str, rid: str, body, plans: list[proto.PromptPlan], request, tool_plan=None,
+        self, kind: str, rid: str, body, plans: list[PromptPlan], request, tool_plan=None,
         lora=None,
     ):
         start = time.monotonic()
@@ -395,7 +396,7 @@ class OpenAIServer:
         finally:
             self._finish(call)
 
-    async def _submit(self, rid: str, body, plans: list[proto.PromptPlan], *, lora=None):
+    async def _submit(self, rid: str, body, plans: list[PromptPlan], *, lora=None):
         """Submits every prompt (on the LoRA adapter lora, None: the base model; in the
         session body.session_key() names) and waits until the engine took or refused each."""
         handles = []

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from jpaged.sample.sampling_params import SamplingParams
 from jpaged.structured_output.params import ReasoningPrefix
-from server.openai_protocol import PromptPlan
+from server.prompt_plans import PromptPlan
 
 if TYPE_CHECKING:
     from server.engine_loop import ChoiceState
