@@ -70,9 +70,10 @@ class LatentPrefillBlocks:
     head_rows: int  # query heads per program (a power of two)
     block_q: int  # query tokens per program (rows = block_q * head_rows)
     pages_per_block: int  # pages read per loop iteration
+    num_warps: int = 8  # GPU only: 4 spilled registers at DeepSeek-V3's shape (sm_90 compile)
 
     def __post_init__(self):
-        for name in ("head_rows", "block_q", "pages_per_block"):
+        for name in ("head_rows", "block_q", "pages_per_block", "num_warps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -251,7 +252,7 @@ def gpu_paged_prefill_attention(q, k_pages, v_pages, context_lens, page_table, q
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         interpret=interpret,
         name="jpaged_gpu_mla_prefill",
-        **triton_call_kwargs(num_warps=4, num_stages=2),
+        **triton_call_kwargs(num_warps=blocks.num_warps, num_stages=2),
     )(
         context_lens.astype(jnp.int32), query_start.astype(jnp.int32), table.reshape(-1),
         blk_lo, blk_hi, row_seq, row_pos, q_rows, k_data, v_data, *scales,
