@@ -29,6 +29,9 @@ deprecated Triton lowering). `gpu_kernel=` chooses; when it is None the environm
 JPAGED_GPU_KERNEL does (read when the call is traced, so set it before the engine starts),
 and "triton" when that is unset. A shape or dtype the Mosaic kernel refuses runs on Triton,
 quantized pages among them (it reads 16-bit pages only). Prefill always uses Triton on GPU.
+
+latent=True (multi-head latent attention) has its own kernels under the same dispatch:
+mla.py for decode and mla_prefill.py for ragged prefill (mla.supports_gpu / supports_tpu).
 """
 
 from __future__ import annotations
