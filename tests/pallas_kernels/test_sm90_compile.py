@@ -16,8 +16,8 @@ thread and 65,536 per block. The configurations:
   8B model's largest decode and prefill buckets over the pool its quantized pages give at
   the same memory, and two float32-query kernels (full-precision dots).
 
-- the latent (MLA) prefill kernel (pallas_kernels/mla_prefill.py) in every bucket of the
-  default engine at DeepSeek-V3's attention shape (128 query heads, one latent "KV head" of
+- the latent (MLA) decode and prefill kernels (pallas_kernels/mla.py, mla_prefill.py) in every
+  bucket of the default engine at DeepSeek-V3's attention shape (128 query heads, one latent "KV head" of
   half row 288 = 512 + 64 split over K and V) over the pool DeepSeek-V2-Lite's pages get on
   an H200 (V3 itself does not fit one), and its largest bucket at V2-Lite's 16 heads, on
   int8 and fp8 pages and with float32 queries.
@@ -183,14 +183,26 @@ def mla_prefill_specs(tokens, seqs, pages, heads, num_pages, dtype="bfloat16"):
     return (jax.ShapeDtypeStruct((tokens, heads, 2 * half), jnp.dtype(dtype)), *args[1:])
 
 
+def mla_decode_specs(seqs, pages, heads, num_pages):
+    """Abstract latent decode arguments: q [S, heads, 576], pools [1, N, 16, 288]."""
+    half = MLA_POOL_MODEL[2]
+    args = decode_specs(seqs, pages, heads, 1, half, 16, num_pages, "bfloat16")
+    return (jax.ShapeDtypeStruct((seqs, heads, 2 * half), jnp.bfloat16), *args[1:])
+
+
 def mla_configs() -> list[tuple[str, object, tuple]]:
-    """The latent prefill kernel in every bucket of the default engine at 128 heads."""
+    """The latent decode and prefill kernels in every bucket of the default engine at 128
+    heads."""
     config = default_engine()
     num_pages = mla_pool_pages()
-    return [(f"mla-prefill-t{t}-s{s}-p{p}", mla_prefill.gpu_paged_prefill_attention,
-             mla_prefill_specs(t, s, p, 128, num_pages))
-            for s in config.seq_buckets for p in config.page_buckets
-            for t in config.token_buckets]  # fmt: skip
+    out = []
+    for s in config.seq_buckets:
+        for p in config.page_buckets:
+            out.append((f"mla-decode-s{s}-p{p}", mla.gpu_paged_decode_attention,
+                        mla_decode_specs(s, p, 128, num_pages)))
+            out += [(f"mla-prefill-t{t}-s{s}-p{p}", mla_prefill.gpu_paged_prefill_attention,
+                     mla_prefill_specs(t, s, p, 128, num_pages)) for t in config.token_buckets]
+    return out
 
 
 def mla_extra_configs() -> list[tuple[str, object, tuple]]:
@@ -279,15 +291,18 @@ def test_latent_prefill_kernels_compile_for_sm90(chunk):
         check_config(name, kernel, args)
 
 
-def test_the_latent_prefill_kernel_compiles_for_sm90_at_its_largest_bucket():
-    """Default suite: the largest bucket at 128 heads over V2-Lite's H200 pool (tens of GiB:
-    int64 offsets), which the dispatcher gives the kernel, and the float32 one."""
-    (_, _, args), = [c for c in mla_configs() if c[0] == "mla-prefill-t512-s32-p128"]
-    assert mla.supports_gpu(args[0].shape, args[1].shape, args[1].dtype)
-    assert args[1].shape[1] * 16 * 288 > 2**31
-    info = check_config("mla-prefill-t512-s32-p128", mla_prefill.gpu_paged_prefill_attention,
-                        args)  # fmt: skip
-    assert info["spills"] == 0 and info["shared"] < 100_000
+def test_the_latent_kernels_compile_for_sm90_at_their_largest_buckets():
+    """Default suite: decode's and prefill's largest buckets at 128 heads over V2-Lite's H200
+    pool (tens of GiB: int64 offsets), which the dispatcher gives the kernels, without spills
+    (the decode kernel spilled 36 registers with 4 warps), and the float32 prefill."""
+    picked = {c[0]: c for c in mla_configs() if c[0] in ("mla-decode-s32-p128",
+                                                          "mla-prefill-t512-s32-p128")}
+    assert len(picked) == 2
+    for name, kernel, args in picked.values():
+        assert mla.supports_gpu(args[0].shape, args[1].shape, args[1].dtype)
+        assert args[1].shape[1] * 16 * 288 > 2**31
+        info = check_config(name, kernel, args)
+        assert info["spills"] == 0 and info["shared"] < 100_000, (name, info)
     check_config(*mla_extra_configs()[-1])
 
 
