@@ -47,7 +47,6 @@ from pallas_kernels.common import (
     idiv,
     ragged_layout,
     split_pools,
-    token_scales,
     tpu_compiler_params,
     triton_call_kwargs,
     unlayout,
@@ -151,40 +150,14 @@ def _gpu_kernel(ctx_ref, qs_ref, table_ref, lo_ref, hi_ref, row_seq_ref, row_pos
         )
 
         def kv_body(blk, carry):
-            accs, m, l = carry
             page0 = first_page + blk * pages_per_block
             pages = table_ref[pl.ds(s * width + page0, pages_per_block)]
             kv_pos = page0 * page_size + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
-            written = kv_pos < end
-            xs, scales, sc = [], [], jnp.zeros((rows, block_tokens), jnp.float32)
-            for ref, sref, _ in halves:
-                part = jnp.zeros((rows, block_tokens), jnp.float32)
-                scale = None if sref is None else token_scales(
-                    sref[pages].reshape(1, block_tokens), written)  # fmt: skip
-                for off, w in chunks:
-                    x = ref[pages, :, pl.ds(off, w)].reshape(block_tokens, w)
-                    if sref is not None:
-                        x = x.astype(q_ref.dtype)
-                    part += dot_f32(qs[len(xs)], x, trans_b=True)
-                    xs.append(x)
-                    scales.append(scale)
-                sc += part if scale is None else part * scale
-            sc = sc * sm_scale
-            if soft_cap is not None:
-                sc = soft_cap * jnp.tanh(sc / soft_cap)
             vis = visible(row_seq, row_pos, s, kv_pos, sliding_window=sliding_window)
-            sc = jnp.where(vis, sc, MASK_VALUE)
-            m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-            alpha = jnp.exp(m - m_new)
-            p = jnp.where(vis, jnp.exp(sc - m_new[:, None]), 0.0)
-            l_new = alpha * l + jnp.sum(p, axis=1)
             kv_row = page0 * page_size + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
-            new = []
-            for acc, x, scale in zip(accs, xs, scales, strict=True):
-                x = jnp.where(kv_row < end, x, jnp.zeros_like(x))
-                pv = p if scale is None else p * scale
-                new.append(acc * alpha[:, None] + dot_f32(pv.astype(x.dtype), x))
-            return tuple(new), m_new, l_new
+            return mla.gpu_latent_block(qs, halves, chunks, pages, kv_pos < end, vis,
+                                        kv_row < end, carry, sm_scale=sm_scale,
+                                        soft_cap=soft_cap, dtype=q_ref.dtype)  # fmt: skip
 
         return lax.fori_loop(0, num_blocks, kv_body, carry)
 
