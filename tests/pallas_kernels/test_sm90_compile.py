@@ -286,7 +286,7 @@ MLA_CHUNKS = _chunks(mla_configs() + mla_extra_configs(), 25)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk", range(len(MLA_CHUNKS)))
-def test_latent_prefill_kernels_compile_for_sm90(chunk):
+def test_latent_kernels_compile_for_sm90(chunk):
     for name, kernel, args in MLA_CHUNKS[chunk]:
         check_config(name, kernel, args)
 
