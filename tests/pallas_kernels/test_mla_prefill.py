@@ -102,9 +102,17 @@ def test_gpu_kernel_lowers_for_cuda_at_deepseek_v3_shape():
     assert "jpaged_gpu_mla_prefill" in text and "triton" in text.lower()
 
 
-def test_tpu_kernel_lowers_for_tpu_at_deepseek_v3_shape():
+@pytest.mark.parametrize("quantized", [False, True])
+def test_tpu_kernel_lowers_for_tpu_at_deepseek_v3_shape(quantized):
+    args = V3_PREFILL
+    if quantized:  # int8 codes and a bfloat16 scale per token and half row
+        def pool(a):
+            return QuantizedPages(jax.ShapeDtypeStruct(a.shape, jnp.int8),
+                                  jax.ShapeDtypeStruct(a.shape[:-1], kv_quant.SCALE_DTYPE))
+
+        args = (args[0], pool(args[1]), pool(args[2]), *args[3:])
     fn = jax.jit(lambda *a: mla_prefill.tpu_paged_prefill_attention(*a, sm_scale=0.1))
-    text = fn.trace(*V3_PREFILL).lower(lowering_platforms=("tpu",)).as_text()
+    text = fn.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text and "jpaged_tpu_mla_prefill" in text
 
 
