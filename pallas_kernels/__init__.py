@@ -29,6 +29,9 @@ deprecated Triton lowering). `gpu_kernel=` chooses; when it is None the environm
 JPAGED_GPU_KERNEL does (read when the call is traced, so set it before the engine starts),
 and "triton" when that is unset. A shape or dtype the Mosaic kernel refuses runs on Triton,
 quantized pages among them (it reads 16-bit pages only). Prefill always uses Triton on GPU.
+
+latent=True (multi-head latent attention) has its own kernels under the same dispatch:
+mla.py for decode and mla_prefill.py for ragged prefill (mla.supports_gpu / supports_tpu).
 """
 
 from __future__ import annotations
@@ -200,15 +203,16 @@ def paged_prefill_attention(
     See reference.paged_prefill_attention for the contract. max_query_len (static): the
     query tokens per sequence a step usually has at most (a verification step's k + 1); the
     reference then attends each sequence's queries as one group when they fit (the kernels
-    take no hint). sinks as paged_decode_attention's. latent: multi-head latent attention;
-    the reference serves it (prefill is compute-bound: the latent kernels are decode's,
-    pallas_kernels/mla.py).
+    take no hint). sinks as paged_decode_attention's. latent: multi-head latent attention,
+    its own kernels in the absorbed form (pallas_kernels/mla_prefill.py; no sinks).
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     args = (q, k_pages, v_pages, context_lens, page_table, query_start)
     if latent:
-        return reference.paged_prefill_attention(
-            *args, max_query_len=max_query_len, latent=True, **kwargs
+        from pallas_kernels import mla_prefill
+
+        return mla_prefill.paged_prefill_attention(
+            *args, interpret=interpret, backend=backend, max_query_len=max_query_len, **kwargs
         )
     if sinks is not None:
         kwargs["sinks"] = sinks

@@ -51,6 +51,9 @@ from pallas_kernels.reference import MASK_VALUE
 HEAD_ROWS = 16
 # Tokens of one loop iteration (whole pages).
 BLOCK_TOKENS = 32
+# Warps of a GPU program: with 4 the kernel spilled 36 registers at DeepSeek-V3's shape on
+# sm_90 (255 per thread); with 8 it needs 168 and spills none (test_sm90_compile.py).
+NUM_WARPS = 8
 
 
 def _chunks(d: int) -> tuple[tuple[int, int], ...]:
@@ -81,6 +84,47 @@ def supports_tpu(k_shape) -> bool:
     return k_shape[0] == 1 and k_shape[2] % 8 == 0
 
 
+def gpu_latent_block(qs, halves, chunks, pages, written, valid, row_ok, carry, *, sm_scale,
+                     soft_cap, dtype):  # fmt: skip
+    """One online-softmax step of the GPU latent kernels (decode here, mla_prefill's) over a
+    block of pages: each half row read as its power-of-two chunks, their products summed
+    into the scores, each chunk accumulated into its own slice of the output.
+
+    qs: the queries' chunks [R, w] in halves x chunks order; halves: ((pool ref, scale ref or
+    None), ...) for K and V, refs [num_pages, page_size, D]; pages int32[P]; written bool[1, L]
+    (slots holding a token); valid bool[R, L] or [1, L] (keys each row sees); row_ok bool[L, 1]
+    (rows to read as values, the others zeroed); carry (accs, m f32[R], l f32[R])."""
+    accs, m, l = carry
+    rows, block_tokens = qs[0].shape[0], written.shape[1]
+    xs, scales, s = [], [], jnp.zeros((rows, block_tokens), jnp.float32)
+    for ref, sref, *_ in halves:
+        part = jnp.zeros((rows, block_tokens), jnp.float32)
+        scale = None if sref is None else token_scales(
+            sref[pages].reshape(1, block_tokens), written)  # fmt: skip
+        for off, w in chunks:
+            x = ref[pages, :, pl.ds(off, w)].reshape(block_tokens, w)
+            if sref is not None:
+                x = x.astype(dtype)
+            part += dot_f32(qs[len(xs)], x, trans_b=True)
+            xs.append(x)
+            scales.append(scale)
+        s += part if scale is None else part * scale
+    s = s * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(valid, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
+    l_new = alpha * l + jnp.sum(p, axis=1)
+    new = []
+    for acc, x, scale in zip(accs, xs, scales, strict=True):
+        x = jnp.where(row_ok, x, jnp.zeros_like(x))
+        pv = p if scale is None else p * scale
+        new.append(acc * alpha[:, None] + dot_f32(pv.astype(x.dtype), x))
+    return tuple(new), m_new, l_new
+
+
 def _latent_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, sm_scale, soft_cap,
                    sliding_window, pages_per_block):  # fmt: skip
     """One (sequence, head block): q_ref [rows, 2D]; k_ref, v_ref [num_pages, page_size, D]
@@ -100,40 +144,14 @@ def _latent_kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, *refs, sm_scale,
     qs = [q_ref[:, pl.ds(base + off, w)] for _, _, base in halves for off, w in chunks]
 
     def body(blk, carry):
-        accs, m, l = carry
         page0 = first_page + blk * pages_per_block
         pages = table_ref[pl.ds(page0, pages_per_block)]
         pos = page0 * page_size + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
         written = pos < length
-        xs, scales, s = [], [], jnp.zeros((rows, block_tokens), jnp.float32)
-        for ref, sref, _ in halves:
-            part = jnp.zeros((rows, block_tokens), jnp.float32)
-            scale = None if sref is None else token_scales(
-                sref[pages].reshape(1, block_tokens), written)  # fmt: skip
-            for off, w in chunks:
-                x = ref[pages, :, pl.ds(off, w)].reshape(block_tokens, w)
-                if sref is not None:
-                    x = x.astype(q_ref.dtype)
-                part += dot_f32(qs[len(xs)], x, trans_b=True)
-                xs.append(x)
-                scales.append(scale)
-            s += part if scale is None else part * scale
-        s = s * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        valid = written & (pos >= window_start)
-        s = jnp.where(valid, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
-        l_new = alpha * l + jnp.sum(p, axis=1)
         row_ok = (page0 * page_size + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)) < length
-        new = []
-        for acc, x, scale in zip(accs, xs, scales, strict=True):
-            x = jnp.where(row_ok, x, jnp.zeros_like(x))
-            pv = p if scale is None else p * scale
-            new.append(acc * alpha[:, None] + dot_f32(pv.astype(x.dtype), x))
-        return tuple(new), m_new, l_new
+        return gpu_latent_block(qs, halves, chunks, pages, written, written & (pos >= window_start),
+                                row_ok, carry, sm_scale=sm_scale, soft_cap=soft_cap,
+                                dtype=q_ref.dtype)  # fmt: skip
 
     init = (
         tuple(jnp.zeros((rows, w), jnp.float32) for _ in halves for _, w in chunks),
@@ -179,7 +197,7 @@ def gpu_paged_decode_attention(q, k_pages, v_pages, lengths, page_table, *, sm_s
         out_shape=jax.ShapeDtypeStruct((batch, head_blocks, rows, width), q.dtype),
         interpret=interpret,
         name="jpaged_gpu_mla_decode",
-        **triton_call_kwargs(num_warps=4, num_stages=2),
+        **triton_call_kwargs(num_warps=NUM_WARPS, num_stages=2),
     )(lengths.astype(jnp.int32).reshape(batch, 1), table, qp, k_data, v_data, *scales)
     return out.reshape(batch, head_blocks * rows, width)[:, :num_q_heads]
 

@@ -394,3 +394,41 @@ def test_gguf_equals_hf_directory(checkpoints, tmp_path, family, split_kv_b):
     _write_gguf(checkpoints[family], tmp_path / "bad.gguf", split_kv_b=split_kv_b, gating=3)
     with pytest.raises(ValueError, match=r"bad.gguf: deepseek2.expert_gating_func 3 is not "):
         load_model(tmp_path / "bad.gguf")
+
+
+@pytest.mark.needs_torch
+def test_a_prefill_step_on_the_interpreted_gpu_kernel_equals_the_reference(checkpoints):
+    """The model's ragged prefill step with the latent prefill kernel (Pallas interpreter) in
+    every layer gives the reference's hidden states and pool rows: a chunk of 5 tokens starting
+    mid-page after 7 cached tokens (a prefix hit), beside a whole 3-token prompt."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.llama import forward
+
+    loaded = load_hf_model(checkpoints["deepseek_v3"])
+    cfg, page = loaded.config, 4
+    params = stack_layers(loaded.params)
+    ids = prompts(cfg.vocab_size)[0]
+    shape = (1, cfg.num_layers * 6, page, cfg.head_dim)
+    rng = np.random.default_rng(1)  # the 7 cached tokens' rows (and garbage elsewhere)
+    pool = tuple(jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
+    table = jnp.asarray([[3, 1, 4], [5, 0, 0]], jnp.int32)
+    pos = np.concatenate([np.arange(7, 12), np.arange(3)])
+    pages = np.concatenate([np.asarray([3, 1, 4])[pos[:5] // page], [5, 5, 5]])
+    step = (jnp.asarray(np.concatenate([ids[7:12], ids[:3]])), jnp.asarray(pos, jnp.int32),
+            jnp.asarray(pages * page + pos % page, jnp.int32), jnp.asarray([12, 3], jnp.int32),
+            table, jnp.asarray([0, 5, 8], jnp.int32))
+    run = jax.jit(forward, static_argnums=(1,), static_argnames=("attention_backend",))
+    out = {}
+    for backend in ("reference", "pallas_interpret"):
+        out[backend] = run(params, cfg, pool, *step, attention_backend=backend)
+    hidden, got_pool = out["pallas_interpret"]
+    assert np.abs(np.asarray(out["reference"][0])).max() > 0.1
+    np.testing.assert_allclose(hidden, out["reference"][0], atol=2e-5, rtol=0)
+    for got, want in zip(got_pool, out["reference"][1], strict=True):  # later layers' rows
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)  # follow the hidden states
+    text = str(jax.make_jaxpr(lambda p, kv: forward(p, cfg, kv, *step,
+                                                    attention_backend="pallas_interpret"))(
+        params, pool))  # fmt: skip
+    assert "jpaged_gpu_mla_prefill" in text

@@ -16,6 +16,12 @@ thread and 65,536 per block. The configurations:
   8B model's largest decode and prefill buckets over the pool its quantized pages give at
   the same memory, and two float32-query kernels (full-precision dots).
 
+- the latent (MLA) decode and prefill kernels (pallas_kernels/mla.py, mla_prefill.py) in every
+  bucket of the default engine at DeepSeek-V3's attention shape (128 query heads, one latent "KV head" of
+  half row 288 = 512 + 64 split over K and V) over the pool DeepSeek-V2-Lite's pages get on
+  an H200 (V3 itself does not fit one), and its largest bucket at V2-Lite's 16 heads, on
+  int8 and fp8 pages and with float32 queries.
+
 Float32 kernels must multiply at full precision (no `inputPrecision = tf32` in their dots).
 The whole sweep (about 400 kernels, several CPU-minutes, in chunks of 24 that pytest-xdist
 spreads over its workers with --dist load) is marked slow and CI runs it under the GPU
@@ -38,7 +44,7 @@ from paged_cases import decode_specs, prefill_specs
 
 import pallas_kernels
 from jpaged.config import CacheConfig, EngineConfig
-from pallas_kernels import gpu_decode, gpu_prefill, kv_quant
+from pallas_kernels import gpu_decode, gpu_prefill, kv_quant, mla, mla_prefill
 from pallas_kernels.kv_quant import QuantizedPages
 
 # name: (layers, q heads, kv heads, head_dim, parameter count) of the Hugging Face configs.
@@ -155,6 +161,64 @@ def _compiled(ir_hash: str, call):
     return compile_sm90(call)
 
 
+# DeepSeek-V2-Lite: (layers, q heads, latent half row, parameter count); its pages on an H200.
+MLA_POOL_MODEL = (27, 16, 288, 15_706_484_224)
+
+
+def mla_pool_pages(kv_dtype=jnp.bfloat16) -> int:
+    """The pages axis of V2-Lite's latent pool on an H200 (h200_pool_pages' budget): each
+    token one row of 2 x 288 values per layer, split over K and V as one KV head each."""
+    layers, _, half, num_params = MLA_POOL_MODEL
+    page_size = default_engine().cache.page_size
+    page_bytes = kv_quant.bytes_per_page(kv_dtype, num_layers=layers, num_kv_heads=1,
+                                         page_size=page_size, head_dim=half)  # fmt: skip
+    free = H200_BYTES_LIMIT - 2 * num_params
+    return layers * (int(free * CacheConfig().kv_memory_fraction) // page_bytes + 1)
+
+
+def mla_prefill_specs(tokens, seqs, pages, heads, num_pages, dtype="bfloat16"):
+    """Abstract latent prefill arguments: q [T, heads, 576], pools [1, N, 16, 288]."""
+    half = MLA_POOL_MODEL[2]
+    args = prefill_specs(tokens, seqs, pages, heads, 1, half, 16, num_pages, dtype)
+    return (jax.ShapeDtypeStruct((tokens, heads, 2 * half), jnp.dtype(dtype)), *args[1:])
+
+
+def mla_decode_specs(seqs, pages, heads, num_pages):
+    """Abstract latent decode arguments: q [S, heads, 576], pools [1, N, 16, 288]."""
+    half = MLA_POOL_MODEL[2]
+    args = decode_specs(seqs, pages, heads, 1, half, 16, num_pages, "bfloat16")
+    return (jax.ShapeDtypeStruct((seqs, heads, 2 * half), jnp.bfloat16), *args[1:])
+
+
+def mla_configs() -> list[tuple[str, object, tuple]]:
+    """The latent decode and prefill kernels in every bucket of the default engine at 128
+    heads."""
+    config = default_engine()
+    num_pages = mla_pool_pages()
+    out = []
+    for s in config.seq_buckets:
+        for p in config.page_buckets:
+            out.append((f"mla-decode-s{s}-p{p}", mla.gpu_paged_decode_attention,
+                        mla_decode_specs(s, p, 128, num_pages)))
+            out += [(f"mla-prefill-t{t}-s{s}-p{p}", mla_prefill.gpu_paged_prefill_attention,
+                     mla_prefill_specs(t, s, p, 128, num_pages)) for t in config.token_buckets]
+    return out
+
+
+def mla_extra_configs() -> list[tuple[str, object, tuple]]:
+    """The largest bucket at V2-Lite's 16 heads, on int8 / fp8 pages, with float32 queries."""
+    kernel = mla_prefill.gpu_paged_prefill_attention
+    out = [("mla-prefill-t512-s32-p128-h16", kernel,
+            mla_prefill_specs(512, 32, 128, 16, mla_pool_pages()))]
+    for name in ("int8", "e4m3"):
+        dtype = QUANTIZED_DTYPES[name]
+        args = mla_prefill_specs(512, 32, 128, 128, mla_pool_pages(jnp.dtype(dtype)))
+        out.append((f"mla-prefill-t512-s32-p128-{name}", kernel, quantize_specs(args, dtype)))
+    out.append(("mla-prefill-t64-s4-p8-float32", kernel,
+                mla_prefill_specs(64, 4, 8, 128, 1000, "float32")))
+    return out
+
+
 def check_config(name, kernel, args) -> dict:
     """Lowers and compiles one configuration; asserts the limits and the dot precision."""
     head_dim = args[0].shape[-1]
@@ -215,6 +279,31 @@ def test_quantized_page_kernels_compile_for_sm90():
                                                                         "decode-s32-p128"))
     for name in QUANTIZED_DTYPES:
         assert infos[f"llama-3.1-8b-decode-s32-p128-{name}"]["shared"] < bf16["shared"]
+
+
+MLA_CHUNKS = _chunks(mla_configs() + mla_extra_configs(), 25)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", range(len(MLA_CHUNKS)))
+def test_latent_kernels_compile_for_sm90(chunk):
+    for name, kernel, args in MLA_CHUNKS[chunk]:
+        check_config(name, kernel, args)
+
+
+def test_the_latent_kernels_compile_for_sm90_at_their_largest_buckets():
+    """Default suite: decode's and prefill's largest buckets at 128 heads over V2-Lite's H200
+    pool (tens of GiB: int64 offsets), which the dispatcher gives the kernels, without spills
+    (the decode kernel spilled 36 registers with 4 warps), and the float32 prefill."""
+    picked = {c[0]: c for c in mla_configs() if c[0] in ("mla-decode-s32-p128",
+                                                          "mla-prefill-t512-s32-p128")}
+    assert len(picked) == 2
+    for name, kernel, args in picked.values():
+        assert mla.supports_gpu(args[0].shape, args[1].shape, args[1].dtype)
+        assert args[1].shape[1] * 16 * 288 > 2**31
+        info = check_config(name, kernel, args)
+        assert info["spills"] == 0 and info["shared"] < 100_000, (name, info)
+    check_config(*mla_extra_configs()[-1])
 
 
 def test_default_h200_pools_pick_the_triton_kernel_and_address_it_with_int64_offsets():
