@@ -16,6 +16,12 @@ from serving_helpers import collect, collect_chat
 from server.proto.jpaged.v1 import generation_pb2 as pb
 
 USER = [{"role": "user", "content": "t5"}]
+KEYS = [  # a request's fields -> its session key
+    ({}, None),
+    ({"user": "alice"}, "alice"),
+    ({"prompt_cache_key": "agent-7"}, "agent-7"),
+    ({"prompt_cache_key": "agent-7", "user": "alice"}, "agent-7"),
+]
 
 
 @pytest.fixture
@@ -33,15 +39,7 @@ def last_session(engine: FakeEngine) -> str | None:
     return list(engine.sessions.values())[-1]
 
 
-@pytest.mark.parametrize(
-    ("fields", "want"),
-    [
-        ({}, None),
-        ({"user": "alice"}, "alice"),
-        ({"prompt_cache_key": "agent-7"}, "agent-7"),
-        ({"prompt_cache_key": "agent-7", "user": "alice"}, "agent-7"),
-    ],
-)
+@pytest.mark.parametrize(("fields", "want"), KEYS)
 def test_completions_and_chat_name_the_session(served, fields, want):
     engine, server = served
     assert post(server, "/v1/completions", {"prompt": [1, 2, 3], **fields}).status_code == 200
@@ -98,15 +96,7 @@ def chat(server, **fields) -> pb.ChatRequest:
                           **fields)  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("fields", "want"),
-    [
-        ({}, None),
-        ({"user": "alice"}, "alice"),
-        ({"prompt_cache_key": "agent-7"}, "agent-7"),
-        ({"prompt_cache_key": "agent-7", "user": "alice"}, "agent-7"),
-    ],
-)
+@pytest.mark.parametrize(("fields", "want"), KEYS)
 def test_grpc_generate_and_chat_name_the_session(served, fields, want):
     engine, server = served
     assert collect(server.stub, generate(server, **fields)).final.finished
