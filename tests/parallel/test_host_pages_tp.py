@@ -6,9 +6,9 @@ Tokens with the tier at T = 2: test_tensor_parallel.py."""
 
 from __future__ import annotations
 
-from conftest import run_worker
 
-
-def test_each_shard_writes_its_heads_of_the_host_pages():
-    res = run_worker("host_write", timeout=300)
-    assert res == {"8x1": {"equal": True, "shards": 8}, "2x2": {"equal": True, "shards": 4}}
+def test_each_shard_writes_its_heads_of_the_host_pages(host_write_results):
+    assert host_write_results == {
+        "8x1": {"equal": True, "shards": 8},
+        "2x2": {"equal": True, "shards": 4},
+    }
