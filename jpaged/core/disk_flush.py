@@ -20,9 +20,14 @@ logger = logging.getLogger(__name__)
 
 
 def flush_to_disk(engine) -> int:
-    """Writes engine's pending host pages and its device cache's pages to the disk tier; the
-    number of pages written (0 without a disk tier). The engine must be idle: no step runs
-    in between (called by the server's step thread as it stops, or by the offline user)."""
+    """Writes engine's pending host pages and its device cache's pages to the disk tier (a
+    data-parallel engine's: every replica's); the number of pages written (0 without a disk
+    tier). The engine must be idle: no step runs in between (called by the server's step
+    thread as it stops, or by the offline user)."""
+    return sum(_flush(e) for e in getattr(engine, "replicas", [engine]))
+
+
+def _flush(engine) -> int:
     store = getattr(engine, "host_store", None)
     if store is None or store.disk is None:
         return 0
