@@ -32,10 +32,12 @@ def _flush(engine) -> int:
     if store is None or store.disk is None:
         return 0
     written = store.write_through()
+    store.disk.wait()  # so that `in store.disk` below is every page written
     todo = [(p, e) for p, e in engine.allocator.cached_pages() if e.hash not in store.disk]
     room = store.num_usable_pages - store.num_used()  # host pages a batch may take
     if todo and room < 1:
         logger.warning("KV disk flush: every host page is in use; %d pages not written", len(todo))
+        store.disk.wait()
         return written
     for i in range(0, len(todo), room):
         copies = []
@@ -49,4 +51,5 @@ def _flush(engine) -> int:
         engine.runner.flush_host_writes()
         store.end_plan(len(copies), 0)
         written += store.write_through()
+    store.disk.wait()
     return written

@@ -180,13 +180,15 @@ class HostPageStore:
         self.pages.evicted.clear()
 
     def write_through(self) -> int:
-        """Writes the pages offloaded since the last call to the disk tier (their bytes are
-        in the host array once the plan's copies ran: ModelRunner.swap); the number written
-        (a page already on disk only becomes its most recently used)."""
+        """Queues the pages offloaded since the last call for the disk tier's writer thread
+        (their bytes are in the host array once the plan's copies ran: ModelRunner.swap,
+        and are copied now); the number queued (a page already on disk only becomes its most
+        recently used). DiskPageStore.wait: until they are written."""
         if not self._unwritten:
             return 0
         for page, (h, token_ids, salt) in self._unwritten.items():
-            self.disk.put(h, token_ids, salt, [leaf[:, :, :, page] for leaf in self._leaves])
+            arrays = [leaf[:, :, :, page] for leaf in self._leaves]
+            self.disk.put_async(h, token_ids, salt, arrays)  # copied now, written on a thread
         n, self._unwritten = len(self._unwritten), {}
         return n
 

@@ -57,6 +57,21 @@ def test_a_page_file_round_trips_and_a_damaged_one_is_a_miss(tmp_path):
     assert disk.stats()["disk_bad_files"] == 5 and disk.stats()["disk_files"] == 0
 
 
+def test_an_asynchronous_write_lands_whole_once_and_is_read_back(tmp_path):
+    disk = DiskPageStore(tmp_path, 1 << 20)
+    arrays = page(5)
+    want = [a.copy() for a in arrays]
+    disk.put_async(7, (1, 2), None, arrays)
+    disk.put_async(7, (1, 2), None, arrays)  # queued once
+    for a in arrays:
+        a[...] = 0  # the caller's host page handed out anew: the write has its own copy
+    disk.wait()
+    assert 7 in disk and disk.stats()["disk_pages_written"] == 1
+    got = disk.get(7, (1, 2), None, want)
+    assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
 def test_the_directory_stays_under_its_bytes_least_recently_used_removed_first(tmp_path):
     arrays = page(0)
     probe = DiskPageStore(tmp_path / "probe", max_bytes=1 << 20)
@@ -154,6 +169,7 @@ def test_a_restarted_engine_hits_the_pages_its_predecessor_wrote(tiny_checkpoint
     want = run(first, "a", prompt, params)
     for i in range(3):  # fill the pool and the host: a's pages go to disk
         run(first, f"x{i}", vocab_rng.integers(3, vocab, 60).tolist(), params)
+    first.host_store.disk.wait()  # the writes through on the writer thread
     assert first.stats()["disk_pages_written"] >= 5
     del first
     second = make_engine(path, **kwargs)
@@ -177,6 +193,7 @@ def test_write_through_and_the_flush_warm_restart_a_whole_session(tiny_checkpoin
     assert first.stats()["disk_files"] == 0  # nothing left the device yet
     other = rng.integers(3, vocab, 60).tolist()
     out_other = run(first, "x", other, params)  # evicts t1's pages to host
+    first.host_store.disk.wait()  # written through on the writer thread
     stats = first.stats()
     assert stats["host_offloaded_pages"] >= 6 and stats["disk_pages_written"] == stats[
         "host_offloaded_pages"
