@@ -1,7 +1,8 @@
 """DiskPageStore: the disk tier under the host tier (--kv-offload-dir), one file per page.
 
-A page the host tier evicts is written here (HostPageStore spills it) and read back into a
-host page on a host miss. Files are named by the page's sha256 hash (jpaged/core/host_page_store.py:
+A page entering the host tier is written here (HostPageStore.write_through, put_async), one
+the host tier evicts unwritten too (its spill, put), and read back into a host page on a
+host miss. Files are named by the page's sha256 hash (jpaged/core/host_page_store.py:
 chained from the model's identity, so another model's files are never read as this one's) and
 hold a header (hash, tokens, salt, each array's dtype and shape), the page's arrays (K and V,
 an int8/fp8 pool's scales too) and a sha256 of everything before it:
