@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from jpaged.core.disk_flush import flush_to_disk
 from jpaged.core.engine import EngineStepError
 from jpaged.outputs import RequestOutput
 from jpaged.pooling import PoolingParams
@@ -365,6 +366,10 @@ class EngineLoop:
             self._refresh_stats(sum(cmd[0] == "add" for cmd in commands))
             if updates or errors:
                 self._post(self._deliver, updates, errors)
+        try:  # the KV pages to the disk tier, for a warm restart (none without one)
+            flush_to_disk(self.engine)
+        except Exception:
+            logger.exception("KV disk flush failed")
 
     def _take_commands(self, *, block: bool) -> list[tuple]:
         """All queued commands; when block (the engine is idle), waits a while for one."""

@@ -42,6 +42,7 @@ _FINISH_REASONS = {
     "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
 }
 _MAX_REQUEST_ID_LEN = 256
+_MAX_SESSION_KEY_LEN = 256  # as the HTTP API's prompt_cache_key and user
 
 
 class GenerationService:
@@ -90,6 +91,7 @@ class GenerationService:
         try:
             wire.raise_if_invalid(request)
             prompt, params, salt = self._parse(request)
+            session = session_key(request)
         except ValueError as e:
             await self._reject(
                 context, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", e, client_id
@@ -101,8 +103,9 @@ class GenerationService:
 
         def submit() -> RequestHandle:
             return self._loop.submit(
-                client_id, prompt, params, salt, prepare=fits, lora_request=lora
-            )
+                client_id, prompt, params, salt, prepare=fits, lora_request=lora,
+                session=session,
+            )  # fmt: skip
 
         async for message in self._serve(context, client_id, start, submit, _response):
             yield message
@@ -120,6 +123,7 @@ class GenerationService:
             tools = grpc_chat.plan(req, parser_name=self._tool_call_parser, template=template)
             params = grpc_chat.with_tool_constraint(self._sampling(request.sampling), tools)
             salt = _salt(request)
+            session = session_key(request)
             prepare = await grpc_chat.prompt_preparer(
                 req, self._chat_template, tools, params,
                 max_tokens_set=request.sampling.HasField("max_tokens"), engine=engine,
@@ -135,8 +139,9 @@ class GenerationService:
 
         def submit() -> RequestHandle:
             return self._loop.submit(
-                client_id, None, params, salt, prepare=prepare, lora_request=lora
-            )
+                client_id, None, params, salt, prepare=prepare, lora_request=lora,
+                session=session,
+            )  # fmt: skip
 
         async for message in self._serve(context, client_id, start, submit, respond):
             yield message
@@ -412,6 +417,22 @@ def _salt(request) -> str | None:
     if not request.cache_salt:
         raise ValueError("cache_salt must not be empty when set")
     return request.cache_salt
+
+
+def session_key(request) -> str | None:
+    """The engine's session key of a Generate or Chat request, as HTTP's: prompt_cache_key,
+    else user, else None; a set key must have 1 to 256 characters."""
+    for field in ("prompt_cache_key", "user"):
+        if request.HasField(field):
+            n = len(getattr(request, field))
+            if not 0 < n <= _MAX_SESSION_KEY_LEN:
+                raise ValueError(
+                    f"{field} must have 1 to {_MAX_SESSION_KEY_LEN} characters when set, got {n}"
+                )
+    for field in ("prompt_cache_key", "user"):
+        if request.HasField(field):
+            return getattr(request, field)
+    return None
 
 
 def _response(

@@ -422,6 +422,8 @@ class LLMEngine:
             bitmask = self.constraints.bitmask(plan, self.scheduler.sequence)
         step = self.runner.dispatch(plan, prev, bitmask, draft_probs=draft_probs)
         self.scheduler.dispatched(plan)
+        if self.host_store is not None:  # the disk tier's files, while the device computes
+            self.host_store.write_through()
         return step
 
     def _schedule(self, *, speculate: bool = True) -> tuple[StepPlan, object]:

@@ -21,9 +21,13 @@ digest, the page's tokens and the salt to match (the tokens and salt are checked
 prefix rests on the digest chain: exact up to a sha256 collision, vLLM's own promise).
 The device allocator keeps its own exactness rule (its entries' parents), whatever the hash.
 
-Disk (jpaged/core/disk_page_store.py, with the runner's host array): a cached host page
-handed out anew is first written to the disk tier (_spill), and a host miss whose page has
-a file reads it into a free host page (_read_back), cached there like an offload.
+Disk (jpaged/core/disk_page_store.py, with the runner's host array): write-through. A page
+offloaded here is written to the disk tier after the plan's copies ran (write_through, which
+the engine calls once the step is dispatched, so the files are written while the device
+computes), a cached host page handed out anew before that is written first (_spill), and a
+host miss whose page has a file reads it into a free host page (_read_back), cached there
+like an offload. At shutdown jpaged/core/disk_flush.py writes the device cache's pages too,
+so a restarted engine on the same directory finds a whole session's pages.
 
 Copies in a plan: a host page named by the plan being made (an offload written, a hit or a
 swapped page read) keeps a reference until the plan is complete (end_plan, from
@@ -83,6 +87,8 @@ class HostPageStore:
         self._leaves = [] if host_array is None else jax.tree.leaves(host_array)
         if self.disk is not None:
             self.pages.evicted = []  # spilled to disk by _spill
+        # Host pages offloaded and not yet on disk: page -> (hash, tokens, salt).
+        self._unwritten: dict[int, tuple] = {}
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -168,9 +174,23 @@ class HostPageStore:
         if self.disk is None:
             return
         for page, entry, _ in self.pages.evicted:
+            self._unwritten.pop(page, None)
             arrays = [leaf[:, :, :, page] for leaf in self._leaves]
             self.disk.put(entry.hash, entry.token_ids, entry.salt, arrays)
         self.pages.evicted.clear()
+
+    def write_through(self) -> int:
+        """Queues the pages offloaded since the last call for the disk tier's writer thread
+        (their bytes are in the host array once the plan's copies ran: ModelRunner.swap,
+        and are copied now); the number queued (a page already on disk only becomes its most
+        recently used). DiskPageStore.wait: until they are written."""
+        if not self._unwritten:
+            return 0
+        for page, (h, token_ids, salt) in self._unwritten.items():
+            arrays = [leaf[:, :, :, page] for leaf in self._leaves]
+            self.disk.put_async(h, token_ids, salt, arrays)  # copied now, written on a thread
+        n, self._unwritten = len(self._unwritten), {}
+        return n
 
     def load(self, page: int, session: str | None = None, *, count: bool = True) -> None:
         """A host hit found by lookup is loaded by the plan being made: referenced until the
@@ -200,6 +220,8 @@ class HostPageStore:
         self.pages.cache_page(page, h, token_ids, salt=salt)
         self._named.append((page, session))
         self.num_offloaded += 1
+        if self.disk is not None:
+            self._unwritten[page] = (h, token_ids, salt)
         return page
 
     def end_plan(self, num_out: int, num_in: int) -> None:
@@ -216,6 +238,7 @@ class HostPageStore:
         """The device state was made anew: no copy is pending and the tier is empty."""
         self.pages.free([page for page, _ in self._named])
         self._named = []
+        self._unwritten = {}  # their copies may not have run
         self.pages.reset_prefix_cache()  # the disk tier's files stay: they were whole
 
     def stats(self) -> dict:

@@ -205,15 +205,16 @@ def group_pages(num_pages: int, groups: KVGroups, num_layers: int) -> int:
 
 
 def resolve_kv_offload_bytes(
-    cache: CacheConfig, platform: str, groups: KVGroups, *, draft: bool, replicas: int = 1
+    cache: CacheConfig, platform: str, groups: KVGroups, *, replicas: int = 1
 ) -> int:
     """The host tier's bytes (jpaged/core/host_page_store.py; 0: off): kv_offload_bytes, or
     by default none on CPU (the pool already lives in host memory), none where the swap space
     was sized (num_swap_pages, swap_space_bytes), and else HOST_OFFLOAD_SHARE of the available
     host memory on an accelerator, split over the data-parallel replicas. Off without prefix
     caching, with a sliding window but no full first paging group (its hits are chained:
-    jpaged/core/kv_cache_manager.py), with a draft model (its pool shares the page ids) and
-    across processes (host copies are not broadcast)."""
+    jpaged/core/kv_cache_manager.py) and across processes (host copies are not broadcast).
+    A draft model's pool shares the page ids but not the host tier: its K/V in a page loaded
+    from host is recomputed (jpaged/spec_decode/draft_model.py, sync)."""
     wanted = cache.kv_offload_bytes
     swap_sized = cache.num_swap_pages is not None or cache.swap_space_bytes is not None
     if wanted is None and swap_sized:
@@ -231,8 +232,6 @@ def resolve_kv_offload_bytes(
         why_not = "prefix caching is off"
     elif groups.windows[0] is not None:
         why_not = "the model's first paging group has a sliding window (chained hits)"
-    elif draft:
-        why_not = "a draft model shares the pool's page ids"
     elif jax.process_count() > 1:
         why_not = "the model spans processes"
     if wanted and why_not is not None:
@@ -340,7 +339,7 @@ def plan_memory(
         cache = dataclasses.replace(config.cache, enable_prefix_caching=False)
         config = dataclasses.replace(config, cache=cache)
     offload = resolve_kv_offload_bytes(
-        config.cache, platform, groups, draft=draft_config is not None,
+        config.cache, platform, groups,
         replicas=config.parallel.data_parallel_size,
     )  # fmt: skip
     config = dataclasses.replace(

@@ -101,6 +101,10 @@ class PageAllocator:
     def cached_entry(self, page: int) -> CachedPage | None:
         return self._cached.get(page)
 
+    def cached_pages(self) -> list[tuple[int, CachedPage]]:
+        """Every cached page and its entry (the order of caching)."""
+        return list(self._cached.items())
+
     # -- allocation ------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free():

@@ -17,7 +17,8 @@ were written to). Per speculative step, for every row the scheduler granted k pr
 
 After the target verifies, a accepted proposals leave the draft valid up to L + min(a, k - 1)
 positions (it never computed the last proposal's K/V). A sequence whose pages changed under
-the draft (swapped back in, recomputed) is caught up from zero; stale draft K/V can only make
+the draft (swapped back in, recomputed) is caught up from zero, and one whose pages were
+loaded from the KV host tier from its first loaded page (sync); stale draft K/V can only make
 proposals worse, never outputs wrong: verification keeps the target's distribution.
 """
 
@@ -69,7 +70,15 @@ class DraftModel:
 
     # -- pages -------------------------------------------------------------------------------
     def sync(self, plan: StepPlan) -> None:
-        """Applies a target plan's page-table edits and page copies to the draft's state."""
+        """Applies a target plan's page-table edits and page copies to the draft's state. A
+        page the plan writes from host (a host-tier load, a swap-in) holds no draft K/V:
+        each sequence's draft is valid up to its first such page (then caught up)."""
+        if len(plan.swap_in):
+            loaded = set(plan.swap_in[:, 1].tolist())
+            for seq_id, (n, pages) in list(self._computed.items()):
+                j = next((j for j, p in enumerate(pages) if p in loaded), None)
+                if j is not None:
+                    self._computed[seq_id] = (min(n, j * self.page_size), pages[:j])
         updates, copies = plan.page_updates, plan.page_copies
         scratch = self.runner.scratch_row
         while len(updates) or len(copies):

@@ -46,6 +46,12 @@ def tp_results(tp_checkpoint, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def host_write_results() -> dict:
+    """sharded_worker.run_host_write: the host tier's per-shard writes at T = 8 and 2 x 2."""
+    return run_worker("host_write", timeout=300)
+
+
+@pytest.fixture(scope="session")
 def quant_results(tp_checkpoint, tmp_path_factory) -> dict:
     """sharded_worker.run_quant: quantized weights at T = 1, 2 and D = 2 x T = 2."""
     return run_worker("quant", str(tp_checkpoint), str(tmp_path_factory.mktemp("quant")))

@@ -5,6 +5,7 @@
     python tests/parallel/sharded_worker.py quant CKPT TMP_DIR     # quantized weights, 8 devices
     python tests/parallel/sharded_worker.py orbax_quant CKPT TMP_DIR   # Orbax + int8/fp8, T = 2
     python tests/parallel/sharded_worker.py lora CKPT TMP_DIR      # LoRA adapters, T = 1 and 8
+    python tests/parallel/sharded_worker.py host_write     # the host tier's per-shard writes
 
 The device count must be set before JAX starts, so the tests run this file as a subprocess
 (pytest's own process has already initialised JAX with one device).
@@ -319,6 +320,42 @@ def run_lora(ckpt: str, tmp: str) -> dict:
     return results
 
 
+def run_host_write() -> dict:
+    """ModelRunner's host write (runner.write_host_pages) of swap gathers sharded over the KV
+    heads, T = 8 and T = 2 of 4 KV heads (two replicas of each shard: "rep"), float32 and
+    int8 pages with scales: are the host pages the gathered pages, per host id?"""
+    _env(8)
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jpaged.worker.programs import SWAP_PAGES
+    from jpaged.worker.runner import write_host_pages
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for kv, rep in ((8, 1), (2, 2)):
+        mesh = Mesh(np.array(jax.devices()[: kv * rep]).reshape(kv, rep), ("kv", "rep"))
+        sharding = NamedSharding(mesh, P(None, "kv"))
+        heads, layers, page, dim, host_pages = 8, 3, 4, 2, 40
+        ids = rng.permutation(np.arange(1, host_pages + 1))[:5]  # 5 of SWAP_PAGES filled
+        pages = [rng.standard_normal((2, heads, layers * SWAP_PAGES, page, dim), np.float32),
+                 rng.integers(-128, 128, (2, heads, layers * SWAP_PAGES, page), np.int8)]  # fmt: skip
+        space = [np.zeros((2, heads, layers, host_pages + 1, page, dim), np.float32),
+                 np.zeros((2, heads, layers, host_pages + 1, page), np.int8)]  # fmt: skip
+        got = [jax.device_put(a, sharding) for a in pages]
+        write_host_pages(space, got, ids)
+        equal = True
+        for a, host in zip(pages, space, strict=True):
+            want = a.reshape(2, heads, layers, SWAP_PAGES, *a.shape[3:])[:, :, :, : len(ids)]
+            equal &= bool(np.array_equal(host[:, :, :, ids], want))
+            others = np.setdiff1d(np.arange(host_pages + 1), ids)
+            equal &= not np.any(host[:, :, :, others])
+        out[f"{kv}x{rep}"] = {"equal": equal, "shards": len(got[0].addressable_shards)}
+    return out
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     modes = {
@@ -327,6 +364,7 @@ if __name__ == "__main__":
         "quant": run_quant,
         "orbax_quant": run_orbax_quant,
         "lora": run_lora,
+        "host_write": run_host_write,
     }
     result = modes[mode](*args)
     print(json.dumps(result))

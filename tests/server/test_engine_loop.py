@@ -1,5 +1,6 @@
 """The step thread on its own: aborts land within one step, a consumer that never reads does
-not hold the engine back, and an engine error fails only the requests it touched."""
+not hold the engine back, an engine error fails only the requests it touched, and stopping
+flushes the KV pages to the disk tier (jpaged/core/disk_flush.py) on the step thread."""
 
 from __future__ import annotations
 
@@ -167,3 +168,26 @@ def test_the_heap_is_trimmed_each_time_the_engine_goes_idle():
 
     trims, counts = asyncio.run(scenario())
     assert counts == [1, 2] and trims == [False, False]
+
+
+def test_stop_flushes_the_kv_pages_to_the_disk_tier_on_the_step_thread(monkeypatch):
+    from server import engine_loop
+
+    flushed = []
+    monkeypatch.setattr(
+        engine_loop, "flush_to_disk", lambda e: flushed.append((e, threading.current_thread()))
+    )
+
+    async def scenario():
+        engine = FakeEngine()
+        loop = EngineLoop(engine)
+        loop.start()
+        h = loop.submit("a", [1, 2], SamplingParams(temperature=0, max_tokens=3), None)
+        while not h.finished:
+            await h.wait()
+        assert not flushed  # only as the loop stops
+        assert await loop.stop()
+        return engine, loop
+
+    engine, loop = asyncio.run(scenario())
+    assert flushed == [(engine, loop._thread)]

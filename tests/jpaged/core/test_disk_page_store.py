@@ -3,7 +3,9 @@
 Files round-trip a page's arrays; a torn, corrupt or foreign file is a miss (and removed),
 never wrong K/V; the directory stays under its bytes. A host store over a numpy host array
 spills its evicted pages to disk and reads them back into host pages, bytes equal. An engine
-restarted on the same directory hits the pages the first one wrote (a warm restart).
+restarted on the same directory hits the pages the first one wrote (a warm restart), and with
+write-through and the shutdown flush (jpaged/core/disk_flush.py) every full page of a
+session's previous turn.
 """
 
 import numpy as np
@@ -12,6 +14,7 @@ from test_memory import make_engine  # page_size 4, max_model_len 64, one bucket
 
 from jpaged import SamplingParams
 from jpaged.config import CacheConfig
+from jpaged.core.disk_flush import flush_to_disk
 from jpaged.core.disk_page_store import DiskPageStore
 from jpaged.core.host_page_store import HostPageStore
 from pallas_kernels import kv_quant
@@ -52,6 +55,21 @@ def test_a_page_file_round_trips_and_a_damaged_one_is_a_miss(tmp_path):
     path.write_bytes(bytes(flipped))
     assert disk.get(7, (1, 2, 3, 4), None, arrays) is None
     assert disk.stats()["disk_bad_files"] == 5 and disk.stats()["disk_files"] == 0
+
+
+def test_an_asynchronous_write_lands_whole_once_and_is_read_back(tmp_path):
+    disk = DiskPageStore(tmp_path, 1 << 20)
+    arrays = page(5)
+    want = [a.copy() for a in arrays]
+    disk.put_async(7, (1, 2), None, arrays)
+    disk.put_async(7, (1, 2), None, arrays)  # queued once
+    for a in arrays:
+        a[...] = 0  # the caller's host page handed out anew: the write has its own copy
+    disk.wait()
+    assert 7 in disk and disk.stats()["disk_pages_written"] == 1
+    got = disk.get(7, (1, 2), None, want)
+    assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_the_directory_stays_under_its_bytes_least_recently_used_removed_first(tmp_path):
@@ -127,6 +145,17 @@ def test_the_disk_tier_needs_the_host_tier():
         CacheConfig(kv_offload_dir_bytes=0)
 
 
+def run(engine, rid, tokens, params):
+    """A request run to its end; its tokens."""
+    engine.add_request(rid, tokens, params)
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out = o.outputs[0].token_ids
+    return out
+
+
 def test_a_restarted_engine_hits_the_pages_its_predecessor_wrote(tiny_checkpoints, tmp_path):
     path = tiny_checkpoints["llama"]
     # 8 host pages of 2 KiB (float32): most evicted pages go on to disk.
@@ -137,22 +166,54 @@ def test_a_restarted_engine_hits_the_pages_its_predecessor_wrote(tiny_checkpoint
     vocab = first.model_config.vocab_size
     prompt = vocab_rng.integers(3, vocab, 21).tolist()  # 5 full pages
 
-    def run(engine, rid, tokens):
-        engine.add_request(rid, tokens, params)
-        out = None
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    out = o.outputs[0].token_ids
-        return out
-
-    want = run(first, "a", prompt)
+    want = run(first, "a", prompt, params)
     for i in range(3):  # fill the pool and the host: a's pages go to disk
-        run(first, f"x{i}", vocab_rng.integers(3, vocab, 60).tolist())
+        run(first, f"x{i}", vocab_rng.integers(3, vocab, 60).tolist(), params)
+    first.host_store.disk.wait()  # the writes through on the writer thread
     assert first.stats()["disk_pages_written"] >= 5
     del first
     second = make_engine(path, **kwargs)
-    assert run(second, "a", prompt) == want
+    assert run(second, "a", prompt, params) == want
     stats = second.stats()
     assert stats["disk_hit_pages"] == 5 and stats["host_hit_tokens"] == 20
     assert stats["prefix_cache_hit_tokens"] == 20 and stats["disk_bad_files"] == 0
+
+
+def test_write_through_and_the_flush_warm_restart_a_whole_session(tiny_checkpoints, tmp_path):
+    path = tiny_checkpoints["llama"]
+    # 32 host pages of 2 KiB (float32): nothing spills from host, so only write-through
+    # and the flush put pages on disk.
+    kwargs = dict(num_pages=17, kv_offload_bytes=33 * 2048, kv_offload_dir=str(tmp_path))
+    rng = np.random.default_rng(3)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = make_engine(path, **kwargs)
+    vocab = first.model_config.vocab_size
+    turn1 = rng.integers(3, vocab, 21).tolist()
+    out1 = run(first, "t1", turn1, params)  # its K/V: 24 tokens, 6 full pages
+    assert first.stats()["disk_files"] == 0  # nothing left the device yet
+    other = rng.integers(3, vocab, 60).tolist()
+    out_other = run(first, "x", other, params)  # evicts t1's pages to host
+    first.host_store.disk.wait()  # written through on the writer thread
+    stats = first.stats()
+    assert stats["host_offloaded_pages"] >= 6 and stats["disk_pages_written"] == stats[
+        "host_offloaded_pages"
+    ]  # written through as they entered the host tier
+    assert stats["disk_files"] == stats["host_offloaded_pages"]
+    device = [e.hash for _, e in first.allocator.cached_pages()]
+    missing = sum(h not in first.host_store.disk for h in device)
+    assert missing > 0  # pages only the device holds
+    assert flush_to_disk(first) == missing
+    assert all(h in first.host_store.disk for h in device)
+    assert flush_to_disk(first) == 0  # nothing left to write
+    turn2 = turn1 + out1 + rng.integers(3, vocab, 8).tolist()  # 33 tokens
+    want = run(first, "t2", turn2, params)  # the engine serves on after a flush
+    del first
+    second = make_engine(path, **kwargs)
+    assert run(second, "t2", turn2, params) == want
+    stats = second.stats()
+    assert stats["disk_hit_pages"] == 6 and stats["prefix_cache_hit_tokens"] == 24
+    # x's pages were only on the device when the flush wrote them: 14 full prompt pages hit
+    assert run(second, "x", other, params) == out_other
+    stats = second.stats()
+    assert stats["disk_hit_pages"] == 6 + 14 and stats["prefix_cache_hit_tokens"] == 24 + 56
+    assert stats["disk_bad_files"] == 0

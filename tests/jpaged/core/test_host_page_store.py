@@ -145,10 +145,8 @@ def test_the_default_tier_on_an_accelerator_is_a_share_of_host_memory(monkeypatc
     windowed = kv_groups((8, 8), free_window_pages=True, max_model_len=64)
     mixed = kv_groups((8, None), free_window_pages=True, max_model_len=64)  # Gemma 2's
 
-    def resolve(cache, groups=full, draft=False, replicas=1):
-        return memory_plan.resolve_kv_offload_bytes(
-            cache, "gpu", groups, draft=draft, replicas=replicas
-        )
+    def resolve(cache, groups=full, replicas=1):
+        return memory_plan.resolve_kv_offload_bytes(cache, "gpu", groups, replicas=replicas)
 
     assert resolve(CacheConfig()) == 16 << 30  # a quarter
     assert resolve(CacheConfig(), replicas=2) == 8 << 30  # split over data-parallel replicas
@@ -156,9 +154,8 @@ def test_the_default_tier_on_an_accelerator_is_a_share_of_host_memory(monkeypatc
     assert resolve(CacheConfig(kv_offload_bytes=0)) == 0
     assert resolve(CacheConfig(), groups=windowed) == 0  # one windowed group: off
     assert resolve(CacheConfig(), groups=mixed) == 16 << 30  # a full first group: on
-    assert resolve(CacheConfig(kv_offload_bytes=1 << 20), draft=True) == 0
     assert resolve(CacheConfig(enable_prefix_caching=False)) == 0
-    assert memory_plan.resolve_kv_offload_bytes(CacheConfig(), "cpu", full, draft=False) == 0
+    assert memory_plan.resolve_kv_offload_bytes(CacheConfig(), "cpu", full) == 0
 
 
 # -- engines on the tiny checkpoint ------------------------------------------------------------

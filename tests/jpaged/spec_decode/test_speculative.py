@@ -209,31 +209,41 @@ def draft_config(model, k=3):
 
 
 def test_the_model_as_its_own_draft_accepts_every_proposal(demo_model_dir, reference):
-    llm = one_bucket(demo_model_dir, num_pages=128, speculative_config=draft_config(demo_model_dir))
+    """In a 16-page pool with the KV host tier: sequences preempted and re-admitted with
+    pages loaded from host, whose draft K/V is caught up (every proposal still accepted)."""
+    llm = one_bucket(demo_model_dir, num_pages=17, kv_offload_bytes=32 << 20,
+                     speculative_config=draft_config(demo_model_dir))  # fmt: skip
     assert tokens(llm.generate(PROMPTS, GREEDY)) == tokens(reference.generate(PROMPTS, GREEDY))
+    s = llm.stats()
+    assert s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"] > 0
+    assert s["host_hit_pages"] > 0 and s["num_preemptions"] > 0
     sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=30, ignore_eos=True)
     llm.llm_engine.reset_stats()
     llm.generate(PROMPTS, sampled)  # p == q: rejection sampling accepts everything
     s = llm.stats()
     assert s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"] > 0
-    assert s["pages_used"] == 0
+    assert s["pages_used"] == 0 and s["host_pages_used"] == 0
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_another_draft_changes_no_greedy_token_under_preemption(
     demo_model_dir, reference, small_draft, mode
 ):
+    """Recompute runs with the KV host tier on: a re-admitted sequence's evicted pages come
+    back from host into pages the draft has no K/V in (DraftModel.sync catches it up)."""
     llm = one_bucket(
         demo_model_dir,
         num_pages=17,
         speculative_config=draft_config(small_draft, k=2),
         preemption_mode=mode,
-        **({"num_swap_pages": 64} if mode == "swap" else {}),
+        **({"num_swap_pages": 64} if mode == "swap" else {"kv_offload_bytes": 32 << 20}),
     )
     assert tokens(llm.generate(PROMPTS, GREEDY)) == tokens(reference.generate(PROMPTS, GREEDY))
     s = llm.stats()
     assert s["num_preemptions"] > 0 and s["spec_num_draft_tokens"] > 0
     assert s["pages_used"] == 0 and s["swap_pages_used"] == 0
+    if mode == "recompute":
+        assert s["host_hit_pages"] > 0 and s["host_pages_used"] == 0
 
 
 def test_a_draft_with_another_vocabulary_is_rejected(demo_model_dir, tmp_path):
