@@ -4,7 +4,7 @@
         --layouts stacked,switched [--repeat 12]
 
 A case is T:S:rows:new:context: the step's token and sequence buckets (the CPU engine's own:
-a decode step of r rows runs bucket(r) tokens and rows, at least 16 tokens and 4 rows), the
+a decode step of r rows runs bucket(r) tokens and rows, at least 4 tokens and 4 rows), the
 rows with `new` tokens each ending at `context` cached tokens (512:4:4:128:128 is a 512-token
 prefill of four 128-token prompts), over the full page-table width of a 2,048-token
 max_model_len. Layouts (models/llama.py): stacked (lax.scan over stacked weights: every layer's
