@@ -497,14 +497,33 @@ def switches_layers(cfg: ModelConfig, platform: str, *, sharded: bool) -> bool:
     return platform == "cpu" and not sharded and switchable(cfg)
 
 
-def switch_layers(params: dict) -> dict:
+# The largest tied embedding switch_layers also keeps transposed for the LM head (a second
+# copy: SmolLM2's float32 table is 113 MB; Llama-3.2-1B's, 1 GB, is not copied).
+TIED_HEAD_MAX_BYTES = 256 << 20
+
+
+def switch_layers(params: dict, tied_head: bool = True) -> dict:
     """params with "layers" as a tuple of per-layer dicts: forward then runs them under
     lax.scan over the layer index, each layer's projections picked by lax.switch, so every
     dot reads its weights where they lie. XLA:CPU copies a stacked layer's slice out before
     each dot (about 16% of SmolLM2's decode step at batch 32), and unrolled layers compile
     4x longer (docs/benchmarks.md, issue 53). Models forward cannot switch (switchable)
-    run the tuple unrolled."""
-    return {**params, "layers": tuple(unstack_layers(params)["layers"])}
+    run the tuple unrolled.
+
+    tied_head: a tied float embedding [V, D] of at most TIED_HEAD_MAX_BYTES also stored
+    transposed as "tied_head" [D, V], which compute_logits multiplies as an untied lm_head:
+    SmolLM2's one-row decode step 7% faster, batch 32 within noise, for a second copy of the
+    table (docs/benchmarks.md, "The page gather and the LM head")."""
+    params = {**params, "layers": tuple(unstack_layers(params)["layers"])}
+    embed = params.get("embed")
+    if (
+        tied_head
+        and "lm_head" not in params
+        and isinstance(embed, jax.Array | np.ndarray)
+        and embed.nbytes <= TIED_HEAD_MAX_BYTES
+    ):
+        params["tied_head"] = jnp.asarray(embed).T.copy()  # [D, V], row-major
+    return params
 
 
 def unstack_layers(params: dict) -> dict:
@@ -520,7 +539,9 @@ def compute_logits(
     params: dict, cfg: ModelConfig, hidden: jax.Array, tp_axis: str | tuple[str, ...] | None = None
 ) -> jax.Array:
     """hidden [N, D] -> float32 logits [N, vocab] (gathered over tp_axis when vocab-split)."""
-    if cfg.tie_word_embeddings or "lm_head" not in params:
+    if "tied_head" in params:  # the tied embedding stored transposed (switch_layers)
+        logits = hidden @ params["tied_head"]
+    elif cfg.tie_word_embeddings or "lm_head" not in params:
         logits = quantization.tied_logits(hidden, params["embed"])
     else:
         logits = hidden @ params["lm_head"]

@@ -4,12 +4,13 @@
         --layouts stacked,switched [--repeat 12]
 
 A case is T:S:rows:new:context: the step's token and sequence buckets (the CPU engine's own:
-a decode step of r rows runs bucket(r) tokens and rows, at least 16 tokens and 4 rows), the
+a decode step of r rows runs bucket(r) tokens and rows, at least 4 tokens and 4 rows), the
 rows with `new` tokens each ending at `context` cached tokens (512:4:4:128:128 is a 512-token
 prefill of four 128-token prompts), over the full page-table width of a 2,048-token
 max_model_len. Layouts (models/llama.py): stacked (lax.scan over stacked weights: every layer's
 weights dynamic-sliced out, a copy on XLA:CPU), switched (per-layer weights under the scan,
-picked by lax.switch: the CPU default) and unrolled. For each case and layout: the compile
+picked by lax.switch: the CPU default, with a tied embedding's LM head stored transposed),
+switched_embed_head (switched, the LM head multiplying the [V, D] embedding) and unrolled. For each case and layout: the compile
 time, whether the greedy tokens agree, and the CPU ms per step of this process (every thread:
 one core unless XLA_FLAGS says otherwise), median [p10 p90] of --repeat steps, the layouts
 run in turn so that a loaded machine slows them alike.
@@ -52,6 +53,7 @@ def main() -> None:
     loaded = load_model(str(ensure_smollm2()), dtype=jnp.float32)
     cfg = loaded.config
     make = {"stacked": llama.stack_layers, "switched": llama.switch_layers,
+            "switched_embed_head": lambda p: llama.switch_layers(p, tied_head=False),
             "unrolled": llama.unstack_layers}
     layouts = {name: make[name](loaded.params) for name in args.layouts.split(",")}
     print(f"jax {jax.__version__}; XLA_FLAGS={os.environ['XLA_FLAGS']!r}", flush=True)

@@ -274,10 +274,14 @@ def warm_up_keys(config: EngineConfig, context_len: int) -> list[StepKey]:
     ]
     keys = list(dict.fromkeys(keys))
     k = c.num_speculative_tokens
-    if k > 0:  # decoding rows verify k proposals each: s * (k + 1) tokens
+    if k > 0:  # decoding rows verify k proposals each: s * (k + 1) tokens; one row 1..k + 1
+        one_row = {_verify_tokens(c, c.seq_buckets[0], n, bucket(c.token_buckets, n))
+                   for n in range(1, k + 2)}  # below s * (k + 1) where buckets are (CPU: 4)
+        verify = [(_full_verification_tokens(c, s), s) for s in c.seq_buckets]
+        verify += [(t, c.seq_buckets[0]) for t in sorted(one_row)]
         keys += [
-            StepKey(_full_verification_tokens(c, s), s, p, False, spec_k=k, spec_draft=drafted)
-            for s in c.seq_buckets
+            StepKey(t, s, p, False, spec_k=k, spec_draft=drafted)
+            for t, s in dict.fromkeys(verify)
             for p in pages
         ]
     return keys
