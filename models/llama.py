@@ -307,7 +307,11 @@ def forward(
     act = _ACTIVATIONS[cfg.hidden_act]
     ropes = _rope_tables(cfg, positions, context_lens, query_start)
     kinds = _layer_kinds(cfg)
-    x = _embed(params["embed"], cfg, token_ids, tp_axis, params["final_norm"].dtype)  # [T, D]
+    dtype = params["final_norm"].dtype
+    if "tied_head" in params:  # the tied table kept only as [D, V] (switch_layers)
+        x = jnp.take(params["tied_head"], token_ids, axis=1).T.astype(dtype)  # [T, D]
+    else:
+        x = _embed(params["embed"], cfg, token_ids, tp_axis, dtype)  # [T, D]
     if cfg.embed_scale:  # in the activation dtype, as transformers scales
         x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
     k_pages, v_pages = kv_pages
@@ -497,8 +501,9 @@ def switches_layers(cfg: ModelConfig, platform: str, *, sharded: bool) -> bool:
     return platform == "cpu" and not sharded and switchable(cfg)
 
 
-# The largest tied embedding switch_layers also keeps transposed for the LM head (a second
-# copy: SmolLM2's float32 table is 113 MB; Llama-3.2-1B's, 1 GB, is not copied).
+# The largest tied embedding switch_layers keeps transposed for the LM head (SmolLM2's float32
+# table is 113 MB; Llama-3.2-1B's, 1 GB, stays [V, D]: its transposing copy at load would
+# briefly hold both).
 TIED_HEAD_MAX_BYTES = 256 << 20
 
 
@@ -510,10 +515,11 @@ def switch_layers(params: dict, tied_head: bool = True) -> dict:
     4x longer (docs/benchmarks.md, issue 53). Models forward cannot switch (switchable)
     run the tuple unrolled.
 
-    tied_head: a tied float embedding [V, D] of at most TIED_HEAD_MAX_BYTES also stored
-    transposed as "tied_head" [D, V], which compute_logits multiplies as an untied lm_head:
-    SmolLM2's one-row decode step 7% faster, batch 32 within noise, for a second copy of the
-    table (docs/benchmarks.md, "The page gather and the LM head")."""
+    tied_head: a tied float embedding [V, D] of at most TIED_HEAD_MAX_BYTES is kept
+    transposed instead, as "tied_head" [D, V] ("embed" dropped, so no second copy): the LM
+    head multiplies it as an untied lm_head and the lookup takes its columns. SmolLM2's
+    one-row decode step 7% faster, batch 32 within noise (docs/benchmarks.md, "The page
+    gather and the LM head")."""
     params = {**params, "layers": tuple(unstack_layers(params)["layers"])}
     embed = params.get("embed")
     if (
@@ -523,6 +529,7 @@ def switch_layers(params: dict, tied_head: bool = True) -> dict:
         and embed.nbytes <= TIED_HEAD_MAX_BYTES
     ):
         params["tied_head"] = jnp.asarray(embed).T.copy()  # [D, V], row-major
+        del params["embed"]
     return params
 
 

@@ -118,13 +118,15 @@ def _dummy_args(cfg, tokens=4, pages=4):
 
 
 def test_switched_layers_keep_a_tied_head_transposed(tiny_checkpoints):
-    """switch_layers stores a tied embedding [V, D] transposed too ("tied_head" [D, V]);
-    compute_logits then multiplies it, giving the tied product's logits. Untied models and
+    """switch_layers keeps a tied embedding [V, D] only transposed ("tied_head" [D, V]);
+    compute_logits then multiplies it, giving the tied product's logits (the forward's lookup
+    of its columns: the parity tests). Untied models and
     switch_layers(tied_head=False) keep the params as they were."""
     loaded = load_hf_model(tiny_checkpoints["llama3"])  # tied
     cfg, embed = loaded.config, np.asarray(loaded.params["embed"])
     switched = switch_layers(loaded.params)
     np.testing.assert_array_equal(np.asarray(switched["tied_head"]), embed.T)
+    assert "embed" not in switched  # one copy of the table
     assert "tied_head" not in switch_layers(loaded.params, tied_head=False)
     hidden = jnp.asarray(np.random.default_rng(5).standard_normal((3, cfg.hidden_size)), jnp.float32)
     np.testing.assert_allclose(np.asarray(compute_logits(switched, cfg, hidden)),
