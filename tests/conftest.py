@@ -158,6 +158,31 @@ SLOW_MODULES_FIRST = (
 )
 
 
+# Modules that share a session-scoped fixture, each set run by one xdist worker: --dist loadfile
+# hands out modules one at a time to whichever worker asks, so two modules sharing one SmolLM2
+# server could each build it on a different worker. The scheduler below hands out a set as
+# one unit, at the place of its first module in the order above.
+SAME_WORKER_MODULES = {
+    # tests/server/conftest.py smollm2_server: one real-SmolLM2 engine and server
+    "tests/server/test_tool_calling.py": "smollm2_server",
+    "tests/server/test_agent_clients.py": "smollm2_server",
+}
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook; a run without xdist never calls it
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SameWorkerScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return SAME_WORKER_MODULES.get(module, module)
+
+    return SameWorkerScheduling(config, log)
+
+
 def pytest_configure(config):
     """A `-m gpu` (or `-m tpu`) run runs on that accelerator, in one process, or stops at once
     with one line saying why: where the CPU default stayed, every such test would skip and
