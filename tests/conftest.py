@@ -79,6 +79,7 @@ jax.config.update("jax_enable_x64", False)
 
 from accelerators import ACCELERATORS, accelerator_of_run
 from checkpoints import ARCHS, make_tiny_checkpoint
+from smollm2_fixtures import hf_smollm2_model, hf_smollm2_tokenizer, smollm2_gguf  # noqa: F401
 
 # Modules that one Python version proves, besides those marked `once` in their own file (the
 # real-SmolLM2 accuracy and end-to-end tests). .ci/run's Python 3.12 stage leaves them out;
@@ -166,6 +167,9 @@ SAME_WORKER_MODULES = {
     # tests/server/conftest.py smollm2_server: one real-SmolLM2 engine and server
     "tests/server/test_tool_calling.py": "smollm2_server",
     "tests/server/test_agent_clients.py": "smollm2_server",
+    # tests/smollm2_fixtures.py hf_smollm2_model: transformers' SmolLM2 (about 20 s to load)
+    "tests/models/test_gguf_smollm2.py": "hf_smollm2_model",
+    "tests/server/test_embeddings.py": "hf_smollm2_model",
 }
 
 
