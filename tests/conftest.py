@@ -79,6 +79,7 @@ jax.config.update("jax_enable_x64", False)
 
 from accelerators import ACCELERATORS, accelerator_of_run
 from checkpoints import ARCHS, make_tiny_checkpoint
+from smollm2_fixtures import hf_smollm2_model, hf_smollm2_tokenizer, smollm2_gguf  # noqa: F401
 
 # Modules that one Python version proves, besides those marked `once` in their own file (the
 # real-SmolLM2 accuracy and end-to-end tests). .ci/run's Python 3.12 stage leaves them out;
@@ -156,6 +157,34 @@ SLOW_MODULES_FIRST = (
     "tests/models/test_gpt_oss.py",
     "tests/jpaged/core/test_engine_warm_up.py",
 )
+
+
+# Modules that share a session-scoped fixture, each set run by one xdist worker: --dist loadfile
+# hands out modules one at a time to whichever worker asks, so two modules sharing one SmolLM2
+# server could each build it on a different worker. The scheduler below hands out a set as
+# one unit, at the place of its first module in the order above.
+SAME_WORKER_MODULES = {
+    # tests/server/conftest.py smollm2_server: one real-SmolLM2 engine and server
+    "tests/server/test_tool_calling.py": "smollm2_server",
+    "tests/server/test_agent_clients.py": "smollm2_server",
+    # tests/smollm2_fixtures.py hf_smollm2_model: transformers' SmolLM2 (about 20 s to load)
+    "tests/models/test_gguf_smollm2.py": "hf_smollm2_model",
+    "tests/server/test_embeddings.py": "hf_smollm2_model",
+}
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook; a run without xdist never calls it
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SameWorkerScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return SAME_WORKER_MODULES.get(module, module)
+
+    return SameWorkerScheduling(config, log)
 
 
 def pytest_configure(config):

@@ -123,18 +123,12 @@ def test_loaded_model_chat_fields(smollm2, smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def smol_llm(smollm2_gguf):
-    """Four sequence slots and one page bucket, shared by the tests below. Decode steps run
-    the smallest token bucket: one bucket of 256 tokens compiled fewer programs, but its
-    every decode step computed 256 tokens (the module took 20 s longer)."""
+    """Four sequence slots and 512 tokens of context, shared by the tests below: the shapes of
+    test_tool_calling's engine (tests/server/conftest.py smollm2_server), so every step
+    program is one the suite's compilation cache already holds."""
     from jpaged import LLM
 
-    return LLM(
-        model=str(smollm2_gguf),
-        max_num_seqs=4,
-        max_model_len=256,
-        max_num_batched_tokens=256,
-        min_page_bucket=16,
-    )
+    return LLM(model=str(smollm2_gguf), max_num_seqs=4, max_model_len=512)
 
 
 def test_greedy_tokens_equal_transformers(smol_llm, hf_smollm2_tokenizer, hf_smollm2_model):

@@ -10,8 +10,8 @@ structured output in its default mode, streamed where the library streams.
 They assert the protocol, not the tiny model's answers: every HTTP exchange is a 2xx (an
 httpx hook records them all), each tool call the libraries saw parses against its schema, a
 structured output validates, and a loop either ends with an answer or at its turn limit
-after the tool-result turn went through. One engine and one server for the module; its
-shapes are test_tool_calling's, so the suite's compilation cache holds its programs.
+after the tool-result turn went through. test_tool_calling's engine and server
+(tests/server/conftest.py smollm2_server), built once on the worker that runs both modules.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import os
 
 import httpx
 import pytest
-from serving_helpers import RunningServer
 
 # Nothing leaves this machine: the Agents SDK exports traces and litellm fetches its model
 # price map unless told not to.
@@ -32,14 +31,10 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 import openai
 import pydantic
 
-from jpaged import LLM
-from models.demo import SMOLLM2_DIR, cache_root, ensure_smollm2
-
 # Host-side protocol: one Python version proves it (the libraries' own pins differ between
 # versions; CI's 3.11 stage installs them from the test extra).
 pytestmark = pytest.mark.once
 
-_SMOLLM2_DIR = cache_root() / SMOLLM2_DIR
 MODEL = "smollm2"
 ASK = "What is the weather in Paris? Use the tool."
 CALL_TOKENS = 64  # a call is 15 to 30 tokens
@@ -89,13 +84,8 @@ class Exchanges:
 
 
 @pytest.fixture(scope="module")
-def server():
-    llm = LLM(str(ensure_smollm2(_SMOLLM2_DIR)), max_num_seqs=4, max_model_len=512)
-    # Compiled here, outside RunningServer's 60 s start-up limit (test_tool_calling's shapes).
-    llm.llm_engine.warm_up(64, up_to=512)
-    s = RunningServer(llm.llm_engine, model_name=MODEL)
-    yield s
-    s.close()
+def server(smollm2_server):
+    return smollm2_server[1]
 
 
 @pytest.fixture

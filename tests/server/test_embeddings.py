@@ -10,11 +10,9 @@ import httpx
 import numpy as np
 import pytest
 import torch  # the reference runs transformers (tests/needs_torch.py reads this import)
-import transformers
 from serving_helpers import RunningServer, openai_client
 
 from jpaged import LLM
-from models.demo import SMOLLM2_DIR, cache_root, ensure_smollm2
 
 INPUTS = [
     "Paris",
@@ -26,25 +24,23 @@ MAX_MODEL_LEN = 128
 
 
 @pytest.fixture(scope="module")
-def gguf():
-    return ensure_smollm2(cache_root() / SMOLLM2_DIR)
-
-
-@pytest.fixture(scope="module")
-def server(gguf):
-    llm = LLM(str(gguf), max_num_seqs=2, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=32)
+def server(smollm2_gguf):
+    llm = LLM(
+        str(smollm2_gguf), max_num_seqs=2, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=32
+    )
+    # Compiled here, outside RunningServer's 60 s start-up limit (which a loaded machine
+    # passed); the server's own warm-up then finds every program compiled.
+    llm.llm_engine.warm_up(64, up_to=MAX_MODEL_LEN)
     s = RunningServer(llm.llm_engine, model_name="smollm2")
     yield s
     s.close()
 
 
 @pytest.fixture(scope="module")
-def reference(gguf):
-    """transformers' normalised last-token hidden state of each input, and its token ids."""
-    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+def reference(hf_smollm2_tokenizer, hf_smollm2_model):
+    """transformers' normalised last-token hidden state of each input, and its token ids
+    (tests/smollm2_fixtures.py: the model test_gguf_smollm2 also uses, on the same worker)."""
+    tok, model = hf_smollm2_tokenizer, hf_smollm2_model
     out = []
     with torch.no_grad():
         for text in INPUTS:

@@ -14,7 +14,8 @@ render it. /tokenizer_info describes SmolLM2's tokenizer.
 The gRPC Chat RPC gives the same calls as HTTP for the same seed, and renders the same
 history with the tools.
 
-One engine and one server for the module.
+One engine and one server for the module, shared with test_agent_clients
+(tests/server/conftest.py smollm2_server).
 """
 
 from __future__ import annotations
@@ -24,20 +25,15 @@ import json
 import httpx
 import jsonschema
 import pytest
-from serving_helpers import RunningServer, collect_chat, openai_client
+from serving_helpers import collect_chat, openai_client
 from tool_templates import QWEN25_TEMPLATE, SMOLLM2_TEMPLATE
 
-from jpaged import LLM
 from models.chat_template import render_chat
-from models.demo import SMOLLM2_DIR, cache_root, ensure_smollm2
 from server.proto.jpaged.v1 import generation_pb2 as pb
 
 # The real model's accuracy and end-to-end behaviour: CI proves it under Python 3.11; its
 # programs and code paths run under 3.12 in the tiny-model tests (pyproject's `once`).
 pytestmark = pytest.mark.once
-
-# The user's jpaged cache, read at collection (demo_model_dir later moves JPAGED_CACHE_DIR).
-_SMOLLM2_DIR = cache_root() / SMOLLM2_DIR
 
 WEATHER = {
     "type": "object",
@@ -67,18 +63,13 @@ MAX_TOKENS = 60  # a call here is 15 to 30 tokens
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(str(ensure_smollm2(_SMOLLM2_DIR)), max_num_seqs=4, max_model_len=512)
+def llm(smollm2_server):
+    return smollm2_server[0]
 
 
 @pytest.fixture(scope="module")
-def server(llm):
-    # Compiled here, outside RunningServer's 60 s start-up limit; the server's own warm-up
-    # then finds every program compiled.
-    llm.llm_engine.warm_up(64, up_to=512)
-    s = RunningServer(llm.llm_engine, model_name="smollm2")  # no tool flags: none are needed
-    yield s
-    s.close()
+def server(smollm2_server):
+    return smollm2_server[1]
 
 
 @pytest.fixture(scope="module")

