@@ -198,6 +198,10 @@ class Harness:
         self.num_steps = 0
         self.spec = spec  # speculative decoding: proposals, then a partial acceptance
         self.num_accepted = 0
+        # Per sequence id: its full pages' tokens so far, their page_hash chain and each
+        # paging group's (hash, page tokens) (check() reads every sequence's after every
+        # operation; extended as a sequence grows, recomputed if its tokens changed).
+        self._chains: dict[int, tuple[list[int], list, list]] = {}
 
     # -- operations ------------------------------------------------------------------------
     def admit(self, prompt, n, max_tokens, salt, seed):
@@ -257,6 +261,24 @@ class Harness:
     def running(self):
         return [s for g in self.groups for s in g.seqs if s.status is SeqStatus.RUNNING]
 
+    def page_chain(self, s) -> tuple[list, list]:
+        """s's full pages: the page_hash chain of its own tokens (and cache salt), and each
+        paging group's (hash, page tokens) of every page (_group_key, as patched)."""
+        ps, salt = self.ps, s.group.cache_salt
+        full = len(s.token_ids) // ps * ps
+        tokens, chain, keys = self._chains.get(s.seq_id, ([], [], []))
+        if s.token_ids[: len(tokens)] != tokens:
+            tokens, chain, keys = [], [], []
+        parent = chain[-1] if chain else None
+        for i in range(len(tokens) // ps, full // ps):
+            page = tuple(s.token_ids[i * ps : (i + 1) * ps])
+            parent = scheduler_module.page_hash(parent, page, salt)
+            chain.append(parent)
+            for k in range(len(self.windows)):  # each group's own hash
+                keys.append((scheduler_module._group_key(parent, salt, k)[0], page))
+        self._chains[s.seq_id] = (s.token_ids[:full], chain, keys)
+        return chain, keys
+
     def num_dead(self, start, group=0):
         """Pages of a group wholly before the first key a query at start reads."""
         return first_key(start, self.windows[group]) // self.ps
@@ -308,20 +330,20 @@ class Harness:
                 num_null = pages.count(NULL_PAGE)
                 assert pages[:num_null] == [NULL_PAGE] * num_null
                 assert num_null <= self.num_dead(s.num_computed_tokens, g)
-                for pos in range(first_key(s.num_computed_tokens, self.windows[g]),
-                                 s.num_computed_tokens):  # fmt: skip
-                    assert self.device.token_at(s.table_row, pos, g) == s.token_ids[pos]
-                    assert self.device.context_at(s.table_row, pos, g) == context[pos]
+                # Every position the next query reads holds its token and context id.
+                first = first_key(s.num_computed_tokens, self.windows[g])
+                pos = np.arange(first, s.num_computed_tokens)
+                held = self.device.page_table[g * stride + s.table_row, pos // ps]
+                slots = (held, pos % ps)
+                assert self.device.kv[slots].tolist() == s.token_ids[first:s.num_computed_tokens]
+                assert self.device.ctx[slots].tolist() == context[first:s.num_computed_tokens]
                 if self.paged:
                     assert k == -(-s.num_computed_tokens // ps)  # waste <= page_size - 1
             # Its page hashes are the chain of its own full computed pages.
             assert len(s.page_hashes) <= s.num_computed_tokens // ps
-            parent = None
+            chain = self.page_chain(s)[0]
+            assert s.page_hashes == chain[: len(s.page_hashes)]
             for i, h in enumerate(s.page_hashes):
-                parent = scheduler_module.page_hash(
-                    parent, tuple(s.token_ids[i * ps : (i + 1) * ps]), s.group.cache_salt
-                )
-                assert h == parent
                 for g, pages in enumerate(s.tables):
                     entry = alloc.cached_entry(pages[i])
                     key = scheduler_module._group_key(h, s.group.cache_salt, g)  # as patched
@@ -330,14 +352,8 @@ class Harness:
         known = collections.defaultdict(set)  # hash -> page tokens (several if hashes collide)
         for g in self.groups:
             for s in g.seqs:
-                parent = None
-                for i in range(len(s.token_ids) // ps):
-                    parent = scheduler_module.page_hash(
-                        parent, tuple(s.token_ids[i * ps : (i + 1) * ps]), g.cache_salt
-                    )
-                    for k in range(len(self.windows)):  # each group's own hash
-                        h = scheduler_module._group_key(parent, g.cache_salt, k)[0]
-                        known[h].add(tuple(s.token_ids[i * ps : (i + 1) * ps]))
+                for h, page_tokens in self.page_chain(s)[1]:
+                    known[h].add(page_tokens)
         for page in range(alloc.num_pages):
             entry = alloc.cached_entry(page)
             if entry is None:
