@@ -41,6 +41,7 @@ At the end every request is drained or aborted and nothing may be left allocated
 """
 
 import collections
+import functools
 
 import numpy as np
 import pytest
@@ -428,6 +429,17 @@ prompts = st.builds(
 
 # Weights of the operations: admissions and steps dominate, frees and cache resets are rarer.
 OPS = ["admit"] * 3 + ["step"] * 5 + ["abort", "reset_prefix_cache"]
+# play_ops' strategies, built once: hypothesis validates a strategy object on its first draw
+# (a new object each draw cost a third of an example's time); the draws are the same.
+NUM_OPS, OP = st.integers(5, 40), st.sampled_from(OPS)
+MAX_TOKENS, SALT = st.integers(1, 10), st.sampled_from([None, None, "tenant"])
+STEP_TOKENS = st.lists(st.integers(0, 9), min_size=1, max_size=4)
+
+
+@functools.cache
+def integers(lo: int, hi: int):
+    """st.integers(lo, hi), one object per bounds."""
+    return st.integers(lo, hi)
 
 
 def run_ops(data, kv_allocation, swap=False, spec=False, window=None, windows=None):
@@ -465,18 +477,18 @@ def play_ops(h, data, max_num_seqs: int, *, seed_by_group: bool = True) -> None:
     cache) and applies them to the harness h, checking every invariant after each; then
     drains h and checks that no page leaked. seed_by_group: each admission's seed is the
     number of groups admitted before it (else 0)."""
-    for _ in range(data.draw(st.integers(5, 40), label="num_ops")):
-        op = data.draw(st.sampled_from(OPS))
+    for _ in range(data.draw(NUM_OPS, label="num_ops")):
+        op = data.draw(OP)
         if op == "admit":
             prompt = data.draw(prompts)
-            n = data.draw(st.integers(1, max_num_seqs))
-            max_tokens = data.draw(st.integers(1, 10))
-            salt = data.draw(st.sampled_from([None, None, "tenant"]))
+            n = data.draw(integers(1, max_num_seqs))
+            max_tokens = data.draw(MAX_TOKENS)
+            salt = data.draw(SALT)
             h.admit(prompt, n, max_tokens, salt, seed=len(h.groups) if seed_by_group else 0)
         elif op == "step":
-            h.step(data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=4)))
+            h.step(data.draw(STEP_TOKENS))
         elif op == "abort" and h.groups:
-            h.abort(data.draw(st.integers(0, len(h.groups) - 1)))
+            h.abort(data.draw(integers(0, len(h.groups) - 1)))
         elif op == "reset_prefix_cache":
             h.alloc.reset_prefix_cache()
         h.check()
