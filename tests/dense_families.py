@@ -7,6 +7,7 @@ Everything is float32 with eager attention in transformers (soft-capping needs i
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -46,18 +47,31 @@ def hf_model(path):
     return model.eval()
 
 
+def _reference(path):
+    """hf_model(path) for the references below, which only read it: loaded once per
+    checkpoint and version of its files (a module's tests ask for several references of one
+    model). hf_model itself gives a fresh model, which a test may change."""
+    files = sorted(Path(path).resolve().iterdir())
+    return _loaded(tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+
+
+@functools.lru_cache(maxsize=4)
+def _loaded(files: tuple) -> object:
+    return hf_model(Path(files[0][0]).parent)
+
+
 def hf_logits(path, token_ids: list[int]) -> np.ndarray:
     import torch
 
     with torch.no_grad():
-        return hf_model(path)(torch.tensor([token_ids])).logits[0].numpy()
+        return _reference(path)(torch.tensor([token_ids])).logits[0].numpy()
 
 
 def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy tokens for each prompt alone."""
     import torch
 
-    model = hf_model(path)
+    model = _reference(path)
     outs = []
     with torch.no_grad():
         for p in prompts:
@@ -80,7 +94,7 @@ def hf_beams(path, prompt, width: int, max_tokens: int) -> list[tuple[list[int],
 
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = hf_model(path).generate(
+        out = _reference(path).generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=width,
             num_return_sequences=width, max_new_tokens=max_tokens, pad_token_id=0,
             return_dict_in_generate=True, output_scores=True,
@@ -209,7 +223,7 @@ def hf_greedy_incremental(path, prompts: list[list[int]], max_new_tokens: int) -
     length and recomputes it with the long factors; a paged engine keeps its keys)."""
     import torch
 
-    model = hf_model(path)
+    model = _reference(path)
     outs = []
     with torch.no_grad():
         for p in prompts:

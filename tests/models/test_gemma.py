@@ -166,23 +166,26 @@ def test_a_forced_preemption_changes_no_token(checkpoints, name, mode):
     assert ours == theirs
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_tensor_parallel_2_gives_the_single_device_tokens(checkpoints, name):
-    """Soft-capping, post-norms and the grouped layers under shard_map on 2 CPU devices."""
+TP_PROMPTS = prompts_with_shared_prefix(VOCAB, [12, 21, 30], prefix=4, seed=2)
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_tokens(checkpoints) -> dict:
+    """Each model's greedy tokens at T = 1 and 2 on 2 CPU devices, from one worker process."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    prompts = prompts_with_shared_prefix(VOCAB, [12, 21, 30], prefix=4, seed=2)
+    paths = [str(checkpoints[name]) for name in CONFIGS]
     res = subprocess.run(
         [
             sys.executable,
             str(Path(__file__).with_name("dense_tp_worker.py")),
-            str(checkpoints[name]),
-            json.dumps(prompts),
+            json.dumps(TP_PROMPTS),
             "6",
+            *paths,
         ],
         capture_output=True,
         text=True,
@@ -191,6 +194,15 @@ def test_tensor_parallel_2_gives_the_single_device_tokens(checkpoints, name):
         check=False,
     )
     assert res.returncode == 0, res.stderr[-4000:]
-    tokens = json.loads(res.stdout.strip().splitlines()[-1])
+    by_path = json.loads(res.stdout.strip().splitlines()[-1])
+    return {name: by_path[path] for name, path in zip(CONFIGS, paths, strict=True)}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tensor_parallel_2_gives_the_single_device_tokens(
+    checkpoints, tensor_parallel_tokens, name
+):
+    """Soft-capping, post-norms and the grouped layers under shard_map on 2 CPU devices."""
+    tokens = tensor_parallel_tokens[name]
     assert tokens["2"] == tokens["1"]
-    assert tokens["1"] == hf_greedy(checkpoints[name], prompts, 6)
+    assert tokens["1"] == hf_greedy(checkpoints[name], TP_PROMPTS, 6)

@@ -7,7 +7,6 @@ JSON line: each family's greedy tokens and expert-weight layout per (T, expert p
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -28,11 +27,9 @@ ENGINE = {
 
 
 def main(root: str, families: list[str]) -> dict:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = (
-        "--xla_force_host_platform_device_count=8 "
-        "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    )
+    from simulated_devices import set_simulated_devices
+
+    set_simulated_devices(8)
     from moe_families import MAX_TOKENS, prompts
 
     from jpaged import LLM, SamplingParams

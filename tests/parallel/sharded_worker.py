@@ -14,7 +14,6 @@ The device count must be set before JAX starts, so the tests run this file as a 
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -47,11 +46,9 @@ def sampling():
 
 
 def _env(num_devices: int) -> None:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = (
-        f"--xla_force_host_platform_device_count={num_devices} "
-        "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    )
+    from simulated_devices import set_simulated_devices
+
+    set_simulated_devices(num_devices)
 
 
 def _generate(llm) -> dict:

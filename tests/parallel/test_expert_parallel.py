@@ -19,8 +19,7 @@ pytestmark = pytest.mark.needs_torch  # transformers writes the checkpoints and 
 
 
 def _run(root: Path, *families: str) -> dict:
-    """transformers' tokens per family and the worker's results for the families (one worker
-    process per test: its start and jax's import cost seconds each)."""
+    """transformers' tokens per family and the worker's results for the families."""
     want = {f: hf_greedy(save_tiny(root / f, f), prompts(160)) for f in families}
     res = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("moe_worker.py")), str(root), *families],
@@ -36,16 +35,16 @@ def _run(root: Path, *families: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def latent_and_sinks(tmp_path_factory) -> dict:
-    """DeepSeek-V3's and gpt-oss's results from one worker process."""
-    return _run(tmp_path_factory.mktemp("moe"), "deepseek_v3", "gpt_oss")
+def results(tmp_path_factory) -> dict:
+    """Every family's results from one worker process (each process's start and jax's import
+    cost seconds)."""
+    return _run(tmp_path_factory.mktemp("moe"), *FAMILIES, "glm4moe", "deepseek_v3", "gpt_oss")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tokens_equal_transformers_and_experts_are_split(tmp_path, family):
+def test_tokens_equal_transformers_and_experts_are_split(results, family):
     """Greedy tokens at TP 2, EP 2 and EP 4 equal transformers'; stacked expert weights
     [layers, E, D, F] per device: TP splits F, expert parallelism splits the 8 experts."""
-    results = _run(tmp_path, family)
     for t, ep in [(2, False), (2, True), (4, True)]:
         got = results["got"][f"{family}/{t}/{ep}"]
         assert got["tokens"] == results["want"][family], (t, ep)
@@ -60,12 +59,11 @@ def test_tokens_equal_transformers_and_experts_are_split(tmp_path, family):
     assert layouts[f"{family}/4/True"]["router"][1] == [3, 64, 8]  # replicated
 
 
-def test_glm4_moe_tokens_equal_transformers_and_experts_are_split(tmp_path):
+def test_glm4_moe_tokens_equal_transformers_and_experts_are_split(results):
     """GLM-4.5 MoE (a dense first layer, grouped routing, a shared expert): greedy tokens at
     TP 2, EP 2 and EP 4 equal transformers'; the expert params are stacked over the 2 expert
     layers, the dense MLP over the first layer only, and the dense and shared MLPs split
     their intermediate dim under either layout."""
-    results = _run(tmp_path, "glm4moe")
     for t, ep in [(2, False), (2, True), (4, True)]:
         got = results["got"][f"glm4moe/{t}/{ep}"]
         assert got["tokens"] == results["want"]["glm4moe"], (t, ep)
@@ -79,11 +77,10 @@ def test_glm4_moe_tokens_equal_transformers_and_experts_are_split(tmp_path):
     assert layouts["glm4moe/4/True"]["w_gate_shared"][1] == [2, 64, 8]
 
 
-def test_deepseek_v3_tokens_equal_transformers_with_heads_split(latent_and_sinks):
+def test_deepseek_v3_tokens_equal_transformers_with_heads_split(results):
     """DeepSeek-V3 (latent attention, a dense first layer, grouped routing, a shared expert):
     greedy tokens at TP 2, EP 2 and EP 4 equal transformers'; the query and up-projections
     split over the 4 heads, the latent's projection replicated with the one-head pool."""
-    results = latent_and_sinks
     for t, ep in [(2, False), (2, True), (4, True)]:
         got = results["got"][f"deepseek_v3/{t}/{ep}"]
         assert got["tokens"] == results["want"]["deepseek_v3"], (t, ep)
@@ -95,12 +92,11 @@ def test_deepseek_v3_tokens_equal_transformers_with_heads_split(latent_and_sinks
     assert layouts["deepseek_v3/4/True"]["w_gate_exps"][1] == [2, 2, 64, 32]
 
 
-def test_gpt_oss_tokens_equal_transformers_and_experts_are_split(latent_and_sinks):
+def test_gpt_oss_tokens_equal_transformers_and_experts_are_split(results):
     """gpt-oss (sinks, window and full layers, biased experts with the clamped SwiGLU):
     greedy tokens at TP 2, EP 2 and EP 4 equal transformers'; the sinks split with the query
     heads, the gate/up biases with the experts' F or the experts, the down bias replicated
     (added once after the all-reduce)."""
-    results = latent_and_sinks
     for t, ep in [(2, False), (2, True), (4, True)]:
         got = results["got"][f"gpt_oss/{t}/{ep}"]
         assert got["tokens"] == results["want"]["gpt_oss"], (t, ep)

@@ -41,6 +41,7 @@ At the end every request is drained or aborted and nothing may be left allocated
 """
 
 import collections
+import functools
 
 import numpy as np
 import pytest
@@ -198,6 +199,10 @@ class Harness:
         self.num_steps = 0
         self.spec = spec  # speculative decoding: proposals, then a partial acceptance
         self.num_accepted = 0
+        # Per sequence id: its full pages' tokens so far, their page_hash chain and each
+        # paging group's (hash, page tokens) (check() reads every sequence's after every
+        # operation; extended as a sequence grows, recomputed if its tokens changed).
+        self._chains: dict[int, tuple[list[int], list, list]] = {}
 
     # -- operations ------------------------------------------------------------------------
     def admit(self, prompt, n, max_tokens, salt, seed):
@@ -257,6 +262,24 @@ class Harness:
     def running(self):
         return [s for g in self.groups for s in g.seqs if s.status is SeqStatus.RUNNING]
 
+    def page_chain(self, s) -> tuple[list, list]:
+        """s's full pages: the page_hash chain of its own tokens (and cache salt), and each
+        paging group's (hash, page tokens) of every page (_group_key, as patched)."""
+        ps, salt = self.ps, s.group.cache_salt
+        full = len(s.token_ids) // ps * ps
+        tokens, chain, keys = self._chains.get(s.seq_id, ([], [], []))
+        if s.token_ids[: len(tokens)] != tokens:
+            tokens, chain, keys = [], [], []
+        parent = chain[-1] if chain else None
+        for i in range(len(tokens) // ps, full // ps):
+            page = tuple(s.token_ids[i * ps : (i + 1) * ps])
+            parent = scheduler_module.page_hash(parent, page, salt)
+            chain.append(parent)
+            for k in range(len(self.windows)):  # each group's own hash
+                keys.append((scheduler_module._group_key(parent, salt, k)[0], page))
+        self._chains[s.seq_id] = (s.token_ids[:full], chain, keys)
+        return chain, keys
+
     def num_dead(self, start, group=0):
         """Pages of a group wholly before the first key a query at start reads."""
         return first_key(start, self.windows[group]) // self.ps
@@ -308,20 +331,20 @@ class Harness:
                 num_null = pages.count(NULL_PAGE)
                 assert pages[:num_null] == [NULL_PAGE] * num_null
                 assert num_null <= self.num_dead(s.num_computed_tokens, g)
-                for pos in range(first_key(s.num_computed_tokens, self.windows[g]),
-                                 s.num_computed_tokens):  # fmt: skip
-                    assert self.device.token_at(s.table_row, pos, g) == s.token_ids[pos]
-                    assert self.device.context_at(s.table_row, pos, g) == context[pos]
+                # Every position the next query reads holds its token and context id.
+                first = first_key(s.num_computed_tokens, self.windows[g])
+                pos = np.arange(first, s.num_computed_tokens)
+                held = self.device.page_table[g * stride + s.table_row, pos // ps]
+                slots = (held, pos % ps)
+                assert self.device.kv[slots].tolist() == s.token_ids[first:s.num_computed_tokens]
+                assert self.device.ctx[slots].tolist() == context[first:s.num_computed_tokens]
                 if self.paged:
                     assert k == -(-s.num_computed_tokens // ps)  # waste <= page_size - 1
             # Its page hashes are the chain of its own full computed pages.
             assert len(s.page_hashes) <= s.num_computed_tokens // ps
-            parent = None
+            chain = self.page_chain(s)[0]
+            assert s.page_hashes == chain[: len(s.page_hashes)]
             for i, h in enumerate(s.page_hashes):
-                parent = scheduler_module.page_hash(
-                    parent, tuple(s.token_ids[i * ps : (i + 1) * ps]), s.group.cache_salt
-                )
-                assert h == parent
                 for g, pages in enumerate(s.tables):
                     entry = alloc.cached_entry(pages[i])
                     key = scheduler_module._group_key(h, s.group.cache_salt, g)  # as patched
@@ -330,14 +353,8 @@ class Harness:
         known = collections.defaultdict(set)  # hash -> page tokens (several if hashes collide)
         for g in self.groups:
             for s in g.seqs:
-                parent = None
-                for i in range(len(s.token_ids) // ps):
-                    parent = scheduler_module.page_hash(
-                        parent, tuple(s.token_ids[i * ps : (i + 1) * ps]), g.cache_salt
-                    )
-                    for k in range(len(self.windows)):  # each group's own hash
-                        h = scheduler_module._group_key(parent, g.cache_salt, k)[0]
-                        known[h].add(tuple(s.token_ids[i * ps : (i + 1) * ps]))
+                for h, page_tokens in self.page_chain(s)[1]:
+                    known[h].add(page_tokens)
         for page in range(alloc.num_pages):
             entry = alloc.cached_entry(page)
             if entry is None:
@@ -412,6 +429,17 @@ prompts = st.builds(
 
 # Weights of the operations: admissions and steps dominate, frees and cache resets are rarer.
 OPS = ["admit"] * 3 + ["step"] * 5 + ["abort", "reset_prefix_cache"]
+# play_ops' strategies, built once: hypothesis validates a strategy object on its first draw
+# (a new object each draw cost a third of an example's time); the draws are the same.
+NUM_OPS, OP = st.integers(5, 40), st.sampled_from(OPS)
+MAX_TOKENS, SALT = st.integers(1, 10), st.sampled_from([None, None, "tenant"])
+STEP_TOKENS = st.lists(st.integers(0, 9), min_size=1, max_size=4)
+
+
+@functools.cache
+def integers(lo: int, hi: int):
+    """st.integers(lo, hi), one object per bounds."""
+    return st.integers(lo, hi)
 
 
 def run_ops(data, kv_allocation, swap=False, spec=False, window=None, windows=None):
@@ -449,18 +477,18 @@ def play_ops(h, data, max_num_seqs: int, *, seed_by_group: bool = True) -> None:
     cache) and applies them to the harness h, checking every invariant after each; then
     drains h and checks that no page leaked. seed_by_group: each admission's seed is the
     number of groups admitted before it (else 0)."""
-    for _ in range(data.draw(st.integers(5, 40), label="num_ops")):
-        op = data.draw(st.sampled_from(OPS))
+    for _ in range(data.draw(NUM_OPS, label="num_ops")):
+        op = data.draw(OP)
         if op == "admit":
             prompt = data.draw(prompts)
-            n = data.draw(st.integers(1, max_num_seqs))
-            max_tokens = data.draw(st.integers(1, 10))
-            salt = data.draw(st.sampled_from([None, None, "tenant"]))
+            n = data.draw(integers(1, max_num_seqs))
+            max_tokens = data.draw(MAX_TOKENS)
+            salt = data.draw(SALT)
             h.admit(prompt, n, max_tokens, salt, seed=len(h.groups) if seed_by_group else 0)
         elif op == "step":
-            h.step(data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=4)))
+            h.step(data.draw(STEP_TOKENS))
         elif op == "abort" and h.groups:
-            h.abort(data.draw(st.integers(0, len(h.groups) - 1)))
+            h.abort(data.draw(integers(0, len(h.groups) - 1)))
         elif op == "reset_prefix_cache":
             h.alloc.reset_prefix_cache()
         h.check()
