@@ -29,6 +29,9 @@ ENGINE = {
     "max_num_batched_tokens": 32,
     "page_size": 16,
     "num_pages": 32,
+    # the accelerators' smallest token bucket (the CPU's is 4): the program counts and
+    # collectives the tests assert are those a sharded GPU/TPU engine runs
+    "min_token_bucket": 16,
     "compilation_cache_dir": None,
 }
 
