@@ -202,6 +202,37 @@ def gpu_paged_decode_attention(q, k_pages, v_pages, lengths, page_table, *, sm_s
     return out.reshape(batch, head_blocks * rows, width)[:, :num_q_heads]
 
 
+def tpu_latent_step(carry, qk, qv, k_block, v_block, tok0, end, mask_of, *, sm_scale,
+                    soft_cap):  # fmt: skip
+    """One block of latent keys for a TPU kernel's rows (decode's and mla_prefill's): qk, qv
+    [rows, D] the queries' halves, k_block, v_block (data [T, D], scale or None) from
+    tpu_decode.read_block, the block's first token position tok0 and the sequence's end;
+    mask_of(kv positions int32 [rows, T]) -> which the rows see. Returns the carry
+    (acc_k, acc_v [rows, D], m, l [rows, 1]) after the online softmax over the block."""
+    acc_k, acc_v, m, l = carry
+    (k, k_scale), (v, v_scale) = k_block, v_block
+    rows, (block_tokens, d) = qk.shape[0], k.shape
+    sk, sv = dot_f32(qk, k, trans_b=True), dot_f32(qv, v, trans_b=True)
+    if k_scale is not None:
+        sk, sv = sk * k_scale, sv * v_scale
+    s = (sk + sv) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    valid = mask_of(tok0 + lax.broadcasted_iota(jnp.int32, (rows, block_tokens), 1))
+    s = jnp.where(valid, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
+    l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+    row_ok = tok0 + lax.broadcasted_iota(jnp.int32, (block_tokens, d), 0) < end
+    out = []
+    for acc, x, scale in ((acc_k, k, k_scale), (acc_v, v, v_scale)):
+        x = jnp.where(row_ok, x, jnp.zeros_like(x))
+        pv = p if scale is None else p * scale
+        out.append(acc * alpha + dot_f32(pv.astype(x.dtype), x))
+    return out[0], out[1], m_new, l_new
+
+
 def _tpu_latent_kernel(lengths_ref, table_ref, qk_ref, qv_ref, k_hbm, v_hbm, *refs, sm_scale,
                        soft_cap, sliding_window, pages_per_block, table_width):  # fmt: skip
     """One (sequence, head block) on TPU: qk_ref, qv_ref [rows, D] the queries' halves; K, V
@@ -216,33 +247,15 @@ def _tpu_latent_kernel(lengths_ref, table_ref, qk_ref, qv_ref, k_hbm, v_hbm, *re
     b = pl.program_id(0)
     rows, d = qk_ref.shape
     page_size = k_hbm.shape[2]
-    block_tokens = pages_per_block * page_size
     length = lengths_ref[b]
     qk, qv = qk_ref[...], qv_ref[...]
 
     def step(carry, tok0, window_start, k_block, v_block):
-        acc_k, acc_v, m, l = carry
-        (k, k_scale), (v, v_scale) = k_block, v_block
-        sk, sv = dot_f32(qk, k, trans_b=True), dot_f32(qv, v, trans_b=True)
-        if k_scale is not None:
-            sk, sv = sk * k_scale, sv * v_scale
-        s = (sk + sv) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        pos = tok0 + lax.broadcasted_iota(jnp.int32, (rows, block_tokens), 1)
-        valid = (pos < length) & (pos >= window_start)
-        s = jnp.where(valid, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
-        l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-        row_ok = tok0 + lax.broadcasted_iota(jnp.int32, (block_tokens, d), 0) < length
-        out = []
-        for acc, x, scale in ((acc_k, k, k_scale), (acc_v, v, v_scale)):
-            x = jnp.where(row_ok, x, jnp.zeros_like(x))
-            pv = p if scale is None else p * scale
-            out.append(acc * alpha + dot_f32(pv.astype(x.dtype), x))
-        return out[0], out[1], m_new, l_new
+        def mask_of(pos):
+            return (pos < length) & (pos >= window_start)
+
+        return tpu_latent_step(carry, qk, qv, k_block, v_block, tok0, length, mask_of,
+                               sm_scale=sm_scale, soft_cap=soft_cap)  # fmt: skip
 
     init = (
         jnp.zeros((rows, d), jnp.float32),

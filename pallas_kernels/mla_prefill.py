@@ -42,7 +42,6 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import mla, reference, tuning
 from pallas_kernels.common import (
     any_memory_space,
-    dot_f32,
     finish,
     idiv,
     ragged_layout,
@@ -272,7 +271,6 @@ def _tpu_kernel(ctx_ref, qs_ref, table_ref, lo_ref, hi_ref, row_seq_ref, row_pos
             copier.start(0, 0)
 
         def kv_body(blk, carry):
-            acc_k, acc_v, m, l = carry
             slot = lax.rem(blk, 2)
             copier.wait(blk, slot)
 
@@ -282,28 +280,14 @@ def _tpu_kernel(ctx_ref, qs_ref, table_ref, lo_ref, hi_ref, row_seq_ref, row_pos
 
             tok0 = (first_page + blk * pages_per_block) * page_size
             written = tok0 + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1) < end
-            k, k_scale = read_block(bufs[0::2], slot, dtype=qk.dtype, written=written)
-            v, v_scale = read_block(bufs[1::2], slot, dtype=qk.dtype, written=written)
-            sk, sv = dot_f32(qk, k, trans_b=True), dot_f32(qv, v, trans_b=True)
-            if k_scale is not None:
-                sk, sv = sk * k_scale, sv * v_scale
-            sc = (sk + sv) * sm_scale
-            if soft_cap is not None:
-                sc = soft_cap * jnp.tanh(sc / soft_cap)
-            kv_pos = tok0 + lax.broadcasted_iota(jnp.int32, (rows, block_tokens), 1)
-            vis = visible(row_seq, row_pos, s, kv_pos, sliding_window=sliding_window)
-            sc = jnp.where(vis, sc, MASK_VALUE)
-            m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
-            alpha = jnp.exp(m - m_new)
-            p = jnp.where(vis, jnp.exp(sc - m_new), 0.0)
-            l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-            row_ok = tok0 + lax.broadcasted_iota(jnp.int32, (block_tokens, d), 0) < end
-            out = []
-            for acc, x, scale in ((acc_k, k, k_scale), (acc_v, v, v_scale)):
-                x = jnp.where(row_ok, x, jnp.zeros_like(x))
-                pv = p if scale is None else p * scale
-                out.append(acc * alpha + dot_f32(pv.astype(x.dtype), x))
-            return out[0], out[1], m_new, l_new
+            k_block = read_block(bufs[0::2], slot, dtype=qk.dtype, written=written)
+            v_block = read_block(bufs[1::2], slot, dtype=qk.dtype, written=written)
+
+            def mask_of(kv_pos):
+                return visible(row_seq, row_pos, s, kv_pos, sliding_window=sliding_window)
+
+            return mla.tpu_latent_step(carry, qk, qv, k_block, v_block, tok0, end, mask_of,
+                                       sm_scale=sm_scale, soft_cap=soft_cap)  # fmt: skip
 
         return lax.fori_loop(0, num_blocks, kv_body, carry)
 
