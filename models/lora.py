@@ -183,11 +183,67 @@ def step_ids(row_slots: np.ndarray, width: int, max_loras: int) -> np.ndarray:
     return np.concatenate([used, np.full(width - len(used), -1, np.int32)])
 
 
+class Blocks(NamedTuple):
+    """A step's tokens grouped by adapter (make_step): each slot's tokens in consecutive
+    rows of a padded [NB * bs] layout, in whole blocks of bs rows that hold one slot each.
+
+        tokens  t0(s3) t1(s1) t2(s3) t3(-1) t4(s1)          bs = 2
+        rows    [t1 t4] [t0 t2] [-  -] ...                 slot [1, 3, *, ...]
+    """
+
+    src: jax.Array  # int32[NB * bs]: each row's token, T: none (a zero row)
+    slot: jax.Array  # int32[NB]: each block's slot (unused blocks: any, their rows are zero)
+    pos: jax.Array  # int32[T]: each token's row, NB * bs: none (base-model or padding token)
+
+
 class Step(NamedTuple):
     """A step's adapters on the device (see the module docstring)."""
 
     slots: jax.Array  # int32[T]: each token's slot, -1: the base model
     ids: jax.Array  # int32[W]: the distinct slots the step uses, -1 padding (W = N: all)
+    blocks: Blocks | None = None  # the tokens grouped by slot (block_size(T, W) > 0)
+
+
+def block_size(num_tokens: int, width: int) -> int:
+    """Rows per block of the grouped formulation for T tokens at width W (static), 0 where it
+    is not used: W > 1 and T >= 4 W, blocks of T // (2 W) rows, so the padding (at most
+    bs - 1 rows for each of the W adapters) stays under half of T."""
+    if width <= 1 or num_tokens < 4 * width:
+        return 0
+    return num_tokens // (2 * width)
+
+
+def make_step(slots: jax.Array, ids: jax.Array, num_slots: int) -> Step:
+    """The step's Step from each token's slot (token_slots) and its ids, with the tokens
+    grouped by slot (Blocks) where block_size says so. Computed once per step, before the
+    layers: counts per slot, each token's rank among its slot's tokens, then its row."""
+    num_tokens, width = slots.shape[0], ids.shape[0]
+    bs = block_size(num_tokens, width)
+    if not bs:
+        return Step(slots, ids)
+    num_blocks = -(-(num_tokens + width * (bs - 1)) // bs)  # at most W slots' partial blocks
+    c = jnp.clip(slots, 0, num_slots - 1)
+    mine = slots[:, None] == jnp.arange(num_slots, dtype=slots.dtype)[None, :]  # [T, N]
+    counts = mine.sum(0, dtype=jnp.int32)
+    blocks = (counts + bs - 1) // bs  # [N]
+    ends = jnp.cumsum(blocks)  # [N]: the block after each slot's last
+    rank = jnp.take_along_axis(jnp.cumsum(mine, 0, dtype=jnp.int32), c[:, None], 1)[:, 0] - 1
+    none = num_blocks * bs
+    pos = jnp.where(slots >= 0, (ends - blocks)[c] * bs + rank, none).astype(jnp.int32)
+    src = jnp.full((none + 1,), num_tokens, jnp.int32).at[pos].set(
+        jnp.arange(num_tokens, dtype=jnp.int32)
+    )[:none]  # the base tokens' writes land on the dropped last row
+    block_slot = jnp.searchsorted(ends, jnp.arange(num_blocks, dtype=jnp.int32), side="right")
+    block_slot = jnp.minimum(block_slot, num_slots - 1).astype(jnp.int32)
+    return Step(slots, ids, Blocks(src, block_slot, pos))
+
+
+def num_slots_of(params: dict) -> int:
+    """N, the device slots of params with LoRA slot params (with_slots)."""
+    layers = params["layers"]
+    layer = layers if isinstance(layers, dict) else layers[0]
+    b = next(v for k, v in layer.items() if k.startswith("lora_b_"))
+    return b.shape[-3]
 
 
 def weight_specs(slot_specs):
@@ -223,7 +279,7 @@ def add(y: jax.Array, x: jax.Array, layer: dict, module: str, step: Step | None)
         return y
     b = layer[b_name(module)]  # [N, r, out]
     num_slots, rank = b.shape[0], b.shape[1]
-    slots, ids = step
+    slots, ids, blocks = step
     num_tokens, width = x.shape[0], ids.shape[0]
     xf = x.reshape(num_tokens, -1).astype(a.dtype)  # [T, in]
     if width == 1:  # one adapter: its rank-r update on its tokens
@@ -232,6 +288,14 @@ def add(y: jax.Array, x: jax.Array, layer: dict, module: str, step: Step | None)
         b1 = jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)  # [r, out]
         h = jnp.where(((slots == ids[0]) & (ids[0] >= 0))[:, None], xf @ a1, 0)  # [T, r]
         delta = h @ b1
+    elif blocks is not None:  # tokens grouped by slot: each block's A and B
+        num_blocks = blocks.slot.shape[0]
+        xe = jnp.concatenate([xf, jnp.zeros((1, xf.shape[1]), xf.dtype)])[blocks.src]
+        xe = xe.reshape(num_blocks, -1, xf.shape[1])  # [NB, bs, in]
+        h = jnp.einsum("nbi,inr->nbr", xe, jnp.take(a, blocks.slot, axis=a.ndim - 2))
+        d = jnp.einsum("nbr,nro->nbo", h, jnp.take(b, blocks.slot, axis=0))
+        d = d.reshape(-1, d.shape[-1])  # [NB * bs, out]
+        delta = jnp.concatenate([d, jnp.zeros((1, d.shape[1]), d.dtype)])[blocks.pos]
     elif num_tokens <= width:  # gathered bmm: each token's own A and B
         c = jnp.clip(slots, 0, num_slots - 1)
         h = jnp.einsum("ti,itr->tr", xf, jnp.take(a, c, axis=a.ndim - 2))  # [T, r]
