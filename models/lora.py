@@ -41,6 +41,7 @@ map to batched matmuls); lax.ragged_dot over tokens sorted by adapter is the alt
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -72,6 +73,32 @@ def module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return dims
 
 
+def storage_dtype(lora_dtype: str, model_dtype):
+    """The slot params' dtype for --lora-dtype (auto: the model's). bfloat16 beside float32
+    activations is held as its bits (uint16; _compute widens them with a shift, exact):
+    XLA:CPU's bfloat16 -> float32 convert ran about 3x slower than the update it feeds."""
+    if lora_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    dtype = jnp.dtype(lora_dtype)
+    if dtype == jnp.bfloat16 and jnp.dtype(model_dtype) == jnp.float32:
+        return jnp.dtype(jnp.uint16)
+    return dtype
+
+
+def _compute(w: jax.Array, dtype) -> jax.Array:
+    """Slot weights in the update's dtype (uint16: bfloat16 bits, storage_dtype)."""
+    if w.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(w.astype(jnp.uint32) << 16, jnp.float32).astype(dtype)
+    return w.astype(dtype)
+
+
+def _stored(w: jax.Array, dtype) -> jax.Array:
+    """_compute's inverse: weights (float32) in the slots' dtype, rounded to nearest."""
+    if dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(w.astype(jnp.bfloat16), jnp.uint16)
+    return w.astype(dtype)
+
+
 def a_name(module: str) -> str:
     return f"lora_a_{module}"
 
@@ -87,8 +114,13 @@ def a_b_names(cfg: ModelConfig) -> list[str]:
 
 def slot_shapes(cfg: ModelConfig, num_slots: int, rank: int) -> dict[str, tuple[int, ...]]:
     """Each slot param's shape for one layer (without the leading layer axis)."""
+    return slot_shapes_of(module_dims(cfg), num_slots, rank)
+
+
+def slot_shapes_of(dims: dict[str, tuple[int, int]], num_slots: int, rank: int) -> dict:
+    """slot_shapes for modules of (in, out) features."""
     shapes = {}
-    for module, (n_in, n_out) in module_dims(cfg).items():
+    for module, (n_in, n_out) in dims.items():
         shapes[a_name(module)] = (n_in, num_slots, rank)
         shapes[b_name(module)] = (num_slots, rank, n_out)
     return shapes
@@ -145,7 +177,7 @@ def write_slots(slots, index: jax.Array, weights: dict):
 
     def put(array, new, name):  # array [.., in, N, r] or [.., N, r, out]
         axis = array.ndim - 2 if name.startswith("lora_a_") else array.ndim - 3
-        new = jnp.expand_dims(new.astype(array.dtype), axis)
+        new = jnp.expand_dims(_stored(new, array.dtype), axis)
         start = [0] * array.ndim
         start[axis] = index
         return jax.lax.dynamic_update_slice(array, new, start)
@@ -281,26 +313,28 @@ def add(y: jax.Array, x: jax.Array, layer: dict, module: str, step: Step | None)
     num_slots, rank = b.shape[0], b.shape[1]
     slots, ids, blocks = step
     num_tokens, width = x.shape[0], ids.shape[0]
-    xf = x.reshape(num_tokens, -1).astype(a.dtype)  # [T, in]
+    dtype = jnp.promote_types(x.dtype, jnp.float32 if a.dtype == jnp.uint16 else a.dtype)
+    xf = x.reshape(num_tokens, -1).astype(dtype)  # [T, in]
+    up = functools.partial(_compute, dtype=dtype)  # each selection of the slots, widened
     if width == 1:  # one adapter: its rank-r update on its tokens
         i = jnp.maximum(ids[0], 0)
-        a1 = jax.lax.dynamic_index_in_dim(a, i, a.ndim - 2, keepdims=False)  # [in, r]
-        b1 = jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)  # [r, out]
+        a1 = up(jax.lax.dynamic_index_in_dim(a, i, a.ndim - 2, keepdims=False))  # [in, r]
+        b1 = up(jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False))  # [r, out]
         h = jnp.where(((slots == ids[0]) & (ids[0] >= 0))[:, None], xf @ a1, 0)  # [T, r]
         delta = h @ b1
     elif blocks is not None:  # tokens grouped by slot: each block's A and B
         num_blocks = blocks.slot.shape[0]
         xe = jnp.concatenate([xf, jnp.zeros((1, xf.shape[1]), xf.dtype)])[blocks.src]
         xe = xe.reshape(num_blocks, -1, xf.shape[1])  # [NB, bs, in]
-        h = jnp.einsum("nbi,inr->nbr", xe, jnp.take(a, blocks.slot, axis=a.ndim - 2))
-        d = jnp.einsum("nbr,nro->nbo", h, jnp.take(b, blocks.slot, axis=0))
+        h = jnp.einsum("nbi,inr->nbr", xe, up(jnp.take(a, blocks.slot, axis=a.ndim - 2)))
+        d = jnp.einsum("nbr,nro->nbo", h, up(jnp.take(b, blocks.slot, axis=0)))
         d = d.reshape(-1, d.shape[-1])  # [NB * bs, out]
         delta = jnp.concatenate([d, jnp.zeros((1, d.shape[1]), d.dtype)])[blocks.pos]
     elif num_tokens <= width:  # gathered bmm: each token's own A and B
         c = jnp.clip(slots, 0, num_slots - 1)
-        h = jnp.einsum("ti,itr->tr", xf, jnp.take(a, c, axis=a.ndim - 2))  # [T, r]
+        h = jnp.einsum("ti,itr->tr", xf, up(jnp.take(a, c, axis=a.ndim - 2)))  # [T, r]
         h = jnp.where((slots >= 0)[:, None], h, 0)
-        delta = jnp.einsum("tr,tro->to", h, jnp.take(b, c, axis=0))
+        delta = jnp.einsum("tr,tro->to", h, up(jnp.take(b, c, axis=0)))
     else:  # dense over the step's W slots, other slots' columns masked
         if width < num_slots:
             c = jnp.clip(ids, 0, num_slots - 1)
@@ -308,6 +342,7 @@ def add(y: jax.Array, x: jax.Array, layer: dict, module: str, step: Step | None)
             b = jnp.take(b, c, axis=0)  # [W, r, out]
         else:
             ids = jnp.arange(num_slots, dtype=slots.dtype)
+        a, b = up(a), up(b)
         h = jnp.einsum("ti,inr->tnr", xf, a)  # [T, W, r]
         mine = (slots[:, None] == ids[None, :]) & (ids >= 0)[None, :]  # [T, W]
         h = jnp.where(mine[:, :, None], h, 0).reshape(num_tokens, width * rank)

@@ -103,3 +103,31 @@ def test_grouped_blocks_at_their_bound(counts):
     want = y + np.stack([x[t] @ a[:, s] @ b[s] if s >= 0 else np.zeros(D_OUT) for t, s in
                          enumerate(slots)])  # fmt: skip
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("width,tokens", [(1, 8), (8, 8), (8, 12), (4, 32)])
+def test_bfloat16_slots_equal_a_rounded_reference(width, tokens):
+    """--lora-dtype bfloat16 on a float32 model: the slots hold bfloat16 bits (uint16), the
+    update is float32 over the rounded weights, at each formulation (sliced, per token,
+    dense, blocks)."""
+    assert lora.storage_dtype("bfloat16", jnp.float32) == jnp.uint16
+    assert lora.storage_dtype("auto", jnp.bfloat16) == jnp.bfloat16
+    assert lora.storage_dtype("bfloat16", jnp.bfloat16) == jnp.bfloat16
+    rng = np.random.default_rng(width)
+    a = rng.normal(size=(D_IN, R)).astype(np.float32)
+    b = rng.normal(size=(R, D_OUT)).astype(np.float32)
+    empty = {k: jnp.zeros(s, jnp.uint16) for k, s in
+             lora.slot_shapes_of({"q_proj": (D_IN, D_OUT)}, N, R).items()}  # fmt: skip
+    layer = lora.write_slots(empty, jnp.int32(5), {"lora_a_q_proj": a, "lora_b_q_proj": b})
+    assert layer["lora_a_q_proj"].dtype == jnp.uint16
+    slots = np.where(np.arange(tokens) % 3 == 0, -1, 5).astype(np.int32)
+    ids = np.full(width, -1, np.int32)
+    ids[0] = 5
+    step = lora.make_step(jnp.asarray(slots), jnp.asarray(ids), N)
+    x = rng.normal(size=(tokens, D_IN)).astype(np.float32)
+    got = np.asarray(jax.jit(lora.add, static_argnums=3)(np.zeros((tokens, D_OUT), np.float32),
+                                                         x, layer, "q_proj", step))  # fmt: skip
+    rounded = [np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32)) for w in (a, b)]
+    want = np.where((slots >= 0)[:, None], x @ rounded[0] @ rounded[1], 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(want - np.where((slots >= 0)[:, None], x @ a @ b, 0)).max() > 1e-3  # rounded
