@@ -10,7 +10,10 @@ One workload (greedy, EOS ignored, all requests submitted at once) run on
     assigned round-robin, every adapter resident (max_loras = N),
 each after a warm-up run of the same shapes with other tokens, then in turn three times
 (medians kept); output tokens/s and the ratio to the reference, in the same process. The adapters are random, written in PEFT's
-format next to the checkpoint.
+format next to the checkpoint. --lora-dtype sets the LoRA engine's slots (bfloat16: half
+the bytes). With --vllm-python, vLLM's CPU build runs the same adapters afterwards
+(run_vllm_lora; its ratios are to its own base with LoRA on, one engine: a second vLLM
+start-up costs minutes of CPU compile).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def _timed(llm, prompts, output_lens, loras) -> tuple[float, int]:
 
 
 def run_lora(model: str, prompts, output_lens, n: int, engine_kwargs: dict, vocab: int,
-             rounds: int = 3) -> dict:
+             rounds: int = 3, lora_dtype: str = "auto") -> dict:
     """The table's rows {config: {"tok_s", "ratio", "seconds", "compiles"}} (see the module
     docstring): both engines stay up and the configurations run in turn, `rounds` times,
     each one's median kept, so a load that comes and goes on a shared machine hits them
@@ -63,7 +66,7 @@ def run_lora(model: str, prompts, output_lens, n: int, engine_kwargs: dict, voca
     engine_kwargs = {**engine_kwargs, "enable_prefix_caching": False}
     plain = LLM(model, **engine_kwargs)
     llm = LLM(model, enable_lora=True, max_loras=n, max_lora_rank=RANK, max_cpu_loras=n,
-              **engine_kwargs)  # fmt: skip
+              lora_dtype=lora_dtype, **engine_kwargs)  # fmt: skip
     requests = [LoRARequest(f"bench{i}", i + 1, str(p)) for i, p in enumerate(paths)]
     t0 = time.perf_counter()
     llm.add_lora(requests[0])
@@ -96,4 +99,24 @@ def run_lora(model: str, prompts, output_lens, n: int, engine_kwargs: dict, voca
     for name, row in rows.items():
         print(f"  {name:<28} {row['tok_s']:8.1f} tok/s (median of {rounds})  {row['ratio']:.3f}x")
     return {"rows": rows, "adapter_load_s": round(load_s, 3), "max_loras": n, "rank": RANK,
-            "rounds": rounds}  # fmt: skip
+            "rounds": rounds, "lora_dtype": lora_dtype,
+            "adapter_dirs": [str(p) for p in paths]}  # fmt: skip
+
+
+def run_vllm_lora(command: list[str], adapter_dirs: list[str], result_file: Path) -> dict:
+    """vLLM's CPU build on the same PEFT adapters (scripts/bench_vllm_worker.py --lora-dirs:
+    the base and 1, 4, 16 adapters on one engine with LoRA on), its result: `lora_rows`
+    with their ratios to its own base, or `lora_error`, vLLM's exception."""
+    import json
+    import subprocess
+
+    proc = subprocess.run([*command, "--lora-dirs", *adapter_dirs], capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    result = json.loads(result_file.read_text()) if result_file.exists() else {}
+    if proc.returncode and "lora_error" not in result:
+        result["lora_error"] = f"exit {proc.returncode}: " + proc.stderr.strip()[-400:]
+    for name, row in result.get("lora_rows", {}).items():
+        print(f"  vLLM {name:<28} {row['tok_s']:8.1f} tok/s  {row['ratio']:.3f}x its base")
+    if "lora_error" in result:
+        print(f"  vLLM LoRA: {result['lora_error']}")
+    return result
