@@ -22,10 +22,18 @@ N), so a program is compiled per width (StepKey.lora_width) and none at an adapt
     W = 0        no Step at all: a base-only step does no LoRA work (the program has none)
     W = 1        one adapter: its A [in, r] and B [r, out] sliced out, a rank-r update
                  masked to its tokens
+    T >= 4 W     tokens grouped by adapter (make_step, Blocks: each slot's tokens in
+                 consecutive rows, padded to blocks of bs = T // 2W rows, at most T + W(bs-1)
+                 rows): each block's A and B gathered, two batched matmuls ("blocks")
     T <= W > 1   at most one token per distinct adapter (decode of many adapters): each
                  token's A and B gathered, a batched matvec ("gathered bmm")
     else         the W slots' A and B gathered (all N: none), two dense matmuls over W * r
                  columns with each token's other columns masked to zero
+
+Slots are stored in --lora-dtype (storage_dtype; auto: the model's); the update runs in the
+activations' dtype, so bfloat16 slots on a float32 model cost half the bytes and compute in
+float32 (held as uint16 bits, widened by a shift: XLA:CPU's own bfloat16 convert ran about
+3x slower than the update it fed).
 
 Measured on the 2-core CPU (loaded, load average 5-9; 30 SmolLM2-shaped layers of the seven
 projections, N 16, r 16; medians of interleaved runs): 16 decode tokens on 16 adapters, the
@@ -33,6 +41,11 @@ base 131 ms, dense over all slots 257, gathered per token 202-207, lax.ragged_do
 sorted by slot 328; one adapter, the base 192 ms, dense over all slots 320, the sliced slot
 171 (the noise); 64 tokens on 16 adapters, the base 304, dense 619, gathered per token 740
 (so dense above T = W); 256 tokens on 16 adapters, the base 1341, dense 2166, ragged_dot 6288.
+Later (issue 55e, loaded: load average 7-14, a vLLM run beside it; minima of 3-9 interleaved
+runs): 1024 tokens on 16 adapters, the base 2633 ms, dense 5869, blocks (bs 32) 3514, blocks
+(bs 16) 3344; 256 tokens, the base 685, dense 1453, blocks (bs 8) 1124; 64 tokens, the base
+255, dense 448, blocks (bs 2) 440, gathered 555; 16 decode tokens, the base 78, gathered 157,
+gathered from bfloat16 bits 133, bfloat16 converted by XLA 292.
 XLA:CPU's conditionals (lax.switch / lax.cond on the step's adapters)
 cost more than they saved, which is why the width is static, chosen by the host. On
 accelerators the same rules hold (the gathered bmm and the masked dense over W columns both

@@ -715,8 +715,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--lora-dtype",
         default="auto",
-        choices=("auto", "float32", "bfloat16"),
-        help="--lora mode: the LoRA engine's adapter slots (jpaged --lora-dtype)",
+        help="--lora mode: the LoRA engine's adapter slots (jpaged --lora-dtype: auto, float32, "
+        "bfloat16); a list (auto,bfloat16) adds an engine per further dtype on the N adapters",
     )
     p.add_argument(
         "--skip-startup",
@@ -800,7 +800,7 @@ def main() -> None:
 
         kwargs = engine_kwargs(args, workload)
         lora = run_lora(args.model, workload.prompts, workload.output_lens, args.lora, kwargs, vocab,
-                        lora_dtype=args.lora_dtype)  # fmt: skip
+                        lora_dtypes=tuple(args.lora_dtype.split(",")))  # fmt: skip
         if args.vllm_python:  # its CPU build on the same adapters, after jpaged's runs
             from bench_lora import run_vllm_lora
 
