@@ -71,7 +71,8 @@ def run_lora(model: str, prompts, output_lens, n: int, engine_kwargs: dict, voca
     engine_kwargs = {**engine_kwargs, "enable_prefix_caching": False}
     plain = LLM(model, **engine_kwargs)
     llm, *others = [LLM(model, enable_lora=True, max_loras=n, max_lora_rank=RANK,
-                        max_cpu_loras=n, lora_dtype=d, **engine_kwargs) for d in lora_dtypes]
+                        max_cpu_loras=n, **({"lora_dtype": d} if d != "auto" else {}),
+                        **engine_kwargs) for d in lora_dtypes]  # auto: also older jpaged
     requests = [LoRARequest(f"bench{i}", i + 1, str(p)) for i, p in enumerate(paths)]
     t0 = time.perf_counter()
     llm.add_lora(requests[0])
