@@ -244,6 +244,9 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.data_parallel_size
 
 
+LORA_DTYPES = ("auto", "float32", "bfloat16")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoRAConfig:
     """Multi-LoRA serving (jpaged/lora/): adapters live in max_loras fixed-shape device slots
@@ -256,8 +259,16 @@ class LoRAConfig:
     max_cpu_loras: int | None = setting(
         None, "adapters kept loaded in host memory (LRU; default: max_loras * 4)"
     )
+    lora_dtype: str = setting(
+        "auto",
+        "the adapter slots' dtype: auto (the model's, as vLLM), float32, or bfloat16 (half "
+        "the slot bytes; the update is computed in the activations' dtype)",
+        choices=LORA_DTYPES,
+    )
 
     def __post_init__(self) -> None:
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
         _positive("max_loras", self.max_loras)
         _positive("max_lora_rank", self.max_lora_rank)
         _positive("max_cpu_loras", self.max_cpu_loras, allow_none=True)

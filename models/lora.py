@@ -22,10 +22,18 @@ N), so a program is compiled per width (StepKey.lora_width) and none at an adapt
     W = 0        no Step at all: a base-only step does no LoRA work (the program has none)
     W = 1        one adapter: its A [in, r] and B [r, out] sliced out, a rank-r update
                  masked to its tokens
+    T >= 4 W     tokens grouped by adapter (make_step, Blocks: each slot's tokens in
+                 consecutive rows, padded to blocks of bs = T // 2W rows, at most T + W(bs-1)
+                 rows): each block's A and B gathered, two batched matmuls ("blocks")
     T <= W > 1   at most one token per distinct adapter (decode of many adapters): each
                  token's A and B gathered, a batched matvec ("gathered bmm")
     else         the W slots' A and B gathered (all N: none), two dense matmuls over W * r
                  columns with each token's other columns masked to zero
+
+Slots are stored in --lora-dtype (storage_dtype; auto: the model's); the update runs in the
+activations' dtype, so bfloat16 slots on a float32 model cost half the bytes and compute in
+float32 (held as uint16 bits, widened by a shift: XLA:CPU's own bfloat16 convert ran about
+3x slower than the update it fed).
 
 Measured on the 2-core CPU (loaded, load average 5-9; 30 SmolLM2-shaped layers of the seven
 projections, N 16, r 16; medians of interleaved runs): 16 decode tokens on 16 adapters, the
@@ -33,6 +41,11 @@ base 131 ms, dense over all slots 257, gathered per token 202-207, lax.ragged_do
 sorted by slot 328; one adapter, the base 192 ms, dense over all slots 320, the sliced slot
 171 (the noise); 64 tokens on 16 adapters, the base 304, dense 619, gathered per token 740
 (so dense above T = W); 256 tokens on 16 adapters, the base 1341, dense 2166, ragged_dot 6288.
+Later (issue 55e, loaded: load average 7-14, a vLLM run beside it; minima of 3-9 interleaved
+runs): 1024 tokens on 16 adapters, the base 2633 ms, dense 5869, blocks (bs 32) 3514, blocks
+(bs 16) 3344; 256 tokens, the base 685, dense 1453, blocks (bs 8) 1124; 64 tokens, the base
+255, dense 448, blocks (bs 2) 440, gathered 555; 16 decode tokens, the base 78, gathered 157,
+gathered from bfloat16 bits 133, bfloat16 converted by XLA 292.
 XLA:CPU's conditionals (lax.switch / lax.cond on the step's adapters)
 cost more than they saved, which is why the width is static, chosen by the host. On
 accelerators the same rules hold (the gathered bmm and the masked dense over W columns both
@@ -41,6 +54,7 @@ map to batched matmuls); lax.ragged_dot over tokens sorted by adapter is the alt
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -72,6 +86,32 @@ def module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return dims
 
 
+def storage_dtype(lora_dtype: str, model_dtype):
+    """The slot params' dtype for --lora-dtype (auto: the model's). bfloat16 beside float32
+    activations is held as its bits (uint16; _compute widens them with a shift, exact):
+    XLA:CPU's bfloat16 -> float32 convert ran about 3x slower than the update it feeds."""
+    if lora_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    dtype = jnp.dtype(lora_dtype)
+    if dtype == jnp.bfloat16 and jnp.dtype(model_dtype) == jnp.float32:
+        return jnp.dtype(jnp.uint16)
+    return dtype
+
+
+def _compute(w: jax.Array, dtype) -> jax.Array:
+    """Slot weights in the update's dtype (uint16: bfloat16 bits, storage_dtype)."""
+    if w.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(w.astype(jnp.uint32) << 16, jnp.float32).astype(dtype)
+    return w.astype(dtype)
+
+
+def _stored(w: jax.Array, dtype) -> jax.Array:
+    """_compute's inverse: weights (float32) in the slots' dtype, rounded to nearest."""
+    if dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(w.astype(jnp.bfloat16), jnp.uint16)
+    return w.astype(dtype)
+
+
 def a_name(module: str) -> str:
     return f"lora_a_{module}"
 
@@ -87,8 +127,13 @@ def a_b_names(cfg: ModelConfig) -> list[str]:
 
 def slot_shapes(cfg: ModelConfig, num_slots: int, rank: int) -> dict[str, tuple[int, ...]]:
     """Each slot param's shape for one layer (without the leading layer axis)."""
+    return slot_shapes_of(module_dims(cfg), num_slots, rank)
+
+
+def slot_shapes_of(dims: dict[str, tuple[int, int]], num_slots: int, rank: int) -> dict:
+    """slot_shapes for modules of (in, out) features."""
     shapes = {}
-    for module, (n_in, n_out) in module_dims(cfg).items():
+    for module, (n_in, n_out) in dims.items():
         shapes[a_name(module)] = (n_in, num_slots, rank)
         shapes[b_name(module)] = (num_slots, rank, n_out)
     return shapes
@@ -145,7 +190,7 @@ def write_slots(slots, index: jax.Array, weights: dict):
 
     def put(array, new, name):  # array [.., in, N, r] or [.., N, r, out]
         axis = array.ndim - 2 if name.startswith("lora_a_") else array.ndim - 3
-        new = jnp.expand_dims(new.astype(array.dtype), axis)
+        new = jnp.expand_dims(_stored(new, array.dtype), axis)
         start = [0] * array.ndim
         start[axis] = index
         return jax.lax.dynamic_update_slice(array, new, start)
@@ -183,11 +228,67 @@ def step_ids(row_slots: np.ndarray, width: int, max_loras: int) -> np.ndarray:
     return np.concatenate([used, np.full(width - len(used), -1, np.int32)])
 
 
+class Blocks(NamedTuple):
+    """A step's tokens grouped by adapter (make_step): each slot's tokens in consecutive
+    rows of a padded [NB * bs] layout, in whole blocks of bs rows that hold one slot each.
+
+        tokens  t0(s3) t1(s1) t2(s3) t3(-1) t4(s1)          bs = 2
+        rows    [t1 t4] [t0 t2] [-  -] ...                 slot [1, 3, *, ...]
+    """
+
+    src: jax.Array  # int32[NB * bs]: each row's token, T: none (a zero row)
+    slot: jax.Array  # int32[NB]: each block's slot (unused blocks: any, their rows are zero)
+    pos: jax.Array  # int32[T]: each token's row, NB * bs: none (base-model or padding token)
+
+
 class Step(NamedTuple):
     """A step's adapters on the device (see the module docstring)."""
 
     slots: jax.Array  # int32[T]: each token's slot, -1: the base model
     ids: jax.Array  # int32[W]: the distinct slots the step uses, -1 padding (W = N: all)
+    blocks: Blocks | None = None  # the tokens grouped by slot (block_size(T, W) > 0)
+
+
+def block_size(num_tokens: int, width: int) -> int:
+    """Rows per block of the grouped formulation for T tokens at width W (static), 0 where it
+    is not used: W > 1 and T >= 4 W, blocks of T // (2 W) rows, so the padding (at most
+    bs - 1 rows for each of the W adapters) stays under half of T."""
+    if width <= 1 or num_tokens < 4 * width:
+        return 0
+    return num_tokens // (2 * width)
+
+
+def make_step(slots: jax.Array, ids: jax.Array, num_slots: int) -> Step:
+    """The step's Step from each token's slot (token_slots) and its ids, with the tokens
+    grouped by slot (Blocks) where block_size says so. Computed once per step, before the
+    layers: counts per slot, each token's rank among its slot's tokens, then its row."""
+    num_tokens, width = slots.shape[0], ids.shape[0]
+    bs = block_size(num_tokens, width)
+    if not bs:
+        return Step(slots, ids)
+    num_blocks = -(-(num_tokens + width * (bs - 1)) // bs)  # at most W slots' partial blocks
+    c = jnp.clip(slots, 0, num_slots - 1)
+    mine = slots[:, None] == jnp.arange(num_slots, dtype=slots.dtype)[None, :]  # [T, N]
+    counts = mine.sum(0, dtype=jnp.int32)
+    blocks = (counts + bs - 1) // bs  # [N]
+    ends = jnp.cumsum(blocks)  # [N]: the block after each slot's last
+    rank = jnp.take_along_axis(jnp.cumsum(mine, 0, dtype=jnp.int32), c[:, None], 1)[:, 0] - 1
+    none = num_blocks * bs
+    pos = jnp.where(slots >= 0, (ends - blocks)[c] * bs + rank, none).astype(jnp.int32)
+    src = jnp.full((none + 1,), num_tokens, jnp.int32).at[pos].set(
+        jnp.arange(num_tokens, dtype=jnp.int32)
+    )[:none]  # the base tokens' writes land on the dropped last row
+    block_slot = jnp.searchsorted(ends, jnp.arange(num_blocks, dtype=jnp.int32), side="right")
+    block_slot = jnp.minimum(block_slot, num_slots - 1).astype(jnp.int32)
+    return Step(slots, ids, Blocks(src, block_slot, pos))
+
+
+def num_slots_of(params: dict) -> int:
+    """N, the device slots of params with LoRA slot params (with_slots)."""
+    layers = params["layers"]
+    layer = layers if isinstance(layers, dict) else layers[0]
+    b = next(v for k, v in layer.items() if k.startswith("lora_b_"))
+    return b.shape[-3]
 
 
 def weight_specs(slot_specs):
@@ -223,20 +324,30 @@ def add(y: jax.Array, x: jax.Array, layer: dict, module: str, step: Step | None)
         return y
     b = layer[b_name(module)]  # [N, r, out]
     num_slots, rank = b.shape[0], b.shape[1]
-    slots, ids = step
+    slots, ids, blocks = step
     num_tokens, width = x.shape[0], ids.shape[0]
-    xf = x.reshape(num_tokens, -1).astype(a.dtype)  # [T, in]
+    dtype = jnp.promote_types(x.dtype, jnp.float32 if a.dtype == jnp.uint16 else a.dtype)
+    xf = x.reshape(num_tokens, -1).astype(dtype)  # [T, in]
+    up = functools.partial(_compute, dtype=dtype)  # each selection of the slots, widened
     if width == 1:  # one adapter: its rank-r update on its tokens
         i = jnp.maximum(ids[0], 0)
-        a1 = jax.lax.dynamic_index_in_dim(a, i, a.ndim - 2, keepdims=False)  # [in, r]
-        b1 = jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)  # [r, out]
+        a1 = up(jax.lax.dynamic_index_in_dim(a, i, a.ndim - 2, keepdims=False))  # [in, r]
+        b1 = up(jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False))  # [r, out]
         h = jnp.where(((slots == ids[0]) & (ids[0] >= 0))[:, None], xf @ a1, 0)  # [T, r]
         delta = h @ b1
+    elif blocks is not None:  # tokens grouped by slot: each block's A and B
+        num_blocks = blocks.slot.shape[0]
+        xe = jnp.concatenate([xf, jnp.zeros((1, xf.shape[1]), xf.dtype)])[blocks.src]
+        xe = xe.reshape(num_blocks, -1, xf.shape[1])  # [NB, bs, in]
+        h = jnp.einsum("nbi,inr->nbr", xe, up(jnp.take(a, blocks.slot, axis=a.ndim - 2)))
+        d = jnp.einsum("nbr,nro->nbo", h, up(jnp.take(b, blocks.slot, axis=0)))
+        d = d.reshape(-1, d.shape[-1])  # [NB * bs, out]
+        delta = jnp.concatenate([d, jnp.zeros((1, d.shape[1]), d.dtype)])[blocks.pos]
     elif num_tokens <= width:  # gathered bmm: each token's own A and B
         c = jnp.clip(slots, 0, num_slots - 1)
-        h = jnp.einsum("ti,itr->tr", xf, jnp.take(a, c, axis=a.ndim - 2))  # [T, r]
+        h = jnp.einsum("ti,itr->tr", xf, up(jnp.take(a, c, axis=a.ndim - 2)))  # [T, r]
         h = jnp.where((slots >= 0)[:, None], h, 0)
-        delta = jnp.einsum("tr,tro->to", h, jnp.take(b, c, axis=0))
+        delta = jnp.einsum("tr,tro->to", h, up(jnp.take(b, c, axis=0)))
     else:  # dense over the step's W slots, other slots' columns masked
         if width < num_slots:
             c = jnp.clip(ids, 0, num_slots - 1)
@@ -244,6 +355,7 @@ def add(y: jax.Array, x: jax.Array, layer: dict, module: str, step: Step | None)
             b = jnp.take(b, c, axis=0)  # [W, r, out]
         else:
             ids = jnp.arange(num_slots, dtype=slots.dtype)
+        a, b = up(a), up(b)
         h = jnp.einsum("ti,inr->tnr", xf, a)  # [T, W, r]
         mine = (slots[:, None] == ids[None, :]) & (ids >= 0)[None, :]  # [T, W]
         h = jnp.where(mine[:, :, None], h, 0).reshape(num_tokens, width * rank)

@@ -7,6 +7,7 @@
     python scripts/bench_throughput.py --preset smollm2 --workload W2 --scale 32 --skip-startup
     python scripts/bench_throughput.py --preset qwen3moe-cpu --num-requests 32   # MoE, 32 x 128 x 64
     python scripts/bench_throughput.py --lora 16 --num-requests 32 --skip-transformers  # LoRA
+        [--lora-dtype bfloat16] [--vllm-python /work/venv-vllm/bin/python]  # and vLLM's
     python scripts/bench_throughput.py --preset gptoss-cpu --num-requests 32     # gpt-oss's shape
     python scripts/bench_throughput.py --preset deepseek-v3-cpu --num-requests 32  # MLA + MoE
     python scripts/bench_throughput.py --preset cpu-tp --tensor-parallel-size 4 \
@@ -712,6 +713,12 @@ def parse_args(argv=None):
         "1, 4 and 16 (<= N) distinct rank-16 adapters in N device slots; tokens/s vs the base",
     )
     p.add_argument(
+        "--lora-dtype",
+        default="auto",
+        help="--lora mode: the LoRA engine's adapter slots (jpaged --lora-dtype: auto, float32, "
+        "bfloat16); a list (auto,bfloat16) adds an engine per further dtype on the N adapters",
+    )
+    p.add_argument(
         "--skip-startup",
         action="store_true",
         help="skip the cold/warm start-up-to-first-token processes",
@@ -792,7 +799,16 @@ def main() -> None:
         from bench_lora import run_lora
 
         kwargs = engine_kwargs(args, workload)
-        lora = run_lora(args.model, workload.prompts, workload.output_lens, args.lora, kwargs, vocab)
+        lora = run_lora(args.model, workload.prompts, workload.output_lens, args.lora, kwargs, vocab,
+                        lora_dtypes=tuple(args.lora_dtype.split(",")))  # fmt: skip
+        if args.vllm_python:  # its CPU build on the same adapters, after jpaged's runs
+            from bench_lora import run_vllm_lora
+
+            tmp = Path(tempfile.mkdtemp(prefix="jpaged-bench-"))
+            (tmp / "workload.json").write_text(json.dumps(
+                {"prompts": workload.prompts, "output_lens": workload.output_lens}))  # fmt: skip
+            command = vllm_command(args, tmp / "workload.json", tmp / "vllm.json")
+            lora["vllm"] = run_vllm_lora(command, lora["adapter_dirs"], tmp / "vllm.json")
         print("RESULT_JSON " + json.dumps({"workload": workload.describe(), "lora": lora}))
         return None
     tmp = Path(tempfile.mkdtemp(prefix="jpaged-bench-"))

@@ -105,10 +105,12 @@ def resolve_num_pages(
 
 def lora_slot_bytes(model_config: ModelConfig, config: EngineConfig, itemsize: int) -> int:
     """Device bytes of the LoRA slots (models/lora.py: A [in, N, r] and B [N, r, out] for every
-    projection of every layer, in the activations' dtype); 0 with LoRA off."""
+    projection of every layer, in --lora-dtype, auto: the activations' itemsize); 0 with
+    LoRA off."""
     lora = config.lora
     if not lora.enable_lora:
         return 0
+    itemsize = {"float32": 4, "bfloat16": 2}.get(lora.lora_dtype, itemsize)
     per_rank = sum(i + o for i, o in module_dims(model_config).values())
     return model_config.num_layers * lora.max_loras * lora.max_lora_rank * per_rank * itemsize
 

@@ -171,7 +171,7 @@ def step(
     lora_step = None  # each token's adapter slot (from its row's) and the step's slots
     if key.lora_width:  # models/lora.py; width 0: no LoRA work
         slots = lora.token_slots(inputs.lora_slots, inputs.query_start, key.num_tokens)
-        lora_step = lora.Step(slots, inputs.lora_ids)
+        lora_step = lora.make_step(slots, inputs.lora_ids, lora.num_slots_of(params))
     hidden, kv_pages = forward(
         params,
         model_config,

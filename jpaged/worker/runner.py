@@ -119,8 +119,9 @@ class ModelRunner:
             if broadcast is not None:  # followers would replay neither widths nor slot writes
                 raise ValueError("LoRA adapters across processes (multi-host) are not supported")
             params = lora.with_slots(
-                params, model_config, lora_config.max_loras, lora_config.max_lora_rank, dtype
-            )
+                params, model_config, lora_config.max_loras, lora_config.max_lora_rank,
+                lora.storage_dtype(lora_config.lora_dtype, dtype),
+            )  # fmt: skip
         self.params = self.programs.layout_params(params)
         if lora_config is not None:  # compiled now: no adapter load compiles anything
             self._write_loras(())

@@ -189,3 +189,23 @@ def test_speculative_decoding_with_adapters_keeps_the_tokens(llama):
                                           "prompt_lookup_max": 2, "prompt_lookup_min": 1})  # fmt: skip
     assert _tokens(spec.generate(prompts, params, lora_request=loras)) == want
     assert spec.stats()["spec_num_draft_tokens"] > 0
+
+
+def test_bfloat16_slots_equal_transformers_on_the_rounded_adapter(llama, tmp_path):
+    """--lora-dtype bfloat16 on the float32 model: an adapter whose weights are bfloat16
+    values (scale 2, exact) gives transformers' tokens with it merged in float32."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    base = llama[0]
+    path = write_adapter(tmp_path / "bf16", base, rank=8, seed=7)
+    file = str(path / "adapter_model.safetensors")
+    tensors = load_file(file)
+    for k, v in tensors.items():  # round to nearest bfloat16 (ties to even)
+        bits = v.view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+        tensors[k] = bits.astype(np.uint32).view(np.float32)
+    save_file(tensors, file)
+    want = hf_greedy(merge(base, path, tmp_path / "merged"), PROMPTS, 6)
+    llm = _llm(base, lora_dtype="bfloat16")
+    assert _tokens(llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("b", 1, str(path)))) == want

@@ -88,8 +88,16 @@ def test_memory_plan_counts_the_slot_bytes():
     want = sum(a.nbytes for layer in slots for a in layer.values())
     assert lora_slot_bytes(cfg, config, 4) == want > 0
     assert lora_slot_bytes(cfg, EngineConfig(), 4) == 0
+    bf16 = EngineConfig(lora=LoRAConfig(enable_lora=True, max_loras=3, max_lora_rank=8,
+                                         lora_dtype="bfloat16"))  # fmt: skip
+    slots = lora.split_slots(lora.with_slots(init_params(cfg), cfg, 3, 8,
+                                             lora.storage_dtype("bfloat16", jnp.float32)))[1]
+    assert lora_slot_bytes(cfg, bf16, 4) == sum(a.nbytes for s in slots for a in s.values())
+    assert lora_slot_bytes(cfg, bf16, 4) * 2 == want
     with pytest.raises(ValueError, match="max_cpu_loras \\(2\\) must be >= max_loras \\(3\\)"):
         LoRAConfig(max_loras=3, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="lora_dtype must be one of .* got 'float16'"):
+        LoRAConfig(lora_dtype="float16")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
