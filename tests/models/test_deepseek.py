@@ -99,6 +99,26 @@ def test_deepseek_v3_kv_bytes_per_token_against_full_heads():
     assert (mla, full_heads) == (70_272, 4_997_120)
 
 
+def test_kimi_k2_config_is_deepseek_v3s_with_one_group():
+    """Kimi K2 (DeepseekV3ForCausalLM: 64 heads, 384 experts in one group, one dense layer,
+    YaRN factor 32 over 4,096): its fields, and the same latent row as DeepSeek-V3's, so
+    the same 70,272 bytes per token in bfloat16 whatever its heads."""
+    yarn = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0}
+    cfg = ModelConfig.from_hf_config(_hf_config(**{
+        **DEEPSEEK_V3_ATTENTION, "num_attention_heads": 64, "n_routed_experts": 384,
+        "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "rope_theta": 50000.0,
+        "routed_scaling_factor": 2.827, "rope_scaling": yarn, "vocab_size": 163840,
+    }))  # fmt: skip
+    assert (cfg.num_heads, cfg.num_experts, cfg.num_expert_groups, cfg.topk_groups) == (
+        64, 384, 1, 1)  # fmt: skip
+    assert (cfg.num_dense_layers, cfg.routed_scaling_factor, cfg.moe_scoring) == (
+        1, 2.827, "sigmoid")  # fmt: skip
+    assert cfg.rope_theta == 50000.0 and cfg.rope_scaling.factor == 32.0
+    assert cfg.sm_scale == pytest.approx(192**-0.5 * (0.1 * np.log(32) + 1) ** 2)
+    assert kv_page_bytes(cfg, 1, 2) == 61 * (512 + 64) * 2 == 70_272
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_at_equal_memory_the_latent_pool_holds_its_bytes_ratio_more_sequences(kv_cache_dtype):
     """The engine's memory plan for DeepSeek-V3's real attention dims (bfloat16 activations)
