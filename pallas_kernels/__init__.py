@@ -63,11 +63,13 @@ GPU_KERNELS = ("triton", "mosaic")
 GPU_KERNEL_ENV = "JPAGED_GPU_KERNEL"
 
 
-def select_backend(q_shape, k_shape, dtype, *, interpret: bool, backend: str | None) -> str:
+def select_backend(q_shape, k_shape, dtype, *, interpret: bool, backend: str | None,
+                   latent: bool = False) -> str:  # fmt: skip
     """Which implementation runs: "gpu", "tpu" or "cpu" (the reference). Plain and quantized
     pages (kv_quant.QuantizedPages, whose shape and dtype are its codes') follow the same
     rules: every kernel reads both, so only a shape a kernel refuses falls back (on GPU the
-    dtype decides whether a pool's offsets fit, gpu_decode.offsets_fit)."""
+    dtype decides whether a pool's offsets fit, gpu_decode.offsets_fit). latent: the latent
+    attention's kernels decide (mla.supports_gpu / supports_tpu; decode and prefill alike)."""
     if backend is None:
         backend = jax.default_backend()
         if backend == "cpu" and interpret:
@@ -76,19 +78,24 @@ def select_backend(q_shape, k_shape, dtype, *, interpret: bool, backend: str | N
         backend = "gpu"
     if backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
-    if backend == "gpu":
+    if backend == "cpu":
+        return "cpu"
+    if latent:
+        from pallas_kernels import mla
+
+        ok = (mla.supports_gpu(q_shape, k_shape, dtype) if backend == "gpu"
+              else mla.supports_tpu(k_shape))  # fmt: skip
+    elif backend == "gpu":
         from pallas_kernels import gpu_decode
 
-        if gpu_decode.supports(q_shape, k_shape, dtype):
-            return "gpu"
-        _warn_reference(backend, tuple(q_shape), tuple(k_shape), str(dtype))
-        return "cpu"
-    if backend == "tpu":
+        ok = gpu_decode.supports(q_shape, k_shape, dtype)
+    else:
         from pallas_kernels import tpu_decode
 
-        if tpu_decode.supports(q_shape, k_shape):
-            return "tpu"
-        _warn_reference(backend, tuple(q_shape), tuple(k_shape), str(dtype))
+        ok = tpu_decode.supports(q_shape, k_shape)
+    if ok:
+        return backend
+    _warn_reference(backend, tuple(q_shape), tuple(k_shape), str(dtype))
     return "cpu"
 
 

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import gpu_decode, reference, tpu_decode, tuning
+from pallas_kernels import gpu_decode, reference, select_backend, tpu_decode, tuning
 from pallas_kernels.common import (
     any_memory_space,
     dot_f32,
@@ -327,18 +327,16 @@ def paged_decode_attention(
     interpret: bool = False,
     backend: str | None = None,
 ) -> jax.Array:  # [batch, num_q_heads, 2 * head_dim], q's dtype
-    """Latent decode attention, dispatched: the GPU or TPU kernel where it runs (interpret on
-    a CPU host: the GPU kernel in the Pallas interpreter) and takes the shape, else the
-    reference."""
+    """Latent decode attention, dispatched by select_backend(latent=True): the GPU or TPU
+    kernel where it runs (interpret on a CPU host: the GPU kernel in the Pallas interpreter)
+    and takes the shape (supports_gpu / supports_tpu), else the reference."""
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
-    if backend is None:
-        backend = jax.default_backend()
-        if backend == "cpu" and interpret:
-            backend = "gpu"
-    if backend in ("gpu", "cuda", "rocm") and supports_gpu(q.shape, k_pages.shape, k_pages.dtype):
+    which = select_backend(q.shape, k_pages.shape, k_pages.dtype, interpret=interpret,
+                           backend=backend, latent=True)  # fmt: skip
+    if which == "gpu":
         return gpu_paged_decode_attention(q, k_pages, v_pages, lengths, page_table,
                                           interpret=interpret, **kwargs)  # fmt: skip
-    if backend == "tpu" and supports_tpu(k_pages.shape):
+    if which == "tpu":
         return tpu_paged_decode_attention(q, k_pages, v_pages, lengths, page_table,
                                           interpret=interpret, **kwargs)  # fmt: skip
     return reference.paged_decode_attention(
