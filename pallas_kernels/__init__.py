@@ -108,6 +108,19 @@ def _warn_reference(backend: str, q_shape, k_shape, dtype: str) -> None:
     )
 
 
+def _latent_kernel(which: str, *, prefill: bool):
+    """The latent attention kernel select_backend picked ("gpu" or "tpu"): mla.py's decode
+    kernels, mla_prefill.py's ragged prefill kernels."""
+    if prefill:
+        from pallas_kernels import mla_prefill
+
+        return {"gpu": mla_prefill.gpu_paged_prefill_attention,
+                "tpu": mla_prefill.tpu_paged_prefill_attention}[which]  # fmt: skip
+    from pallas_kernels import mla
+
+    return {"gpu": mla.gpu_paged_decode_attention, "tpu": mla.tpu_paged_decode_attention}[which]
+
+
 def gpu_decode_kernel(q_shape, k_shape, dtype, gpu_kernel: str | None) -> str:
     """Which GPU decode kernel runs: "mosaic" when asked for (argument, else
     $JPAGED_GPU_KERNEL) and the shape and dtype suit it, else "triton". dtype: the pages'
@@ -155,12 +168,13 @@ def paged_decode_attention(
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     if latent:
-        from pallas_kernels import mla
-
-        return mla.paged_decode_attention(
-            q, k_pages, v_pages, lengths, page_table, interpret=interpret, backend=backend,
-            **kwargs,
-        )  # fmt: skip
+        which = select_backend(q.shape, k_pages.shape, k_pages.dtype, interpret=interpret,
+                               backend=backend, latent=True)  # fmt: skip
+        if which == "cpu":
+            return reference.paged_decode_attention(q, k_pages, v_pages, lengths, page_table,
+                                                    latent=True, **kwargs)  # fmt: skip
+        return _latent_kernel(which, prefill=False)(q, k_pages, v_pages, lengths, page_table,
+                                                    interpret=interpret, **kwargs)  # fmt: skip
     if sinks is not None:  # only then: the other families' kernels are traced as before
         kwargs["sinks"] = sinks
     which = select_backend(
@@ -216,11 +230,12 @@ def paged_prefill_attention(
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     args = (q, k_pages, v_pages, context_lens, page_table, query_start)
     if latent:
-        from pallas_kernels import mla_prefill
-
-        return mla_prefill.paged_prefill_attention(
-            *args, interpret=interpret, backend=backend, max_query_len=max_query_len, **kwargs
-        )
+        which = select_backend(q.shape, k_pages.shape, k_pages.dtype, interpret=interpret,
+                               backend=backend, latent=True)  # fmt: skip
+        if which == "cpu":
+            return reference.paged_prefill_attention(*args, max_query_len=max_query_len,
+                                                     latent=True, **kwargs)  # fmt: skip
+        return _latent_kernel(which, prefill=True)(*args, interpret=interpret, **kwargs)
     if sinks is not None:
         kwargs["sinks"] = sinks
     which = select_backend(

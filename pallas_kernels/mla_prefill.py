@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import mla, reference, select_backend, tuning
+from pallas_kernels import mla, tuning
 from pallas_kernels.common import (
     any_memory_space,
     finish,
@@ -54,7 +54,10 @@ from pallas_kernels.gpu_prefill import seq_kv_range, visible
 from pallas_kernels.reference import MASK_VALUE
 from pallas_kernels.tpu_decode import PageBlockCopier, block_scratch, read_block
 
-__all__ = ["LatentPrefillBlocks", "gpu_blocks", "paged_prefill_attention", "tpu_blocks"]
+__all__ = [
+    "LatentPrefillBlocks", "gpu_blocks", "gpu_paged_prefill_attention", "tpu_blocks",
+    "tpu_paged_prefill_attention",
+]  # fmt: skip
 
 # Query rows (tokens x heads) one GPU program holds: the latent row is wide (576 values for
 # DeepSeek-V3), so the float32 accumulator of 16 rows is already 36 KiB of registers.
@@ -357,31 +360,3 @@ def tpu_paged_prefill_attention(q, k_pages, v_pages, context_lens, page_table, q
     out = jnp.concatenate([out_k, out_v], axis=-1)
     return _unlayout(out, num_tokens=num_tokens, num_q_heads=num_q_heads, head_rows=hr)
 
-
-def paged_prefill_attention(
-    q: jax.Array,  # [num_tokens, num_q_heads, 2 * head_dim]
-    k_pages,  # [1, num_pages, page_size, head_dim]: each row's first half
-    v_pages,  # [1, num_pages, page_size, head_dim]: its second half
-    context_lens: jax.Array,  # int32[num_seqs]
-    page_table: jax.Array,  # int32[num_seqs, pages_per_seq]
-    query_start: jax.Array,  # int32[num_seqs + 1]
-    *,
-    sm_scale: float,
-    soft_cap: float | None = None,
-    sliding_window: int | None = None,
-    interpret: bool = False,
-    backend: str | None = None,
-    max_query_len: int | None = None,
-) -> jax.Array:  # [num_tokens, num_q_heads, 2 * head_dim], q's dtype
-    """Latent ragged prefill, dispatched as mla.paged_decode_attention (select_backend,
-    latent=True). max_query_len is the reference's hint only."""
-    kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
-    args = (q, k_pages, v_pages, context_lens, page_table, query_start)
-    which = select_backend(q.shape, k_pages.shape, k_pages.dtype, interpret=interpret,
-                           backend=backend, latent=True)  # fmt: skip
-    if which == "gpu":
-        return gpu_paged_prefill_attention(*args, interpret=interpret, **kwargs)
-    if which == "tpu":
-        return tpu_paged_prefill_attention(*args, interpret=interpret, **kwargs)
-    return reference.paged_prefill_attention(*args, max_query_len=max_query_len, latent=True,
-                                             **kwargs)  # fmt: skip
