@@ -63,11 +63,13 @@ GPU_KERNELS = ("triton", "mosaic")
 GPU_KERNEL_ENV = "JPAGED_GPU_KERNEL"
 
 
-def select_backend(q_shape, k_shape, dtype, *, interpret: bool, backend: str | None) -> str:
+def select_backend(q_shape, k_shape, dtype, *, interpret: bool, backend: str | None,
+                   latent: bool = False) -> str:  # fmt: skip
     """Which implementation runs: "gpu", "tpu" or "cpu" (the reference). Plain and quantized
     pages (kv_quant.QuantizedPages, whose shape and dtype are its codes') follow the same
     rules: every kernel reads both, so only a shape a kernel refuses falls back (on GPU the
-    dtype decides whether a pool's offsets fit, gpu_decode.offsets_fit)."""
+    dtype decides whether a pool's offsets fit, gpu_decode.offsets_fit). latent: the latent
+    attention's kernels decide (mla.supports_gpu / supports_tpu; decode and prefill alike)."""
     if backend is None:
         backend = jax.default_backend()
         if backend == "cpu" and interpret:
@@ -76,19 +78,24 @@ def select_backend(q_shape, k_shape, dtype, *, interpret: bool, backend: str | N
         backend = "gpu"
     if backend not in _BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
-    if backend == "gpu":
+    if backend == "cpu":
+        return "cpu"
+    if latent:
+        from pallas_kernels import mla
+
+        ok = (mla.supports_gpu(q_shape, k_shape, dtype) if backend == "gpu"
+              else mla.supports_tpu(k_shape))  # fmt: skip
+    elif backend == "gpu":
         from pallas_kernels import gpu_decode
 
-        if gpu_decode.supports(q_shape, k_shape, dtype):
-            return "gpu"
-        _warn_reference(backend, tuple(q_shape), tuple(k_shape), str(dtype))
-        return "cpu"
-    if backend == "tpu":
+        ok = gpu_decode.supports(q_shape, k_shape, dtype)
+    else:
         from pallas_kernels import tpu_decode
 
-        if tpu_decode.supports(q_shape, k_shape):
-            return "tpu"
-        _warn_reference(backend, tuple(q_shape), tuple(k_shape), str(dtype))
+        ok = tpu_decode.supports(q_shape, k_shape)
+    if ok:
+        return backend
+    _warn_reference(backend, tuple(q_shape), tuple(k_shape), str(dtype))
     return "cpu"
 
 
@@ -99,6 +106,19 @@ def _warn_reference(backend: str, q_shape, k_shape, dtype: str) -> None:
         "paged attention on %s runs the XLA reference, not a Pallas kernel: the kernels refuse "
         "q %s over %s pages %s (docs/attention.md, Dispatch)", backend, q_shape, dtype, k_shape,
     )
+
+
+def _latent_kernel(which: str, *, prefill: bool):
+    """The latent attention kernel select_backend picked ("gpu" or "tpu"): mla.py's decode
+    kernels, mla_prefill.py's ragged prefill kernels."""
+    if prefill:
+        from pallas_kernels import mla_prefill
+
+        return {"gpu": mla_prefill.gpu_paged_prefill_attention,
+                "tpu": mla_prefill.tpu_paged_prefill_attention}[which]  # fmt: skip
+    from pallas_kernels import mla
+
+    return {"gpu": mla.gpu_paged_decode_attention, "tpu": mla.tpu_paged_decode_attention}[which]
 
 
 def gpu_decode_kernel(q_shape, k_shape, dtype, gpu_kernel: str | None) -> str:
@@ -148,12 +168,13 @@ def paged_decode_attention(
     """
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     if latent:
-        from pallas_kernels import mla
-
-        return mla.paged_decode_attention(
-            q, k_pages, v_pages, lengths, page_table, interpret=interpret, backend=backend,
-            **kwargs,
-        )  # fmt: skip
+        which = select_backend(q.shape, k_pages.shape, k_pages.dtype, interpret=interpret,
+                               backend=backend, latent=True)  # fmt: skip
+        if which == "cpu":
+            return reference.paged_decode_attention(q, k_pages, v_pages, lengths, page_table,
+                                                    latent=True, **kwargs)  # fmt: skip
+        return _latent_kernel(which, prefill=False)(q, k_pages, v_pages, lengths, page_table,
+                                                    interpret=interpret, **kwargs)  # fmt: skip
     if sinks is not None:  # only then: the other families' kernels are traced as before
         kwargs["sinks"] = sinks
     which = select_backend(
@@ -209,11 +230,12 @@ def paged_prefill_attention(
     kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
     args = (q, k_pages, v_pages, context_lens, page_table, query_start)
     if latent:
-        from pallas_kernels import mla_prefill
-
-        return mla_prefill.paged_prefill_attention(
-            *args, interpret=interpret, backend=backend, max_query_len=max_query_len, **kwargs
-        )
+        which = select_backend(q.shape, k_pages.shape, k_pages.dtype, interpret=interpret,
+                               backend=backend, latent=True)  # fmt: skip
+        if which == "cpu":
+            return reference.paged_prefill_attention(*args, max_query_len=max_query_len,
+                                                     latent=True, **kwargs)  # fmt: skip
+        return _latent_kernel(which, prefill=True)(*args, interpret=interpret, **kwargs)
     if sinks is not None:
         kwargs["sinks"] = sinks
     which = select_backend(

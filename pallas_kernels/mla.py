@@ -21,7 +21,8 @@ page's two halves into VMEM as they copy K and V; the query comes in as its two 
 the output leaves as two, so no operand is sliced at a lane offset (288 is not a multiple
 of 128), and each half is one full-width tile.
 
-The reference (reference.py, latent=True) serves the CPU and any shape a kernel refuses.
+The reference (reference.py, latent=True) serves the CPU and any shape a kernel refuses
+(pallas_kernels/__init__.py dispatches: select_backend(latent=True), supports_gpu / supports_tpu).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import gpu_decode, reference, tpu_decode, tuning
+from pallas_kernels import gpu_decode, tpu_decode, tuning
 from pallas_kernels.common import (
     any_memory_space,
     dot_f32,
@@ -313,34 +314,3 @@ def tpu_paged_decode_attention(q, k_pages, v_pages, lengths, page_table, *, sm_s
     out = jnp.concatenate([out_k, out_v], axis=-1).reshape(batch, head_blocks * rows, width)
     return out[:, :num_q_heads]
 
-
-def paged_decode_attention(
-    q: jax.Array,  # [batch, num_q_heads, 2 * head_dim]
-    k_pages,  # [1, num_pages, page_size, head_dim]: each row's first half
-    v_pages,  # [1, num_pages, page_size, head_dim]: its second half
-    lengths: jax.Array,  # int32[batch]; 0 gives zeros
-    page_table: jax.Array,  # int32[batch, pages_per_seq]
-    *,
-    sm_scale: float,
-    soft_cap: float | None = None,
-    sliding_window: int | None = None,
-    interpret: bool = False,
-    backend: str | None = None,
-) -> jax.Array:  # [batch, num_q_heads, 2 * head_dim], q's dtype
-    """Latent decode attention, dispatched: the GPU or TPU kernel where it runs (interpret on
-    a CPU host: the GPU kernel in the Pallas interpreter) and takes the shape, else the
-    reference."""
-    kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
-    if backend is None:
-        backend = jax.default_backend()
-        if backend == "cpu" and interpret:
-            backend = "gpu"
-    if backend in ("gpu", "cuda", "rocm") and supports_gpu(q.shape, k_pages.shape, k_pages.dtype):
-        return gpu_paged_decode_attention(q, k_pages, v_pages, lengths, page_table,
-                                          interpret=interpret, **kwargs)  # fmt: skip
-    if backend == "tpu" and supports_tpu(k_pages.shape):
-        return tpu_paged_decode_attention(q, k_pages, v_pages, lengths, page_table,
-                                          interpret=interpret, **kwargs)  # fmt: skip
-    return reference.paged_decode_attention(
-        q, k_pages, v_pages, lengths, page_table, latent=True, **kwargs
-    )

@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import mla, reference, tuning
+from pallas_kernels import mla, tuning
 from pallas_kernels.common import (
     any_memory_space,
     finish,
@@ -54,7 +54,10 @@ from pallas_kernels.gpu_prefill import seq_kv_range, visible
 from pallas_kernels.reference import MASK_VALUE
 from pallas_kernels.tpu_decode import PageBlockCopier, block_scratch, read_block
 
-__all__ = ["LatentPrefillBlocks", "gpu_blocks", "paged_prefill_attention", "tpu_blocks"]
+__all__ = [
+    "LatentPrefillBlocks", "gpu_blocks", "gpu_paged_prefill_attention", "tpu_blocks",
+    "tpu_paged_prefill_attention",
+]  # fmt: skip
 
 # Query rows (tokens x heads) one GPU program holds: the latent row is wide (576 values for
 # DeepSeek-V3), so the float32 accumulator of 16 rows is already 36 KiB of registers.
@@ -121,6 +124,23 @@ def _padded_table(page_table, *, pages_per_block: int, sliding_window):
     return jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, width - page_table.shape[1])))
 
 
+def _setup(kernel_fn, pick_blocks, q, context_lens, page_table, query_start, page_size, *,
+           blocks, sm_scale, soft_cap, sliding_window):  # fmt: skip
+    """Both wrappers' set-up: the blocks (pick_blocks' unless given), the page table padded
+    to whole blocks of pages, the kernel with its static arguments bound, and the query
+    rows' layout (_layout's tuple)."""
+    if blocks is None:
+        blocks = pick_blocks(num_tokens=q.shape[0], num_q_heads=q.shape[1], page_size=page_size,
+                             pages_per_seq=page_table.shape[1])  # fmt: skip
+    ppb = blocks.pages_per_block
+    table = _padded_table(page_table, pages_per_block=ppb, sliding_window=sliding_window)
+    kernel = functools.partial(
+        kernel_fn, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+        block_q=blocks.block_q, pages_per_block=ppb, width=table.shape[1],
+    )  # fmt: skip
+    return blocks, table, kernel, _layout(q, context_lens, query_start, blocks)
+
+
 def _gpu_kernel(ctx_ref, qs_ref, table_ref, lo_ref, hi_ref, row_seq_ref, row_pos_ref, q_ref,
                 k_ref, v_ref, *refs, sm_scale, soft_cap, sliding_window, block_q,
                 pages_per_block, width):  # fmt: skip
@@ -185,19 +205,13 @@ def gpu_paged_prefill_attention(q, k_pages, v_pages, context_lens, page_table, q
     num_tokens, num_q_heads, width2 = q.shape
     _, num_pages, page_size, d = k_data.shape
     num_seqs = page_table.shape[0]
-    if blocks is None:
-        blocks = gpu_blocks(num_tokens=num_tokens, num_q_heads=num_q_heads, page_size=page_size,
-                            pages_per_seq=page_table.shape[1])  # fmt: skip
-    hr, bq, ppb = blocks.head_rows, blocks.block_q, blocks.pages_per_block
-    rows = bq * hr
-    table = _padded_table(page_table, pages_per_block=ppb, sliding_window=sliding_window)
-    q_rows, row_seq, row_pos, blk_lo, blk_hi, head_blocks = _layout(
-        q, context_lens, query_start, blocks
-    )
-    kernel = functools.partial(
-        _gpu_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        block_q=bq, pages_per_block=ppb, width=table.shape[1],
+    blocks, table, kernel, layout = _setup(
+        _gpu_kernel, gpu_blocks, q, context_lens, page_table, query_start, page_size,
+        blocks=blocks, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
     )  # fmt: skip
+    q_rows, row_seq, row_pos, blk_lo, blk_hi, head_blocks = layout
+    hr = blocks.head_rows
+    rows = blocks.block_q * hr
 
     def whole(n):
         return pl.BlockSpec((n,), lambda i, h: (0,))
@@ -315,19 +329,13 @@ def tpu_paged_prefill_attention(q, k_pages, v_pages, context_lens, page_table, q
     num_tokens, num_q_heads, width2 = q.shape
     d = width2 // 2
     page_size = k_data.shape[2]
-    if blocks is None:
-        blocks = tpu_blocks(num_tokens=num_tokens, num_q_heads=num_q_heads, page_size=page_size,
-                            pages_per_seq=page_table.shape[1])  # fmt: skip
-    hr, bq, ppb = blocks.head_rows, blocks.block_q, blocks.pages_per_block
-    rows = bq * hr
-    table = _padded_table(page_table, pages_per_block=ppb, sliding_window=sliding_window)
-    q_rows, row_seq, row_pos, blk_lo, blk_hi, head_blocks = _layout(
-        q, context_lens, query_start, blocks
-    )
-    kernel = functools.partial(
-        _tpu_kernel, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
-        block_q=bq, pages_per_block=ppb, width=table.shape[1],
+    blocks, table, kernel, layout = _setup(
+        _tpu_kernel, tpu_blocks, q, context_lens, page_table, query_start, page_size,
+        blocks=blocks, sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
     )  # fmt: skip
+    q_rows, row_seq, row_pos, blk_lo, blk_hi, head_blocks = layout
+    hr, ppb = blocks.head_rows, blocks.pages_per_block
+    rows = blocks.block_q * hr
     meta_spec = pl.BlockSpec((rows, 1), lambda i, h, *_: (i, 0))
     half_spec = pl.BlockSpec((None, rows, d), lambda i, h, *_: (h, i, 0))
     out_k, out_v = pl.pallas_call(
@@ -352,36 +360,3 @@ def tpu_paged_prefill_attention(q, k_pages, v_pages, context_lens, page_table, q
     out = jnp.concatenate([out_k, out_v], axis=-1)
     return _unlayout(out, num_tokens=num_tokens, num_q_heads=num_q_heads, head_rows=hr)
 
-
-def paged_prefill_attention(
-    q: jax.Array,  # [num_tokens, num_q_heads, 2 * head_dim]
-    k_pages,  # [1, num_pages, page_size, head_dim]: each row's first half
-    v_pages,  # [1, num_pages, page_size, head_dim]: its second half
-    context_lens: jax.Array,  # int32[num_seqs]
-    page_table: jax.Array,  # int32[num_seqs, pages_per_seq]
-    query_start: jax.Array,  # int32[num_seqs + 1]
-    *,
-    sm_scale: float,
-    soft_cap: float | None = None,
-    sliding_window: int | None = None,
-    interpret: bool = False,
-    backend: str | None = None,
-    max_query_len: int | None = None,
-) -> jax.Array:  # [num_tokens, num_q_heads, 2 * head_dim], q's dtype
-    """Latent ragged prefill, dispatched as mla.paged_decode_attention: the GPU or TPU
-    kernel where it runs (interpret on a CPU host: the GPU kernel in the Pallas interpreter)
-    and takes the shape (mla.supports_gpu / supports_tpu), else the reference. max_query_len
-    is the reference's hint only."""
-    kwargs = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window}
-    args = (q, k_pages, v_pages, context_lens, page_table, query_start)
-    if backend is None:
-        backend = jax.default_backend()
-        if backend == "cpu" and interpret:
-            backend = "gpu"
-    if backend in ("gpu", "cuda", "rocm") and mla.supports_gpu(q.shape, k_pages.shape,
-                                                                k_pages.dtype):
-        return gpu_paged_prefill_attention(*args, interpret=interpret, **kwargs)
-    if backend == "tpu" and mla.supports_tpu(k_pages.shape):
-        return tpu_paged_prefill_attention(*args, interpret=interpret, **kwargs)
-    return reference.paged_prefill_attention(*args, max_query_len=max_query_len, latent=True,
-                                             **kwargs)  # fmt: skip

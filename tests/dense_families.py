@@ -103,6 +103,27 @@ def hf_beams(path, prompt, width: int, max_tokens: int) -> list[tuple[list[int],
     return [(r, s * max_tokens) for r, s in zip(rows, out.sequences_scores.tolist(), strict=True)]
 
 
+def check_forks_and_beams(llm, path, prompt: list[int], max_tokens: int) -> None:
+    """On llm (an engine of path's checkpoint): n = 2 greedy forks of the prompt (copy-on-write
+    of its partial page) each give transformers' greedy tokens of the prompt alone, and a beam
+    search of width 2 gives transformers' beams (they diverge, fork and drop), sums of
+    logprobs within 1e-4; the pool is whole after."""
+    import pytest
+
+    from jpaged import BeamSearchParams, SamplingParams
+
+    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    (out,) = llm.generate([prompt], greedy)
+    assert [c.token_ids for c in out.outputs] == hf_greedy(path, [prompt], max_tokens) * 2
+    (beams,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=max_tokens))
+    assert llm.stats()["pages_used"] == 0
+    want = hf_beams(path, prompt, 2, max_tokens)
+    assert [s.token_ids for s in beams.sequences] == [w[0] for w in want]
+    assert want[0][0] != want[1][0]
+    for seq, (_, cum) in zip(beams.sequences, want, strict=True):
+        assert seq.cum_logprob == pytest.approx(cum, abs=1e-4)
+
+
 def paged_logits(loaded, chunks: list[int], token_ids: list[int], *, page=4, stacked=False):
     """One sequence through forward() in chunks (1: a decode step) over a shuffled page
     table whose unused pages hold NaN; the logits of every position [len(token_ids), V].

@@ -99,6 +99,26 @@ def test_deepseek_v3_kv_bytes_per_token_against_full_heads():
     assert (mla, full_heads) == (70_272, 4_997_120)
 
 
+def test_kimi_k2_config_is_deepseek_v3s_with_one_group():
+    """Kimi K2 (DeepseekV3ForCausalLM: 64 heads, 384 experts in one group, one dense layer,
+    YaRN factor 32 over 4,096): its fields, and the same latent row as DeepSeek-V3's, so
+    the same 70,272 bytes per token in bfloat16 whatever its heads."""
+    yarn = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0}
+    cfg = ModelConfig.from_hf_config(_hf_config(**{
+        **DEEPSEEK_V3_ATTENTION, "num_attention_heads": 64, "n_routed_experts": 384,
+        "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "rope_theta": 50000.0,
+        "routed_scaling_factor": 2.827, "rope_scaling": yarn, "vocab_size": 163840,
+    }))  # fmt: skip
+    assert (cfg.num_heads, cfg.num_experts, cfg.num_expert_groups, cfg.topk_groups) == (
+        64, 384, 1, 1)  # fmt: skip
+    assert (cfg.num_dense_layers, cfg.routed_scaling_factor, cfg.moe_scoring) == (
+        1, 2.827, "sigmoid")  # fmt: skip
+    assert cfg.rope_theta == 50000.0 and cfg.rope_scaling.factor == 32.0
+    assert cfg.sm_scale == pytest.approx(192**-0.5 * (0.1 * np.log(32) + 1) ** 2)
+    assert kv_page_bytes(cfg, 1, 2) == 61 * (512 + 64) * 2 == 70_272
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_at_equal_memory_the_latent_pool_holds_its_bytes_ratio_more_sequences(kv_cache_dtype):
     """The engine's memory plan for DeepSeek-V3's real attention dims (bfloat16 activations)
@@ -153,12 +173,15 @@ def test_logits_equal_transformers(checkpoints, family):
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.num_dense_layers) == (1, 16, 1)
     ids = prompts(cfg.vocab_size)[1]
     ref = hf_logits(checkpoints[family], ids)
-    # the other families' expert layers scanned (two layer programs to compile, not three)
-    whole = paged_logits(loaded, [len(ids)], ids, stacked=family != "deepseek_v3")
-    np.testing.assert_allclose(whole, ref, atol=1e-5, rtol=0)
-    if family != "deepseek_v3":  # the others' attention and experts differ in projections only
+    # V3: one whole prefill (layers unrolled), then chunked prefill and decode steps (the
+    # expert layers scanned); V2 (a direct query, softmax routing over the best groups): the
+    # steps only, whose first chunk is a prefill; V3 without a query LoRA: one whole prefill,
+    # scanned (it differs from V3 in its query projection only)
+    if family != "deepseek_v2":
+        whole = paged_logits(loaded, [len(ids)], ids, stacked=family != "deepseek_v3")
+        np.testing.assert_allclose(whole, ref, atol=1e-5, rtol=0)
+    if family == "deepseek_v3_no_q_lora":
         return
-    # chunked prefill then decode steps, the expert layers scanned
     steps = paged_logits(loaded, [13, 12] + [1] * (len(ids) - 25), ids, stacked=True)
     np.testing.assert_allclose(steps, ref, atol=1e-5, rtol=0)
 
@@ -189,14 +212,18 @@ def test_preempted_sequences_give_transformers_tokens(checkpoints, mode):
 
 
 @pytest.mark.needs_torch
-def test_int8_pages_hold_the_latent(checkpoints, v3_greedy):
-    """An int8 pool: a token's row is 32 int8 values and two bfloat16 scales per layer (108
-    bytes against float32's 384), and its greedy tokens are transformers' (prefix hits and
-    chunked prefill included)."""
+@pytest.mark.parametrize(("kv_cache_dtype", "stored"), [("int8", "int8"), ("fp8", "float8_e4m3fn")])
+def test_quantized_pages_hold_the_latent(checkpoints, v3_greedy, kv_cache_dtype, stored):
+    """An int8 or fp8 (e4m3) pool: a token's row is 32 one-byte values and two bfloat16
+    scales per layer (108 bytes against float32's 384), and its greedy tokens are
+    transformers' (prefix hits and chunked prefill included)."""
     path = checkpoints["deepseek_v3"]
-    got, stats = engine_greedy_and_stats(path, prompts(160)[:3], MAX_TOKENS, kv_cache_dtype="int8",
+    got, stats = engine_greedy_and_stats(path, prompts(160)[:3], MAX_TOKENS,
+                                         kv_cache_dtype=kv_cache_dtype,
                                          enable_prefix_caching=True, **ENGINE)  # fmt: skip
+    assert stats["kv_cache_dtype"] == stored
     assert stats["kv_bytes_per_token"] == 3 * 2 * (16 + 2)
+    assert stats["prefix_cache_hit_tokens"] > 0
     assert got == v3_greedy[:3]
 
 
@@ -206,23 +233,13 @@ def test_forks_and_beam_search_equal_transformers(checkpoints):
     prompt's partial page in the latent pool) each give transformers' greedy tokens of the
     prompt alone, and a beam search of width 2 (beams that diverge, fork and drop) gives
     transformers' beams, sums of logprobs within 1e-4; the pool is whole after."""
-    from dense_families import hf_beams
+    from dense_families import check_forks_and_beams
 
-    from jpaged import LLM, BeamSearchParams, SamplingParams
+    from jpaged import LLM
 
-    path = checkpoints["deepseek_v3"]
     prompt = np.random.default_rng(4).integers(0, 160, 11).tolist()  # a partial 3rd page
-    llm = LLM(str(path), **ENGINE)
-    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    (out,) = llm.generate([prompt], greedy)
-    assert [c.token_ids for c in out.outputs] == hf_greedy(path, [prompt], MAX_TOKENS) * 2
-    (beams,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=MAX_TOKENS))
-    assert llm.stats()["pages_used"] == 0
-    want = hf_beams(path, prompt, 2, MAX_TOKENS)
-    assert [s.token_ids for s in beams.sequences] == [w[0] for w in want]
-    assert want[0][0] != want[1][0]
-    for seq, (_, cum) in zip(beams.sequences, want, strict=True):
-        assert seq.cum_logprob == pytest.approx(cum, abs=1e-4)
+    llm = LLM(str(checkpoints["deepseek_v3"]), **ENGINE)
+    check_forks_and_beams(llm, checkpoints["deepseek_v3"], prompt, MAX_TOKENS)
 
 
 @pytest.mark.needs_torch

@@ -3,7 +3,8 @@
 params with a dense first layer stacked and unstacked, and our logits and greedy tokens
 equal to transformers' for tiny random checkpoints (a dense first layer, 4 groups of 2
 experts of which 2 are eligible, a shared expert, partial rotary 0.5, q/k/v bias, with and
-without the per-head q/k norm)."""
+without the per-head q/k norm): whole and chunked prefill and decode steps (logits), and
+through one engine prefix hits, a preemption by recompute, greedy forks and beam search."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from checkpoints import stack_expert
 from dense_families import hf_logits, paged_logits
-from moe_families import engine_greedy, hf_greedy, prompts, save_tiny
+from moe_families import hf_greedy, prompts, save_tiny
 
 from models import moe
 from models.config import ModelConfig
@@ -307,22 +308,34 @@ def test_gguf_equals_hf_directory(checkpoints, tmp_path, family):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
 
 
+# One engine for the greedy, forks and beams runs below (one set of programs): 14 pages of 4
+# tokens hold one 52-token sequence, not two of the long prompts (33 + 16 and 26 + 16 tokens
+# need 13 + 11 pages), so one is preempted and recomputed.
+ENGINE = {
+    "max_num_seqs": 2, "max_model_len": 52, "max_num_batched_tokens": 16,
+    "min_token_bucket": 16, "page_size": 4, "num_pages": 14, "compilation_cache_dir": None,
+}  # fmt: skip
+
+
 @pytest.mark.needs_torch
-def test_engine_greedy_tokens_equal_transformers(checkpoints):
-    """Five prompts sharing a prefix (prefix hits), chunked prefill, 16 greedy tokens each."""
+def test_engine_tokens_forks_and_beams_equal_transformers(checkpoints):
+    """One engine: five prompts sharing a prefix (prefix hits), chunked prefill, 16 greedy
+    tokens each, in a pool too small for two long sequences (a preemption by recompute); then
+    n = 2 greedy forks (copy-on-write of the prompt's partial page) each give transformers'
+    greedy tokens of the prompt alone, and a beam search of width 2 (beams that diverge, fork
+    and drop) gives transformers' beams, sums of logprobs within 1e-4; the pool is whole
+    after each."""
+    from dense_families import check_forks_and_beams
+
+    from jpaged import LLM, SamplingParams
+
     path = checkpoints["glm4moe_qk_norm"]
     token_prompts = prompts(160)
-    want = hf_greedy(path, token_prompts, MAX_TOKENS)
-    got = engine_greedy(
-        path,
-        token_prompts,
-        MAX_TOKENS,
-        max_num_seqs=2,
-        max_model_len=64,
-        max_num_batched_tokens=16,
-        page_size=4,
-        num_pages=40,
-        enable_prefix_caching=True,
-        compilation_cache_dir=None,
-    )
-    assert got == want
+    llm = LLM(str(path), **ENGINE)
+    outs = llm.generate(token_prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    stats = llm.stats()
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, token_prompts, MAX_TOKENS)
+    assert stats["num_preemptions"] >= 1 and stats["prefix_cache_hit_tokens"] > 0
+    assert stats["pages_used"] == 0
+    prompt = np.random.default_rng(4).integers(0, 160, 11).tolist()  # a partial 3rd page
+    check_forks_and_beams(llm, path, prompt, MAX_TOKENS)

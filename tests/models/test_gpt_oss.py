@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from dense_families import (
-    engine_greedy,
     engine_greedy_and_stats,
     hf_beams,
     hf_greedy,
@@ -150,8 +149,10 @@ def test_engine_greedy_tokens_equal_transformers(checkpoint):
     through the engine's hybrid paging (window layers release their old pages)."""
     prompts = prompts_with_shared_prefix(VOCAB, [19, 33, 11, 26, 12], prefix=10)
     # the forks test's engine geometry (ENGINE, below), so its programs serve both
-    got = engine_greedy(checkpoint, prompts, 12, enable_prefix_caching=True, **ENGINE)
+    got, stats = engine_greedy_and_stats(checkpoint, prompts, 12, enable_prefix_caching=True,
+                                         **ENGINE)  # fmt: skip
     assert got == hf_greedy(checkpoint, prompts, 12)
+    assert stats["prefix_cache_hit_tokens"] > 0
 
 
 @pytest.mark.needs_torch

@@ -1,7 +1,7 @@
 """Multi-head latent attention's paged attention (pallas_kernels/mla.py, reference.py latent):
 the reference against a dense per-head softmax over the latent rows; the GPU (Triton) latent
 decode kernel and the TPU (Mosaic) one in the Pallas interpreter against the reference, on
-plain and int8 pages, with head blocks and half rows of several power-of-two chunks; their
+plain, int8 and fp8 (e4m3) pages, the dispatcher's choice, with head blocks and half rows of several power-of-two chunks; their
 lowering for 'cuda' and 'tpu' at DeepSeek-V3's shape (128 heads, half row 288 = 256 + 32)."""
 
 from __future__ import annotations
@@ -85,6 +85,36 @@ def test_gpu_kernel_on_int8_pages_equals_the_reference():
     got = mla.gpu_paged_decode_attention(q, kq, vq, lengths, table, sm_scale=0.1, interpret=True)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
     assert np.abs(np.asarray(want)).max() > 0.1
+
+
+def test_the_dispatcher_picks_the_latent_decode_kernels():
+    """latent=True decode: the Triton kernel under interpret on a CPU host, the Mosaic one for
+    'tpu', the reference for 'cpu' and for shapes the kernels refuse (a half row of 20, not
+    a multiple of 16; pages of 4 on the TPU)."""
+
+    def names(args, **kw):
+        fn = lambda *a: pallas_kernels.paged_decode_attention(*a, sm_scale=0.1, latent=True, **kw)
+        return str(jax.make_jaxpr(fn)(*args))
+
+    args = _case(4, d=16, heads=4, page=8)
+    assert "jpaged_gpu_mla_decode" in names(args, interpret=True)
+    assert "jpaged_tpu_mla_decode" in names(args, interpret=True, backend="tpu")
+    assert "mla_decode" not in names(args, backend="cpu")
+    assert "mla_decode" not in names(_case(4, d=20, heads=4, page=8), interpret=True)
+    assert "mla_decode" not in names(_case(4, d=16, heads=4, page=4), interpret=True, backend="tpu")
+
+
+def test_both_kernels_on_fp8_pages_equal_the_reference():
+    """fp8 (e4m3) pages, a small case (the kernels' fp8 and int8 paths differ only in the
+    codes' dtype): the GPU and TPU kernels interpreted equal the reference."""
+    q, k, v, lengths, table = _case(5, d=16, heads=4, page=8, lengths=(0, 11), pages_per_seq=2)
+    k = QuantizedPages(*kv_quant.quantize(k, jnp.float8_e4m3fn))
+    v = QuantizedPages(*kv_quant.quantize(v, jnp.float8_e4m3fn))
+    want = reference.paged_decode_attention(q, k, v, lengths, table, sm_scale=0.1, latent=True)
+    assert np.abs(np.asarray(want)).max() > 0.1
+    for kernel in (mla.gpu_paged_decode_attention, mla.tpu_paged_decode_attention):
+        got = kernel(q, k, v, lengths, table, sm_scale=0.1, interpret=True)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0, err_msg=kernel.__name__)
 
 
 def test_gpu_kernel_lowers_for_cuda_at_deepseek_v3_shape():

@@ -2,7 +2,7 @@
 GPU (Triton) and TPU (Mosaic) kernels in the Pallas interpreter against the reference
 (reference.paged_prefill_attention, latent=True) on NaN-filled pools, over several page
 sizes, chunks starting mid-page after a prefix hit, whole prompts, decode tokens and padding
-rows, on plain and int8 pages; the dispatcher's choice; their lowering for 'cuda' (an
+rows, on plain, int8 and fp8 (e4m3) pages; the dispatcher's choice; their lowering for 'cuda' (an
 abstract H200) and 'tpu' at DeepSeek-V3's shape (128 heads, half row 288 = 256 + 32)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ V3_PREFILL = prefill_specs(256, 8, 32, 128, 1, 288, 16, 257, "bfloat16")
 V3_PREFILL = (jax.ShapeDtypeStruct((256, 128, 576), jnp.bfloat16), *V3_PREFILL[1:])
 
 
-def _case(seed, *, d, heads, page, seqs=SEQS, quantized=False):
+def _case(seed, *, d, heads, page, seqs=SEQS, quantized=None):
     """(q [T, heads, 2d], k, v, context_lens, page_table, query_start): pools [1, N, page, d]
     NaN outside the written slots (paged_cases.make_pool), 3 padding query rows."""
     c = prefill_case(seed, seqs=seqs, num_kv_heads=1, group=heads, page_size=page,
@@ -35,9 +35,9 @@ def _case(seed, *, d, heads, page, seqs=SEQS, quantized=False):
     rng = np.random.default_rng(seed + 100)
     q = jnp.asarray(rng.standard_normal((c.q.shape[0], heads, 2 * d)), jnp.float32)
     k, v = c.k_pages, c.v_pages
-    if quantized:
-        k = QuantizedPages(*kv_quant.quantize(k, jnp.int8))
-        v = QuantizedPages(*kv_quant.quantize(v, jnp.int8))
+    if quantized is not None:  # the pages' dtype
+        k = QuantizedPages(*kv_quant.quantize(k, quantized))
+        v = QuantizedPages(*kv_quant.quantize(v, quantized))
     return q, k, v, c.context_lens, c.page_table, c.query_start
 
 
@@ -58,7 +58,7 @@ def test_gpu_kernel_interpreted_equals_the_reference(d, heads, page):
 
 
 def test_gpu_kernel_on_int8_pages_equals_the_reference():
-    args = _case(2, d=16, heads=4, page=4, quantized=True)
+    args = _case(2, d=16, heads=4, page=4, quantized=jnp.int8)
     want = reference.paged_prefill_attention(*args, sm_scale=0.1, latent=True)
     got = mla_prefill.gpu_paged_prefill_attention(*args, sm_scale=0.1, interpret=True)
     _check(got, want, int(args[-1][-1]))
@@ -66,10 +66,20 @@ def test_gpu_kernel_on_int8_pages_equals_the_reference():
 
 def test_tpu_kernel_on_int8_pages_interpreted_equals_the_reference():
     """(Plain pages of 8: the dispatcher's test and the race test.)"""
-    args = _case(3, d=16, heads=4, page=16, quantized=True)
+    args = _case(3, d=16, heads=4, page=16, quantized=jnp.int8)
     want = reference.paged_prefill_attention(*args, sm_scale=0.1, latent=True)
     got = mla_prefill.tpu_paged_prefill_attention(*args, sm_scale=0.1, interpret=True)
     _check(got, want, int(args[-1][-1]))
+
+
+def test_both_kernels_on_fp8_pages_equal_the_reference():
+    """fp8 (e4m3) pages (the kernels' fp8 and int8 paths differ only in the codes' dtype):
+    the GPU and TPU kernels interpreted equal the reference."""
+    seqs = [(13, 6), (7, 7)]  # a chunk starting mid-page after a prefix hit, a whole prompt
+    args = _case(6, d=16, heads=4, page=8, seqs=seqs, quantized=jnp.float8_e4m3fn)
+    want = reference.paged_prefill_attention(*args, sm_scale=0.1, latent=True)
+    for kernel in (mla_prefill.gpu_paged_prefill_attention, mla_prefill.tpu_paged_prefill_attention):
+        _check(kernel(*args, sm_scale=0.1, interpret=True), want, int(args[-1][-1]))
 
 
 def _kernel_names(fn, *args):

@@ -158,3 +158,25 @@ def test_a_workers_result_is_its_last_json_line_and_none_is_an_error():
     assert bench._subprocess_json([sys.executable, "-c", logs_after], 60) == {"tokens_per_s": 2.5}
     nothing = bench._subprocess_json([sys.executable, "-c", "print('INFO only logs')"], 60)
     assert nothing == {"error": "no result line in the worker's output (last: 'INFO only logs')"}
+
+
+@pytest.mark.needs_torch
+def test_issue_56_presets_have_the_shapes_docs_benchmarks_md_states():
+    """deepseek-v3-cpu: a 160-value latent row (5,120 bytes a token over 8 float32 layers), one
+    dense layer, 32 experts in 8 groups of which 4 eligible; gptoss-cpu: 8 layers alternating
+    a 128-token window and full attention, sinks, 32 experts of which 4 per token."""
+    from jpaged.core.memory_plan import kv_page_bytes
+    from models.config import ModelConfig
+
+    def config(preset: str, arch: str) -> ModelConfig:
+        hf = bench._hf_config(bench.PRESETS[preset]).to_dict()
+        return ModelConfig.from_hf_config({**hf, "architectures": [arch]})
+
+    ds = config("deepseek-v3-cpu", "DeepseekV3ForCausalLM")
+    assert (ds.kv_lora_rank, ds.qk_rope_head_dim, ds.num_layers) == (128, 32, 8)
+    assert kv_page_bytes(ds, 1, 4) == 5120
+    assert (ds.num_dense_layers, ds.num_experts, ds.num_expert_groups, ds.topk_groups) == (
+        1, 32, 8, 4)  # fmt: skip
+    oss = config("gptoss-cpu", "GptOssForCausalLM")
+    assert oss.windows == (128, None) * 4 and oss.attention_sinks
+    assert (oss.num_experts, oss.num_experts_per_tok) == (32, 4)
