@@ -30,6 +30,8 @@ GENERATION_CONFIGS = ("auto", "vllm")
 DEFAULT_SWAP_SPACE_BYTES = 4 * 2**30  # vLLM's default swap space
 DEFAULT_KV_OFFLOAD_DIR_BYTES = 16 * 2**30  # the disk tier's files, at most
 DEFAULT_MAX_MODEL_LEN = 2048  # the cap on the model's own context length by default
+# SchedulerConfig.min_token_bucket when it is None: on accelerators, and on CPU.
+MIN_TOKEN_BUCKET, MIN_TOKEN_BUCKET_CPU = 16, 4
 # EngineConfig.scan_layers when it is None, by platform (docs/benchmarks.md, "Scanned layers").
 SCAN_LAYERS_DEFAULT = {"cpu": True, "gpu": True, "tpu": True}
 # On CPU, layers of more bytes than this run unrolled by default: XLA:CPU copies each
@@ -187,7 +189,10 @@ class SchedulerConfig:
         choices=PREEMPTION_MODES,
     )
     enable_chunked_prefill: bool = setting(True, "chunked prefill")
-    min_token_bucket: int = setting(16, "smallest token bucket", cli=False)
+    # None: by platform (EngineConfig.resolve): 16 on accelerators; on CPU 4, where a step's
+    # cost follows its padded tokens (a one-row decode step at 4 tokens takes 0.7x its time
+    # at 16: docs/benchmarks.md, "The smallest CPU bucket").
+    min_token_bucket: int | None = setting(None, "smallest token bucket", cli=False)
     min_seq_bucket: int = setting(4, "smallest sequence bucket", cli=False)
     # Page-table columns a step reads come in buckets from this up to max_pages_per_seq. None:
     # by platform (EngineConfig.resolve): 4 on accelerators, whose kernels' grids follow the
@@ -205,6 +210,7 @@ class SchedulerConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         _positive("max_model_len", self.max_model_len, allow_none=True)
+        _positive("min_token_bucket", self.min_token_bucket, allow_none=True)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
@@ -427,7 +433,7 @@ class EngineConfig:
         """This config with the model-dependent defaults filled in: max_model_len (the
         model's context length, at most DEFAULT_MAX_MODEL_LEN) and max_num_batched_tokens
         (max(512, max_num_seqs)); with platform ("cpu", "gpu", ...), the step shapes' defaults
-        (SchedulerConfig.min_page_bucket, decode_programs). Validates the result."""
+        (SchedulerConfig.min_token_bucket, min_page_bucket, decode_programs). Validates the result."""
         s = self.scheduler
         cpu = platform == "cpu"
         max_len = s.max_model_len or min(model_max_len, DEFAULT_MAX_MODEL_LEN)
@@ -439,6 +445,8 @@ class EngineConfig:
             changes["min_page_bucket"] = math.ceil(max_len / self.cache.page_size) if cpu else 4
         if platform is not None and s.decode_programs is None:
             changes["decode_programs"] = not cpu
+        if platform is not None and s.min_token_bucket is None:
+            changes["min_token_bucket"] = MIN_TOKEN_BUCKET_CPU if cpu else MIN_TOKEN_BUCKET
         if all(getattr(s, k) == v for k, v in changes.items()):
             return self
         return dataclasses.replace(self, scheduler=dataclasses.replace(s, **changes))
@@ -451,7 +459,8 @@ class EngineConfig:
     def token_buckets(self) -> tuple[int, ...]:
         s = self.scheduler
         return powers_of_two(
-            min(s.min_token_bucket, s.max_num_batched_tokens), s.max_num_batched_tokens
+            min(s.min_token_bucket or MIN_TOKEN_BUCKET, s.max_num_batched_tokens),
+            s.max_num_batched_tokens,
         )
 
     @property

@@ -13,7 +13,9 @@ picked by lax.switch: the CPU default, with a tied embedding's LM head stored tr
 switched_embed_head (switched, the LM head multiplying the [V, D] embedding) and unrolled. For each case and layout: the compile
 time, whether the greedy tokens agree, and the CPU ms per step of this process (every thread:
 one core unless XLA_FLAGS says otherwise), median [p10 p90] of --repeat steps, the layouts
-run in turn so that a loaded machine slows them alike.
+run in turn so that a loaded machine slows them alike. With --interleave the cases run in
+turn too, step by step (an A/B of two buckets: 16:4:1:1:160,4:4:1:1:160), after all are
+compiled.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def main() -> None:
     p.add_argument("--cases", default="32:32:32:1:160,16:4:1:1:160")
     p.add_argument("--layouts", default="stacked,switched")
     p.add_argument("--repeat", type=int, default=12)
+    p.add_argument("--interleave", action="store_true", help="the cases in turn, step by step")
     args = p.parse_args()
     import jax
     import jax.numpy as jnp
@@ -57,7 +60,10 @@ def main() -> None:
             "unrolled": llama.unstack_layers}
     layouts = {name: make[name](loaded.params) for name in args.layouts.split(",")}
     print(f"jax {jax.__version__}; XLA_FLAGS={os.environ['XLA_FLAGS']!r}", flush=True)
+    cases = {}  # case -> {layout: StepBench}
     for case in args.cases.split(","):
+        if case in cases:
+            continue
         t, s, rows, new, context = map(int, case.split(":"))
         key = StepKey(t, s, COLS, False)
         per_row = -(-context // PAGE) + 1
@@ -74,22 +80,34 @@ def main() -> None:
             compile_s = time.perf_counter() - t0
             out, _, bench.state = bench.step_fn(bench.params, bench.state, bench.inputs,
                                                 bench.prev)
-            tokens.append(np.asarray(out.tokens))
+            tokens.append(np.asarray(out.tokens)[:rows])
             benches[name] = bench
             print(f"{case} {name}: compiled in {compile_s:.1f}s", flush=True)
         print(f"  tokens equal: {all((x == tokens[0]).all() for x in tokens)}", flush=True)
-        times = {name: [] for name in benches}
-        for _ in range(args.repeat):
+        if args.interleave:
+            cases[case] = benches
+        else:
+            _time({case: benches}, args.repeat)
+    if cases:
+        _time(cases, args.repeat)
+
+
+def _time(cases: dict, repeat: int) -> None:
+    """Each case's layouts in turn, repeat steps each: CPU ms of this process per step."""
+    import jax
+
+    times = {(case, name): [] for case, benches in cases.items() for name in benches}
+    for _ in range(repeat):
+        for case, benches in cases.items():
             for name, bench in benches.items():
                 c0 = time.process_time()
                 out, _, bench.state = bench.step_fn(bench.params, bench.state, bench.inputs,
                                                     bench.prev)
                 jax.block_until_ready(out.tokens)
-                times[name].append(1e3 * (time.process_time() - c0))
-        for name, v in times.items():
-            print(f"  {case} {name:9s} CPU ms median {np.median(v):8.1f} "
-                  f"[p10 {np.percentile(v, 10):.1f} p90 {np.percentile(v, 90):.1f}]", flush=True)
-
+                times[case, name].append(1e3 * (time.process_time() - c0))
+    for (case, name), v in times.items():
+        print(f"  {case} {name:9s} CPU ms median {np.median(v):8.1f} "
+              f"[p10 {np.percentile(v, 10):.1f} p90 {np.percentile(v, 90):.1f}]", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -7,6 +7,7 @@ fixtures and the environment defaults that must be set before JAX is imported.
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import sys
 from pathlib import Path
@@ -88,6 +89,8 @@ jax.config.update("jax_enable_x64", False)
 from accelerators import ACCELERATORS, accelerator_of_run
 from checkpoints import ARCHS, make_tiny_checkpoint
 from smollm2_fixtures import hf_smollm2_model, hf_smollm2_tokenizer, smollm2_gguf  # noqa: F401
+
+from jpaged.worker.map_count import map_usage
 
 # Modules that one Python version proves, besides those marked `once` in their own file (the
 # real-SmolLM2 accuracy and end-to-end tests). .ci/run's Python 3.12 stage leaves them out;
@@ -252,6 +255,30 @@ def pytest_collection_modifyitems(config, items):
     keys = {m: (rank.get(m, len(rank)), -counts[m], m) for m in counts}
     order = sorted(range(len(items)), key=lambda i: (keys[modules[i]], i))
     items[:] = [items[i] for i in order]
+
+
+# Memory mappings (jpaged/worker/map_count.py): XLA:CPU maps each compiled program's code in
+# hundreds of pieces, Linux caps a process at vm.max_map_count (65,530 here), and one xdist
+# worker runs half the suite: in the CI emulation of 2026-12-07 00:21 one worker refused 9
+# compiles at 64,338-64,667 mappings. jax's caches keep every program of a jitted function for
+# the process's life (tests/pallas_kernels/test_decode.py alone ends at 2,021 mappings, 738
+# after jax.clear_caches()); engines free theirs when dropped. So after a module, a worker
+# that has grown by an eighth of the cap since the last clearing clears jax's caches (a later
+# compile of the same program reads the persistent compilation cache).
+_maps_after_clearing = [0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the module's fixtures are finalized when nextitem is in another module
+    if nextitem is not None and nextitem.path == item.path:
+        return
+    usage = map_usage()
+    if usage is not None and usage[0] - _maps_after_clearing[0] > usage[1] // 8:
+        gc.collect()
+        jax.clear_caches()
+        gc.collect()
+        _maps_after_clearing[0] = map_usage()[0]
 
 
 # JPAGED_MODULE_TIMES=FILE: the run appends one JSON line per module (its setup, call and

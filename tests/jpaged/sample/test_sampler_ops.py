@@ -2,17 +2,28 @@
 
 _argmax (a max, then a float min over indices) must pick what jnp.argmax picks: the first
 maximum, with ties and infinities, and the first NaN of a row that has one. _log_softmax_at
-must equal jax.nn.log_softmax gathered at the chosen tokens. Runs without torch.
+must equal jax.nn.log_softmax gathered at the chosen tokens. A seeded row's draw depends on
+its key, its token count and its logits only, never on the batch's size or its row in it (the
+CPU's token buckets pad one decoding row to 4 rows, eight to 8, more to 16...). Runs without
+torch.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.sample.sampler import _argmax, _log_softmax_at
+from jpaged.sample.sampler import (
+    SamplingInputs,
+    _argmax,
+    _log_softmax_at,
+    sample,
+    seeds_to_key_data,
+)
 
 
 def rows_with_ties_and_specials(seed: int, vocab: int) -> np.ndarray:
@@ -48,3 +59,57 @@ def test_log_softmax_at_equals_the_full_log_softmax():
     got = np.asarray(jax.jit(_log_softmax_at)(jnp.asarray(x), jnp.asarray(tokens)))
     full = np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
     np.testing.assert_allclose(got, full[np.arange(8), tokens], rtol=1e-6, atol=1e-6)
+
+
+_SAMPLE = jax.jit(functools.partial(sample, num_logprobs=0))  # one compile per batch size
+
+
+def _seeded_rows(num: int, vocab: int, seed: int) -> dict[str, np.ndarray]:
+    """num sampled rows (every third greedy), each with its own logits, seed, token count
+    and filters."""
+    rng = np.random.default_rng(seed)
+    return {
+        "logits": (rng.standard_normal((num, vocab)) * 3).astype(np.float32),
+        "temperature": np.where(np.arange(num) % 3 == 0, 0.0, 0.9).astype(np.float32),
+        "top_k": np.where(np.arange(num) % 4 == 1, 50, 0).astype(np.int32),
+        "top_p": np.where(np.arange(num) % 5 == 2, 0.8, 1.0).astype(np.float32),
+        "seed": rng.integers(0, 2**63, num, dtype=np.uint64),
+        "num_generated": rng.integers(0, 100, num).astype(np.int32),
+    }
+
+
+def _sample_rows(rows: dict[str, np.ndarray]) -> np.ndarray:
+    num = len(rows["logits"])
+    inputs = SamplingInputs(
+        temperature=jnp.asarray(rows["temperature"]),
+        top_k=jnp.asarray(rows["top_k"]),
+        top_p=jnp.asarray(rows["top_p"]),
+        min_p=jnp.zeros(num, jnp.float32),
+        key_data=jnp.asarray(seeds_to_key_data([int(s) for s in rows["seed"]])),
+        num_generated=jnp.asarray(rows["num_generated"]),
+        banned=jnp.full((num, 1), -1, jnp.int32),
+    )
+    return np.asarray(_SAMPLE(jnp.asarray(rows["logits"]), inputs).tokens)
+
+
+def test_a_seeded_rows_draw_is_the_same_in_every_batch_size_and_row():
+    """Eight rows sampled in one batch of 8, then in reverse order, then each at another row
+    of a batch of 4 (the other rows drawn afresh): the same token every time. The draw is
+    keyed by seed and position: another token count or seed draws another token for most
+    rows."""
+    vocab = 2000
+    rows = _seeded_rows(8, vocab, seed=0)
+    want = _sample_rows(rows)
+    reverse = _sample_rows({k: v[::-1].copy() for k, v in rows.items()})
+    assert np.array_equal(reverse[::-1], want)
+    others = _seeded_rows(4, vocab, seed=1)
+    for i in range(8):
+        batch = {k: v.copy() for k, v in others.items()}
+        for k, column in batch.items():
+            column[(i + 3) % 4] = rows[k][i]
+        assert _sample_rows(batch)[(i + 3) % 4] == want[i], i
+    sampled = rows["temperature"] > 0
+    later = _sample_rows({**rows, "num_generated": rows["num_generated"] + 1})
+    reseeded = _sample_rows({**rows, "seed": rows["seed"] ^ np.uint64(1)})
+    assert np.array_equal(later[~sampled], want[~sampled])  # greedy rows ignore the key
+    assert (later != want)[sampled].sum() >= 4 and (reseeded != want)[sampled].sum() >= 4

@@ -300,15 +300,19 @@ def test_on_cpu_one_page_bucket_and_decode_steps_on_the_ragged_programs():
     gpu, cpu = base.resolve(256, "gpu"), base.resolve(256, "cpu")
     assert gpu.page_buckets == (4, 8, 16) and gpu.decode_programs
     assert cpu.page_buckets == (16,) and not cpu.decode_programs
+    # The smallest token bucket: 4 on CPU, 16 on accelerators (and unresolved).
+    assert cpu.token_buckets == (4, 8, 16, 32, 64)
+    assert gpu.token_buckets == base.token_buckets == (16, 32, 64)
     keys = bucket_keys(cpu)
     assert all(not k.decode_only and k.num_page_cols == 16 for k in keys)
     assert {(k.num_tokens, k.num_seqs) for k in keys} == {
-        (16, 4), (32, 4), (64, 4), (16, 8), (32, 8), (64, 8), (16, 16), (32, 16), (64, 16)
-    }
-    assert len(keys) == 9 and len(bucket_keys(gpu)) == 3 * 3 + 9 * 3
-    # A decode step of 1..16 rows pads to (16 tokens, its row bucket), keys precompiled.
+        (4, 4), (8, 4), (16, 4), (32, 4), (64, 4), (8, 8), (16, 8), (32, 8), (64, 8),
+        (16, 16), (32, 16), (64, 16)
+    }  # fmt: skip
+    assert len(keys) == 12 and len(bucket_keys(gpu)) == 3 * 3 + 9 * 3
+    # A decode step of r rows pads to (bucket(r) tokens, bucket(r) rows), keys precompiled.
     assert [(k.num_tokens, k.num_seqs) for k in warm_up_keys(cpu, 64)] == [
-        (16, 4), (16, 8), (16, 16), (32, 4), (64, 4)
+        (4, 4), (8, 8), (16, 16), (8, 4), (16, 4), (32, 4), (64, 4)
     ]
     assert set(warm_up_keys(cpu, 64)) <= set(keys)
 
@@ -326,7 +330,7 @@ def test_a_decode_plan_on_cpu_runs_the_ragged_key_of_its_rows():
     feed(sched, prefill, [11, 12])
     decode = sched.schedule()
     assert decode.decode_only and len(decode) == 2
-    assert step_key(decode, config) == StepKey(16, 4, 8, False)
+    assert step_key(decode, config) == StepKey(4, 4, 8, False)  # CPU: a 4-token bucket
     assert step_key(decode, base) == StepKey(4, 4, 4, True)  # with decode programs
     assert step_key(decode, config) in bucket_keys(config)
 
@@ -337,8 +341,8 @@ def test_the_default_configs_program_counts_on_cpu_and_on_accelerators():
     fails here (issue 38: 162 reachable programs before the CPU defaults)."""
     base = EngineConfig()
     cpu, gpu = base.resolve(2048, "cpu"), base.resolve(2048, "gpu")
-    assert len(bucket_keys(cpu)) == 23
-    assert len(warm_up_keys(cpu, 64)) == 6
+    assert len(bucket_keys(cpu)) == 26
+    assert len(warm_up_keys(cpu, 64)) == 8
     assert len(bucket_keys(gpu)) == 162
 
 
