@@ -446,3 +446,42 @@ def test_the_host_tier_keeps_every_invariant_under_admission_eviction_load_and_p
 
     run()
     assert min(seen.values()) > 0, seen  # the examples load, offload and swap
+
+
+def test_a_cached_turn_yields_no_wait_behind_another_sessions_decode(engines):
+    # jpaged/core/prompt_first.py: two sessions' second turns arrive together on a pool of
+    # 16 pages that holds one; a's turn runs first, b's is nearly all cached (device, host),
+    # so a yields once and b's first token comes before a's last, with the tokens of an
+    # engine whose pool holds both, and a's resumption loads its pages back.
+    ref, tier = engines["ref"], engines["tier"]
+    rng = np.random.default_rng(7)
+    vocab = tier.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = {s: rng.integers(3, vocab, 26).tolist() for s in "ab"}
+    new = {s: rng.integers(3, vocab, 6).tolist() for s in "ab"}
+
+    def run(engine):
+        events, outs = [], {}
+        for s in "ab":  # turn 1, one session at a time: 38 tokens, 10 pages each
+            engine.add_request(f"{s}1", first[s], params)
+            while engine.has_unfinished_requests():
+                outs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
+        engine.reset_stats()
+        for s in "ab":  # turn 2 of both at once: 44 prompt tokens (11 pages) each
+            engine.add_request(f"{s}2", first[s] + outs[f"{s}1"] + new[s], params)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if len(o.outputs[0].token_ids) == 1 or o.finished:
+                    events.append((o.request_id, "done" if o.finished else "first"))
+                outs[o.request_id] = o.outputs[0].token_ids
+        return outs, events, engine.stats()
+
+    want, _, ref_stats = run(ref)
+    got, events, stats = run(tier)
+    assert got == want
+    assert ref_stats["num_preemptions"] == 0
+    assert events.index(("b2", "first")) < events.index(("a2", "done"))  # b2 did not wait
+    assert stats["num_preemptions"] == 1 and stats["num_swaps_out"] == 0  # a2 yielded once
+    # a2 resumed from its cached pages (device, then host): at most its last page computed.
+    assert stats["prefix_cache_hit_tokens"] >= 44 + 40
+    assert stats["host_hit_pages"] > 0
