@@ -11,10 +11,11 @@ the host tier on, when the first waiting sequence is a fresh prompt (nothing gen
 computed, no prompt logprobs or pooling) whose pages do not fit in the free pages, and its
 prompt tokens not cached on the device or in the host tier fit in one step's token budget,
 the newest running sequences that have generated a token and never yielded are preempted
-(recompute; queued last), just enough of them to free its pages. Their pages are freed
-cached: the pages the prompt takes from them are copied to the host tier (its offloads),
-so their resumption loads them back and computes only the last partial page. The prompt
-is then admitted in that step, alone.
+(queued last), just enough of them to free its pages. With swap preemption their K/V is
+copied to host swap pages and back; with recompute their pages are freed cached, the pages
+the prompt takes from them are copied to the host tier (its offloads), and their
+resumption loads them back and computes only the last partial page. The prompt is then
+admitted in that step, alone.
 
 Bounds: a sequence yields at most once (Sequence.yielded), so the scheduler's liveness
 and starvation arguments hold after finitely many yields; a yielder is never fresh, so it

@@ -248,7 +248,7 @@ class Scheduler:
         first, yielders = prompt_first.yielders(self, budget)
         for seq in yielders:  # they free the pages of a short, cached prompt, queued last
             seq.yielded = True
-            self._preempt(seq, allow_swap=False, last=True)
+            self._preempt(seq, last=True)
         preempted = False
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
