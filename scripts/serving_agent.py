@@ -5,7 +5,8 @@ outgrow the device pool, against servers it launches with the KV host/disk tier 
 (streamed /v1/completions with token-id prompts, `user` = the session's key), turn t + 1 after
 all of them ended. A turn's prompt is the session's whole history (its earlier prompts and
 replies, as token ids) then --user-tokens new random tokens; --output-tokens are generated
-(greedy, EOS ignored), so histories grow to K x (user + output) tokens. The server's device
+(greedy, EOS ignored), so histories grow to K x (user + output) tokens; --first-tokens makes
+the first turn longer (a long first message: ~4,000-token histories in 6-8 turns). The server's device
 pool holds --pool-share of the working set (every session's final history; at least one
 whole history). Modes, each a fresh server from the same --launch arguments:
 
@@ -48,6 +49,11 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("agent workload (--workload agent; needs --launch)")
     g.add_argument("--sessions", type=int, default=4)
     g.add_argument("--user-tokens", type=int, default=200, help="new prompt tokens per turn")
+    g.add_argument(
+        "--first-tokens", type=int, default=None,
+        help="the first turn's new tokens (a long first message or system prompt: histories "
+        "reach ~4,000 tokens in fewer turns, so fewer decode steps); default --user-tokens",
+    )  # fmt: skip
     g.add_argument("--output-tokens", type=int, default=100, help="generated tokens per turn")
     g.add_argument("--pool-share", type=float, default=0.25, help="device pool / working set")
     g.add_argument(
@@ -57,7 +63,8 @@ def add_arguments(p) -> None:
 
 def plan(args) -> dict:
     """The pool and lengths the modes share."""
-    history = args.turns * (args.user_tokens + args.output_tokens)
+    history = first_tokens(args) + (args.turns - 1) * args.user_tokens
+    history += args.turns * args.output_tokens
     history_pages = -(-history // PAGE_SIZE)
     working_pages = args.sessions * history_pages
     return {
@@ -67,6 +74,10 @@ def plan(args) -> dict:
         # at least one whole history: the last turn must fit
         "num_pages": max(int(working_pages * args.pool_share), history_pages) + 1,
     }
+
+
+def first_tokens(args) -> int:
+    return args.user_tokens if args.first_tokens is None else args.first_tokens
 
 
 def read_metrics(text: str) -> dict[str, float]:
@@ -111,9 +122,9 @@ def prompts(args) -> list[list[list[int]]]:
     """[turn][session] -> the turn's new user tokens."""
     rng = random.Random(args.seed)
     vocab = args.max_token_id or 49152
+    lengths = [first_tokens(args)] + [args.user_tokens] * (args.turns - 1)
     return [
-        [[rng.randrange(3, vocab) for _ in range(args.user_tokens)] for _ in range(args.sessions)]
-        for _ in range(args.turns)
+        [[rng.randrange(3, vocab) for _ in range(n)] for _ in range(args.sessions)] for n in lengths
     ]
 
 

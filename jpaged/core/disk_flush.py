@@ -5,9 +5,9 @@ Pages reach the disk tier when they enter the host tier (HostPageStore.write_thr
 page still only in the device's prefix cache when the engine stops would be lost. The flush
 copies every cached device page not yet on disk through the host tier (the device -> host
 copies of ModelRunner.swap, in batches the host tier has room for) and writes it, under the
-directory's size bound as every write. The device cache's first paging group only: a window
-group's pages reach disk when they leave the device (a restarted Gemma 2 or gpt-oss finds
-a prefix whose window pages were all offloaded).
+directory's size bound as every write. Every paging group's cached pages: a window group's
+(Gemma 2/3, gpt-oss) are cached under their own sha256 keys and salts, and a restarted
+engine loads them back beside the full group's (tests/jpaged/core/test_host_tier_groups.py).
 """
 
 from __future__ import annotations

@@ -151,6 +151,14 @@ class HostPageStore:
             page = self._read_back(h, token_ids, salt)
         return page
 
+    def holds(self, h: int, token_ids: tuple[int, ...], salt) -> bool:
+        """Whether a lookup of the page would find it here or on disk (changes nothing)."""
+        if not self.offload:
+            return False
+        if self.pages.lookup(h, token_ids, salt=salt) is not None:
+            return True
+        return self.disk is not None and h in self.disk
+
     def _read_back(self, h: int, token_ids: tuple[int, ...], salt) -> int | None:
         """A page of the disk tier read into a host page (cached there; held until the plan
         is complete), or None: no host page free, or the file is not this page's."""

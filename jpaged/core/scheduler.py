@@ -37,6 +37,8 @@ MAX_PASSED_STEPS steps, nothing behind it is admitted while it waits. From then 
 sequences ahead of it in line, or running, can run before it: a finite set (new arrivals
 queue behind it, and a running sequence newer than it is preempted before it, so it queues
 behind it too), each of which ends within max_model_len + 1 steps once it is the oldest.
+With the KV host tier, a running sequence may once yield its pages to a waiting prompt that
+is nearly all cached (jpaged/core/prompt_first.py): at most one such preemption each.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import collections
 from collections.abc import Callable
 
 from jpaged.config import EngineConfig
+from jpaged.core import prompt_first
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.page_allocator import PageAllocator
 from jpaged.core.sequence import RequestGroup, SeqStatus, Sequence
@@ -242,6 +245,10 @@ class Scheduler:
         """
         budget = self.sched.max_num_batched_tokens
         rows: list[ScheduledRow] = []
+        first, yielders = prompt_first.yielders(self, budget)
+        for seq in yielders:  # they free the pages of a short, cached prompt, queued last
+            seq.yielded = True
+            self._preempt(seq, last=True)
         preempted = False
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
@@ -269,7 +276,9 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING:
                 rows.append(self._row(seq, num_new, len(rows)))
                 budget -= num_new
-        if not preempted:  # a step that preempted admits nothing (it would thrash)
+        if first is not None and budget > 0 and (num_new := self._admit(first, budget)):
+            rows.append(self._row(first, num_new, len(rows)))  # alone: the yielders wait
+        elif not preempted:  # a step that preempted admits nothing (it would thrash)
             self._admit_waiting(rows, budget)
         for i in range(len(rows)):
             seq = rows[i].seq

@@ -77,6 +77,7 @@ class Sequence:
     swap_pages: list[int] = dataclasses.field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     needs_fork: bool = False  # an unforked parent of an n > 1 request
+    yielded: bool = False  # preempted once for a waiting prompt (jpaged/core/prompt_first.py)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0

@@ -446,3 +446,48 @@ def test_the_host_tier_keeps_every_invariant_under_admission_eviction_load_and_p
 
     run()
     assert min(seen.values()) > 0, seen  # the examples load, offload and swap
+
+
+@pytest.mark.parametrize("pair", [("ref", "tier"), ("ref8", "tier8")])
+def test_a_cached_turn_yields_no_wait_behind_another_sessions_decode(engines, pair):
+    # jpaged/core/prompt_first.py: two sessions' second turns arrive together on a pool of
+    # 16 pages that holds one; a's turn runs first, b's is nearly all cached (device, host),
+    # so a yields once and b's first token comes before a's last, with the tokens of an
+    # engine whose pool holds both.
+    ref, tier = engines[pair[0]], engines[pair[1]]
+    rng = np.random.default_rng(7)
+    vocab = tier.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first = {s: rng.integers(3, vocab, 26).tolist() for s in "ab"}
+    new = {s: rng.integers(3, vocab, 6).tolist() for s in "ab"}
+
+    def run(engine):
+        events, outs = [], {}
+        for s in "ab":  # turn 1, one session at a time: 38 tokens, 10 pages each
+            engine.add_request(f"{s}1", first[s], params)
+            while engine.has_unfinished_requests():
+                outs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
+        engine.reset_stats()
+        for s in "ab":  # turn 2 of both at once: 44 prompt tokens (11 pages) each
+            engine.add_request(f"{s}2", first[s] + outs[f"{s}1"] + new[s], params)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if len(o.outputs[0].token_ids) == 1 or o.finished:
+                    events.append((o.request_id, "done" if o.finished else "first"))
+                outs[o.request_id] = o.outputs[0].token_ids
+        return outs, events, engine.stats()
+
+    want, _, ref_stats = run(ref)
+    got, events, stats = run(tier)
+    assert got == want
+    assert ref_stats["num_preemptions"] == 0
+    assert events.index(("b2", "first")) < events.index(("a2", "done"))  # b2 did not wait
+    # a2 yielded once; b2's history came from the device and the host tier (its last
+    # partial page computed). Swap preemption ("tier"): a2 swapped out and back in;
+    # recompute ("tier8"): a2's 44 + 1 tokens came back as hits less its partial page.
+    assert stats["num_preemptions"] == 1 and stats["host_hit_pages"] > 0
+    if tier.scheduler.swap_allocator is not None:
+        assert stats["num_swaps_out"] == stats["num_swaps_in"] == 1
+        assert stats["prefix_cache_hit_tokens"] >= 40
+    else:
+        assert stats["num_swaps_out"] == 0 and stats["prefix_cache_hit_tokens"] >= 40 + 44

@@ -7,6 +7,7 @@ Gemma 2 (4 layers alternating window 8 and full: two groups of two layers, pages
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from test_host_page_store import sessions
 from test_memory import make_engine  # page_size 4, max_model_len 64, one bucket
@@ -39,3 +40,35 @@ def test_window_groups_through_the_host_tier_give_the_same_tokens(gemma2):
     assert stats["host_hit_pages"] > 0 and stats["host_offloaded_pages"] > 0
     assert stats["host_pages_in"] > stats["host_hit_pages"]
     assert computed < once
+
+
+def test_the_stop_flush_writes_window_groups_and_a_restart_hits_them(gemma2, tmp_path):
+    # jpaged/core/disk_flush.py at a server's stop: every cached device page, the window
+    # group's too (their own sha256 keys), reaches the disk tier; an engine restarted on the
+    # directory loads both groups' pages of a prefix back and gives the same tokens.
+    from test_disk_page_store import run
+
+    from jpaged import SamplingParams
+    from jpaged.core.disk_flush import flush_to_disk
+
+    kwargs = dict(num_pages=19, kv_offload_bytes=1 << 20, kv_offload_dir=str(tmp_path))
+    first = make_engine(gemma2, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    rng = np.random.default_rng(4)
+    turn1 = rng.integers(3, 320, 30).tolist()
+    out1 = run(first, "t1", turn1, params)
+    cached = first.allocator.cached_pages()
+    window = [e for _, e in cached if isinstance(e.salt, tuple)]  # (salt, group 1)
+    assert window and len(window) < len(cached)
+    assert flush_to_disk(first) == len(cached)  # nothing had left the device
+    assert all(e.hash in first.host_store.disk for _, e in cached)
+    turn2 = turn1 + out1 + rng.integers(3, 320, 6).tolist()  # 40 tokens
+    want = run(first, "t2", turn2, params)
+    del first
+    second = make_engine(gemma2, **kwargs)
+    assert run(second, "t2", turn2, params) == want
+    stats = second.stats()
+    # 8 full pages hit (32 tokens; turn 1's 34 tokens less its partial page), the full
+    # group's 8 and the window group's pages of the window at 32 read from disk.
+    assert stats["prefix_cache_hit_tokens"] == 32 and stats["host_hit_pages"] == 8
+    assert stats["disk_hit_pages"] > 8 and stats["disk_bad_files"] == 0
