@@ -144,8 +144,8 @@ def report(name: str, r: dict) -> None:
         )
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_arguments(p) -> None:
+    """The sessions' lengths and pool (shared with trace_agent_ttft.py)."""
     p.add_argument("--sessions", type=int, default=4)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--user-tokens", type=int, default=200)
@@ -154,17 +154,31 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=512, help="max_num_batched_tokens")
     p.add_argument("--checkpoint-dir", default="/tmp/jpaged-bench")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-no-reuse", action="store_true")
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+
+
+def sizes(args) -> dict:
+    """History tokens, working-set pages, max_model_len, the device pool's pages (a quarter
+    of the working set by default, at least one whole history: the last turn must fit) and
+    the host tier's bytes (twice the working set)."""
     history = args.turns * (args.user_tokens + args.output_tokens)
     working_pages = args.sessions * -(-history // PAGE_SIZE)
     max_model_len = -(-history // PAGE_SIZE) * PAGE_SIZE
-    # At least one whole session's history: the last turn must fit.
     num_pages = max(int(working_pages * args.pool_share), max_model_len // PAGE_SIZE) + 1
     d = DEMO_DIMS  # float32 K and V of every layer
     page_bytes = 2 * d["layers"] * d["kv_heads"] * (d["hidden"] // d["heads"]) * 4 * PAGE_SIZE
-    offload = (2 * working_pages + 2) * page_bytes
+    return {"history": history, "working_pages": working_pages, "max_model_len": max_model_len,
+            "num_pages": num_pages, "offload": (2 * working_pages + 2) * page_bytes}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_arguments(p)
+    p.add_argument("--skip-no-reuse", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    z = sizes(args)
+    history, working_pages, max_model_len = z["history"], z["working_pages"], z["max_model_len"]
+    num_pages, offload = z["num_pages"], z["offload"]
     print(
         f"{args.sessions} sessions x {args.turns} turns, histories up to {history} tokens; "
         f"device pool {num_pages - 1} pages of {PAGE_SIZE} ({working_pages} in the working "

@@ -59,24 +59,14 @@ def report(rid: str, sent: float, first: float, log: list) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sessions", type=int, default=2)
-    p.add_argument("--turns", type=int, default=5)
-    p.add_argument("--user-tokens", type=int, default=200)
-    p.add_argument("--output-tokens", type=int, default=100)
-    p.add_argument("--pool-share", type=float, default=0.25)
-    p.add_argument("--batch-tokens", type=int, default=512)
-    p.add_argument("--checkpoint-dir", default="/tmp/jpaged-bench")
-    p.add_argument("--seed", type=int, default=0)
+    bench.add_workload_arguments(p)
+    p.set_defaults(sessions=2, turns=5)
     p.add_argument("--mode", choices=("off", "host"), default="host")
     args = p.parse_args()
-    history = args.turns * (args.user_tokens + args.output_tokens)
-    history_pages = -(-history // bench.PAGE_SIZE)
-    working = args.sessions * history_pages
-    num_pages = max(int(working * args.pool_share), history_pages) + 1
-    d = bench.DEMO_DIMS  # float32 K and V of every layer, as bench_kv_offload.py
-    page_bytes = 2 * d["layers"] * d["kv_heads"] * (d["hidden"] // d["heads"]) * 4 * bench.PAGE_SIZE
-    offload = 0 if args.mode == "off" else (2 * working + 2) * page_bytes
-    engine = bench.make_engine(args, num_pages, offload, history_pages * bench.PAGE_SIZE)
+    z = bench.sizes(args)
+    num_pages, working = z["num_pages"], z["working_pages"]
+    offload = 0 if args.mode == "off" else z["offload"]
+    engine = bench.make_engine(args, num_pages, offload, z["max_model_len"])
     prompts = bench.workload(args)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     histories = [[] for _ in range(args.sessions)]
