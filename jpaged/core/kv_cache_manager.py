@@ -257,10 +257,19 @@ class KVCacheManager:
             self._store.restart()
 
     # -- admission -------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, budget: int) -> Admission | None:
+    def can_allocate(
+        self, seq: Sequence, budget: int, reserved: int | None = None
+    ) -> Admission | None:
         """What admitting the waiting seq with at most `budget` new tokens takes, or None when
         the pages (or, without chunked prefill, the budget) do not allow it. Changes nothing
-        but seq.page_hashes (its prefix hit's)."""
+        but seq.page_hashes (its prefix hit's).
+
+        reserved (a sequence preempted by recompute, others running: pages_to_come of
+        them): the pages of seq's whole context (every token it holds) must be free beside
+        them, not only its first chunk's. Re-admitted chunk by chunk into a pool that cannot
+        finish it beside the running ones, it is preempted again and its pages taken by
+        theirs, over and over (issue 54's 4-session run: 117 preemptions in one turn);
+        waiting until it fits computes it once more at most."""
         swapped = bool(seq.swap_pages)
         groups = range(self.num_groups)
         loads: tuple[tuple[int, ...], ...] = ()
@@ -295,8 +304,14 @@ class KVCacheManager:
             1 for g in groups for p in hits[g][dead[g] :] if self.allocator.ref_counts[p] == 0
         )
         needs = [math.ceil(upto / self.page_size) - max(len(hits[g]), dead[g]) for g in groups]
-        if sum(needs) > self.allocator.num_free() - revived:
+        free = self.allocator.num_free() - revived
+        if sum(needs) > free:
             return None
+        if reserved is not None and self.config.cache.kv_allocation != "reserve":
+            held = sum(1 for g in groups for p in hits[g] if p != NULL_PAGE)
+            whole = sequence_pages(self.config, self.windows, seq.num_tokens) - held
+            if max(whole, sum(needs)) + reserved > free:
+                return None
         return Admission(
             computed,
             num_new,
@@ -306,6 +321,17 @@ class KVCacheManager:
             swapped,
             loads,
         )
+
+    def pages_to_come(self, seqs) -> int:
+        """The pages the running seqs still take for tokens they hold but have no slot for
+        yet (prompts' later chunks; a decode's next page is not counted)."""
+        ps, total = self.page_size, 0
+        for seq in seqs:
+            if all(len(t) * ps >= seq.num_tokens for t in seq.tables):
+                continue  # every token it holds has its slot
+            held = sum(1 for t in seq.tables for p in t if p != NULL_PAGE)
+            total += max(sequence_pages(self.config, self.windows, seq.num_tokens) - held, 0)
+        return total
 
     def allocate(self, seq: Sequence, admission: Admission) -> None:
         """Gives the admitted seq (its table_row set) its pages: the cached hits, then fresh

@@ -39,6 +39,11 @@ queue behind it, and a running sequence newer than it is preempted before it, so
 behind it too), each of which ends within max_model_len + 1 steps once it is the oldest.
 With the KV host tier, a running sequence may once yield its pages to a waiting prompt that
 is nearly all cached (jpaged/core/prompt_first.py): at most one such preemption each.
+A sequence preempted by recompute is re-admitted, while others run, only when its whole
+context fits beside their prompts' pages to come (KVCacheManager.can_allocate's reserved):
+re-admitted chunk by chunk into a pool that cannot finish it, it was taken back again and
+again. This only delays it behind running sequences, which end (above); with nothing
+running it is admitted as any other.
 """
 
 from __future__ import annotations
@@ -337,7 +342,10 @@ class Scheduler:
             demands = [self._demand(q) for q in self.running] + [self._demand(seq)]
             if not self._admits(demands):
                 return 0  # it waits for a batch a compiled program holds
-        admission = self.kv.can_allocate(seq, budget)
+        reserved = None  # a recomputed one waits to fit whole (can_allocate's reserved)
+        if seq.recomputed and self.running:
+            reserved = self.kv.pages_to_come(self.running)
+        admission = self.kv.can_allocate(seq, budget, reserved)
         if admission is None or (self.loras is not None and not self.loras.admit(seq.group)):
             return 0  # (no adapter slot free: it waits)
         self.waiting.remove(seq)
@@ -408,6 +416,7 @@ class Scheduler:
         self.running.remove(seq)
         if not self.kv.preempt(seq, allow_swap=allow_swap):
             seq.num_computed_tokens = 0
+            seq.recomputed = True
         self._release_rows(seq)
         seq.status = SeqStatus.WAITING
         if last:

@@ -78,6 +78,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     needs_fork: bool = False  # an unforked parent of an n > 1 request
     yielded: bool = False  # preempted once for a waiting prompt (jpaged/core/prompt_first.py)
+    # Preempted by recompute at least once: re-admitted only when its whole context fits
+    # beside the running ones' prompts (KVCacheManager.can_allocate's reserved).
+    recomputed: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0

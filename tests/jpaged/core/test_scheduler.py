@@ -181,3 +181,32 @@ def test_abort_before_the_fork_finishes_an_n_sample_request():
     assert g.finished
     assert not sched.has_unfinished()
     assert alloc.num_used() == 0
+
+
+def test_a_recomputed_sequence_waits_until_its_whole_context_fits():
+    """Four 128-token prompts (32 pages each, chunks of 16 tokens) on 40 usable pages,
+    admitted chunk by chunk: the pool fills before the first prompt ends, so the newest are
+    recomputed. A recomputed one is re-admitted only when its whole context fits beside the
+    running prompts' pages to come, so each is preempted at most once (re-admitted chunk by
+    chunk, they were taken back again and again: 16 preemptions and 796 tokens computed
+    before the rule, 3 and 605 after)."""
+    sched, alloc = make(num_pages=41, budget=16, max_model_len=160)
+    groups = [add(sched, str(i), [i + 1] * 128, max_tokens=16) for i in range(4)]
+    preempted: dict[str, int] = {}
+    computed = 0
+    for _ in range(500):
+        if not sched.has_unfinished():
+            break
+        before = {g.request_id: g.seqs[0].status for g in groups}
+        plan = sched.schedule()
+        computed += plan.num_tokens
+        for g in groups:
+            if before[g.request_id] is SeqStatus.RUNNING and g.seqs[0].status is SeqStatus.WAITING:
+                preempted[g.request_id] = preempted.get(g.request_id, 0) + 1
+        feed(sched, plan)
+    assert not sched.has_unfinished()
+    assert [len(g.seqs[0].output_token_ids) for g in groups] == [16] * 4
+    assert 1 <= sched.num_preemptions == sum(preempted.values()) <= 3
+    assert max(preempted.values()) == 1
+    assert computed < 4 * (128 + 16) + 3 * 128
+    assert alloc.num_used() == 0
