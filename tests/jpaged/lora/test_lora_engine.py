@@ -8,6 +8,7 @@ leave the engine serving."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from dense_families import hf_greedy
@@ -209,3 +210,39 @@ def test_bfloat16_slots_equal_transformers_on_the_rounded_adapter(llama, tmp_pat
     want = hf_greedy(merge(base, path, tmp_path / "merged"), PROMPTS, 6)
     llm = _llm(base, lora_dtype="bfloat16")
     assert _tokens(llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("b", 1, str(path)))) == want
+
+
+def test_structured_outputs_with_adapters_hold_and_batch_like_alone(llama):
+    """Constraints masked over each row's adapter logits: in a batch mixing two adapters and
+    the base, every row's text satisfies its constraint and equals the row run alone, and
+    the adapters' constrained choices differ from the base's (the mask is applied to the
+    adapter's logits, not the base's)."""
+    from jpaged.structured_output import StructuredOutputsParams as Constraint
+
+    _, _, requests, llm = llama
+    regex = Constraint(regex=r"[a-z]{3,8}( [a-z]{3,8}){2}")
+    digits = {"type": "integer", "minimum": 0, "maximum": 9}
+    words = Constraint(json={"type": "array", "items": digits, "minItems": 3, "maxItems": 3},
+                       disable_any_whitespace=True)  # fmt: skip
+    names = [None, "all8", "attn4"]
+    cases = [(n, c) for n in names for c in (regex, words)]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=c) for _, c in cases]
+    loras = [requests.get(n) for n, _ in cases]
+    prompt = [PROMPTS[0]] * len(cases)
+    alone = [
+        llm.generate([p], [sp], lora_request=r)[0].outputs[0]
+        for p, sp, r in zip(prompt, params, loras, strict=True)
+    ]
+    mixed = [o.outputs[0] for o in llm.generate(prompt, params, lora_request=loras)]
+    assert [c.token_ids for c in mixed] == [c.token_ids for c in alone]
+    for (name, c), out in zip(cases, mixed, strict=True):
+        assert out.finish_reason == "stop", (name, c.kind, out.text)
+        if c is regex:
+            assert re.fullmatch(r"[a-z]{3,8}( [a-z]{3,8}){2}", out.text), (name, out.text)
+        else:
+            value = json.loads(out.text)
+            assert len(value) == 3 and all(v in range(10) for v in value), (name, out.text)
+    base_texts = [mixed[0].text, mixed[1].text]
+    assert [mixed[2].text, mixed[3].text] != base_texts
+    assert [mixed[4].text, mixed[5].text] != base_texts
+    assert llm.stats()["pages_used"] == 0
