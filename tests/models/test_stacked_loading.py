@@ -49,9 +49,12 @@ def test_the_engine_takes_the_loaded_stacked_layers_as_they_are(checkpoint):
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     scanned = LLM(str(checkpoint), **kw)
     runner = scanned.llm_engine.runner
-    # On the CPU the scan switches over per-layer weights (models/llama.py switch_layers).
+    # On the CPU the scan switches over per-layer weights (models/llama.py switch_layers),
+    # q/k/v and gate/up merged (fuse_projections): 4 + 2 + 2 heads of 16, 2 x 128 columns.
     assert isinstance(runner.params["layers"], tuple) and len(runner.params["layers"]) == 3
-    assert runner.params["layers"][0]["wq"].shape == (64, 4, 16)
+    first = runner.params["layers"][0]
+    assert first["wqkv"].shape == (64, 128) and first["w_gate_up"].shape == (64, 256)
+    assert not {"wq", "wk", "wv", "w_gate", "w_up"} & set(first)
     unrolled = LLM(str(checkpoint), scan_layers=False, **kw)
     assert isinstance(unrolled.llm_engine.runner.params["layers"], list)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]

@@ -1,5 +1,7 @@
 """Host packing: the scheduler's plan as plain arrays, padded into a bucket (exact arrays)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -306,14 +308,21 @@ def test_on_cpu_one_page_bucket_and_decode_steps_on_the_ragged_programs():
     keys = bucket_keys(cpu)
     assert all(not k.decode_only and k.num_page_cols == 16 for k in keys)
     assert {(k.num_tokens, k.num_seqs) for k in keys} == {
-        (4, 4), (8, 4), (16, 4), (32, 4), (64, 4), (8, 8), (16, 8), (32, 8), (64, 8),
+        (1, 1), (4, 4), (8, 4), (16, 4), (32, 4), (64, 4), (8, 8), (16, 8), (32, 8), (64, 8),
         (16, 16), (32, 16), (64, 16)
     }  # fmt: skip
-    assert len(keys) == 12 and len(bucket_keys(gpu)) == 3 * 3 + 9 * 3
-    # A decode step of r rows pads to (bucket(r) tokens, bucket(r) rows), keys precompiled.
+    assert len(keys) == 13 and len(bucket_keys(gpu)) == 3 * 3 + 9 * 3
+    # A decode step of r rows pads to (bucket(r) tokens, bucket(r) rows), keys precompiled;
+    # one row's has a program of its own on CPU (SchedulerConfig.one_row_bucket).
     assert [(k.num_tokens, k.num_seqs) for k in warm_up_keys(cpu, 64)] == [
-        (4, 4), (8, 8), (16, 16), (8, 4), (16, 4), (32, 4), (64, 4)
+        (4, 4), (8, 8), (16, 16), (1, 1), (8, 4), (16, 4), (32, 4), (64, 4)
     ]
+    assert cpu.scheduler.one_row_bucket and not gpu.scheduler.one_row_bucket
+    # A smallest token bucket given (not the platform's) keeps every step in the buckets.
+    pinned = dataclasses.replace(base, scheduler=dataclasses.replace(
+        base.scheduler, min_token_bucket=8)).resolve(256, "cpu")  # fmt: skip
+    assert not pinned.scheduler.one_row_bucket
+    assert all(k.num_seqs >= 4 for k in bucket_keys(pinned))
     assert set(warm_up_keys(cpu, 64)) <= set(keys)
 
 
@@ -333,6 +342,13 @@ def test_a_decode_plan_on_cpu_runs_the_ragged_key_of_its_rows():
     assert step_key(decode, config) == StepKey(4, 4, 8, False)  # CPU: a 4-token bucket
     assert step_key(decode, base) == StepKey(4, 4, 4, True)  # with decode programs
     assert step_key(decode, config) in bucket_keys(config)
+    feed(sched, decode, [13, 0])
+    sched.finish(sched.running[1], "stop")  # "b" ends: "a" decodes alone
+    lone = sched.schedule()
+    assert lone.decode_only and len(lone) == 1
+    assert step_key(lone, config) == StepKey(1, 1, 8, False)  # CPU: one row, one token
+    assert step_key(lone, base) == StepKey(4, 4, 4, True)
+    assert step_key(lone, config) in bucket_keys(config)
 
 
 def test_the_default_configs_program_counts_on_cpu_and_on_accelerators():
@@ -341,8 +357,8 @@ def test_the_default_configs_program_counts_on_cpu_and_on_accelerators():
     fails here (issue 38: 162 reachable programs before the CPU defaults)."""
     base = EngineConfig()
     cpu, gpu = base.resolve(2048, "cpu"), base.resolve(2048, "gpu")
-    assert len(bucket_keys(cpu)) == 26
-    assert len(warm_up_keys(cpu, 64)) == 8
+    assert len(bucket_keys(cpu)) == 27  # 26 and a one-row decode's (1, 1)
+    assert len(warm_up_keys(cpu, 64)) == 9
     assert len(bucket_keys(gpu)) == 162
 
 
