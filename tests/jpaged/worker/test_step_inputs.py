@@ -1,6 +1,7 @@
 """Host packing: the scheduler's plan as plain arrays, padded into a bucket (exact arrays)."""
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -294,7 +295,16 @@ def test_a_warm_up_run_outside_the_runs_is_refused():
         warm_up_inputs(_padded_inputs(key), key, 4, 3)
 
 
-def test_on_cpu_one_page_bucket_and_decode_steps_on_the_ragged_programs():
+@pytest.fixture
+def fusion_emitters(monkeypatch):
+    """XLA_FLAGS without the suite's jax 0.10 flag turning the fusion emitters off, as a
+    user's process runs: the CPU resolves SchedulerConfig.one_row_bucket on."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    kept = [f for f in flags if f != "--xla_cpu_use_fusion_emitters=false"]
+    monkeypatch.setenv("XLA_FLAGS", " ".join(kept))
+
+
+def test_on_cpu_one_page_bucket_and_decode_steps_on_the_ragged_programs(fusion_emitters):
     base = EngineConfig(
         cache=CacheConfig(page_size=16, num_pages=64),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
@@ -326,7 +336,7 @@ def test_on_cpu_one_page_bucket_and_decode_steps_on_the_ragged_programs():
     assert set(warm_up_keys(cpu, 64)) <= set(keys)
 
 
-def test_a_decode_plan_on_cpu_runs_the_ragged_key_of_its_rows():
+def test_a_decode_plan_on_cpu_runs_the_ragged_key_of_its_rows(fusion_emitters):
     base = EngineConfig(
         cache=CacheConfig(page_size=4, num_pages=16),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32),
@@ -351,7 +361,19 @@ def test_a_decode_plan_on_cpu_runs_the_ragged_key_of_its_rows():
     assert step_key(lone, config) in bucket_keys(config)
 
 
-def test_the_default_configs_program_counts_on_cpu_and_on_accelerators():
+def test_without_the_fusion_emitters_the_cpu_pads_a_lone_decode(monkeypatch):
+    """With XLA_FLAGS turning XLA:CPU's fusion emitters off, a (1, 1) program runs its
+    matrix-vector products as emitted loops (several times slower than (4, 4)): no one-row
+    program, the keys are the buckets'."""
+    flags = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    cpu = EngineConfig().resolve(2048, "cpu")
+    assert cpu.scheduler.one_row_bucket is False
+    assert min(k.num_seqs for k in bucket_keys(cpu)) == 4
+    assert len(bucket_keys(cpu)) == 26 and len(warm_up_keys(cpu, 64)) == 8
+
+
+def test_the_default_configs_program_counts_on_cpu_and_on_accelerators(fusion_emitters):
     """What a default engine (max_num_seqs 32, 512 batched tokens, max_model_len 2048) can
     compile, and what the server's warm-up (64 tokens) compiles: a change that adds programs
     fails here (issue 38: 162 reachable programs before the CPU defaults)."""
