@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Mapping
 
 KV_ALLOCATIONS = ("paged", "reserve")
@@ -194,6 +195,14 @@ class SchedulerConfig:
     # at 16: docs/benchmarks.md, "The smallest CPU bucket").
     min_token_bucket: int | None = setting(None, "smallest token bucket", cli=False)
     min_seq_bucket: int = setting(4, "smallest sequence bucket", cli=False)
+    # A step of one row and one token (a lone decode) runs a program of its own, (1 token, 1
+    # row), below the buckets. None: by platform (EngineConfig.resolve): on CPU when
+    # min_token_bucket is left to it, where XLA:CPU multiplies a single row as a
+    # matrix-vector product: SmolLM2's one-row decode step takes 26 ms against 39 ms padded
+    # to (4, 4), while two rows cost what four do (docs/benchmarks.md, "One row, one
+    # token"). Accelerators pad to their buckets as before, and so does the CPU when XLA_FLAGS
+    # turns its fusion emitters off (_fusion_emitters, below).
+    one_row_bucket: bool | None = setting(None, "a (1 token, 1 row) step program", cli=False)
     # Page-table columns a step reads come in buckets from this up to max_pages_per_seq. None:
     # by platform (EngineConfig.resolve): 4 on accelerators, whose kernels' grids follow the
     # width; on CPU one bucket, the full width (the reference attention loops only over the
@@ -445,6 +454,8 @@ class EngineConfig:
             changes["min_page_bucket"] = math.ceil(max_len / self.cache.page_size) if cpu else 4
         if platform is not None and s.decode_programs is None:
             changes["decode_programs"] = not cpu
+        if platform is not None and s.one_row_bucket is None:
+            changes["one_row_bucket"] = cpu and s.min_token_bucket is None and _fusion_emitters()
         if platform is not None and s.min_token_bucket is None:
             changes["min_token_bucket"] = MIN_TOKEN_BUCKET_CPU if cpu else MIN_TOKEN_BUCKET
         if all(getattr(s, k) == v for k, v in changes.items()):
@@ -648,3 +659,11 @@ class StructuredOutputsConfig:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def _fusion_emitters() -> bool:
+    """False when XLA_FLAGS turns XLA:CPU's fusion emitters off (the test suite does on jax
+    0.10, to compile faster): a (1, 1) step program then fuses its matrix-vector products
+    into emitted loops, SmolLM2's lone decode step about 155 ms against 40 padded to (4, 4)
+    (2.6 s at --xla_backend_optimization_level=0), so SchedulerConfig.one_row_bucket stays off."""
+    return "--xla_cpu_use_fusion_emitters=false" not in os.environ.get("XLA_FLAGS", "").split()

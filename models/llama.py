@@ -328,9 +328,16 @@ def forward(
 
     def project(layer, x):  # a layer's first half up to attention: (q, k, v) [T, H, Dh]
         h = norm(x, layer["input_norm"], cfg.rms_norm_eps)
+        if "wqkv" in layer:  # one product, split (fuse_projections; unsharded: every head)
+            heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
+            ends = np.cumsum(heads)[:2] * cfg.head_dim
+            qkv = jnp.split(h @ layer["wqkv"], ends, axis=1)  # [T, H * Dh] each
+            qkv = (y.reshape(y.shape[0], n, cfg.head_dim) for y, n in zip(qkv, heads, strict=True))
+        else:
+            qkv = (quantization.einsum("td,dhk->thk", h, layer[w]) for w in ("wq", "wk", "wv"))
         q, k, v = (
-            lora.add(quantization.einsum("td,dhk->thk", h, layer[w]), h, layer, m, lora_slots)
-            for w, m in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"))
+            lora.add(y, h, layer, m, lora_slots)
+            for y, m in zip(qkv, ("q_proj", "k_proj", "v_proj"), strict=True)
         )
         if cfg.attention_bias:
             q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
@@ -507,7 +514,7 @@ def switches_layers(cfg: ModelConfig, platform: str, *, sharded: bool) -> bool:
 TIED_HEAD_MAX_BYTES = 256 << 20
 
 
-def switch_layers(params: dict, tied_head: bool = True) -> dict:
+def switch_layers(params: dict, tied_head: bool = True, fuse: bool = True) -> dict:
     """params with "layers" as a tuple of per-layer dicts: forward then runs them under
     lax.scan over the layer index, each layer's projections picked by lax.switch, so every
     dot reads its weights where they lie. XLA:CPU copies a stacked layer's slice out before
@@ -519,8 +526,15 @@ def switch_layers(params: dict, tied_head: bool = True) -> dict:
     transposed instead, as "tied_head" [D, V] ("embed" dropped, so no second copy): the LM
     head multiplies it as an untied lm_head and the lookup takes its columns. SmolLM2's
     one-row decode step 7% faster, batch 32 within noise (docs/benchmarks.md, "The page
-    gather and the LM head")."""
-    params = {**params, "layers": tuple(unstack_layers(params)["layers"])}
+    gather and the LM head").
+
+    fuse: plain q/k/v and gate/up weights merged (fuse_projections): the one-row decode
+    step 9% faster (26.4 against 28.9 ms), the (4, 4), 32-row and 512-token steps within
+    noise (docs/benchmarks.md, "One row, one token")."""
+    layers = unstack_layers(params)["layers"]
+    if fuse:
+        layers = [fuse_projections(layer) for layer in layers]
+    params = {**params, "layers": tuple(layers)}
     embed = params.get("embed")
     if (
         tied_head
@@ -531,6 +545,21 @@ def switch_layers(params: dict, tied_head: bool = True) -> dict:
         params["tied_head"] = jnp.asarray(embed).T.copy()  # [D, V], row-major
         del params["embed"]
     return params
+
+
+def fuse_projections(layer: dict) -> dict:
+    """A per-layer dict with its plain (unquantized) q/k/v weights as one "wqkv" [D, (Hq +
+    2 Hkv) * Dh] and gate/up as one "w_gate_up" [D, 2 F], as vLLM's merged linears: one
+    product reads x once and splits its output (forward, _mlp), fewer and larger dots for
+    XLA:CPU to thread. Quantized weights stay separate."""
+    layer = dict(layer)
+    names = ("wq", "wk", "wv")
+    if all(isinstance(layer.get(n), jax.Array | np.ndarray) for n in names):
+        ws = [layer.pop(n) for n in names]
+        layer["wqkv"] = jnp.concatenate([w.reshape(w.shape[0], -1) for w in ws], axis=1)
+    if all(isinstance(layer.get(n), jax.Array | np.ndarray) for n in ("w_gate", "w_up")):
+        layer["w_gate_up"] = jnp.concatenate([layer.pop("w_gate"), layer.pop("w_up")], axis=1)
+    return layer
 
 
 def unstack_layers(params: dict) -> dict:
@@ -582,8 +611,12 @@ def _mlp(
     if experts:
         return moe.moe_mlp(h, layer, cfg, act, tp_axis)
     mm = quantization.matmul
-    gate = act(lora.add(mm(h, layer["w_gate"]), h, layer, "gate_proj", lora_slots))
-    gated = gate * lora.add(mm(h, layer["w_up"]), h, layer, "up_proj", lora_slots)
+    if "w_gate_up" in layer:  # one product, split (fuse_projections)
+        gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
+    else:
+        gate, up = mm(h, layer["w_gate"]), mm(h, layer["w_up"])
+    gate = act(lora.add(gate, h, layer, "gate_proj", lora_slots))
+    gated = gate * lora.add(up, h, layer, "up_proj", lora_slots)
     out = lora.add(mm(gated, layer["w_down"]), gated, layer, "down_proj", lora_slots)
     return _reduce(out, tp_axis)
 

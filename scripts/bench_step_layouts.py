@@ -4,15 +4,18 @@
         --layouts stacked,switched [--repeat 12]
 
 A case is T:S:rows:new:context: the step's token and sequence buckets (the CPU engine's own:
-a decode step of r rows runs bucket(r) tokens and rows, at least 4 tokens and 4 rows), the
+a decode step of r rows runs bucket(r) tokens and rows, at least 4 tokens and 4 rows; a
+lone decode 1:1), the
 rows with `new` tokens each ending at `context` cached tokens (512:4:4:128:128 is a 512-token
 prefill of four 128-token prompts), over the full page-table width of a 2,048-token
 max_model_len. Layouts (models/llama.py): stacked (lax.scan over stacked weights: every layer's
 weights dynamic-sliced out, a copy on XLA:CPU), switched (per-layer weights under the scan,
 picked by lax.switch: the CPU default, with a tied embedding's LM head stored transposed),
-switched_embed_head (switched, the LM head multiplying the [V, D] embedding) and unrolled. For each case and layout: the compile
-time, whether the greedy tokens agree, and the CPU ms per step of this process (every thread:
-one core unless XLA_FLAGS says otherwise), median [p10 p90] of --repeat steps, the layouts
+switched_embed_head (switched, the LM head multiplying the [V, D] embedding), switched_separate
+(switched without merging q/k/v and gate/up: fuse_projections) and unrolled. For each case and
+layout: the compile time, whether the greedy tokens agree, and the CPU ms per step of this
+process (every thread: one core unless XLA_FLAGS says otherwise) and the wall ms, median [p10
+p90] of --repeat steps, the layouts
 run in turn so that a loaded machine slows them alike. With --interleave the cases run in
 turn too, step by step (an A/B of two buckets: 16:4:1:1:160,4:4:1:1:160), after all are
 compiled.
@@ -57,6 +60,7 @@ def main() -> None:
     cfg = loaded.config
     make = {"stacked": llama.stack_layers, "switched": llama.switch_layers,
             "switched_embed_head": lambda p: llama.switch_layers(p, tied_head=False),
+            "switched_separate": lambda p: llama.switch_layers(p, fuse=False),
             "unrolled": llama.unstack_layers}
     layouts = {name: make[name](loaded.params) for name in args.layouts.split(",")}
     print(f"jax {jax.__version__}; XLA_FLAGS={os.environ['XLA_FLAGS']!r}", flush=True)
@@ -97,17 +101,22 @@ def _time(cases: dict, repeat: int) -> None:
     import jax
 
     times = {(case, name): [] for case, benches in cases.items() for name in benches}
+    walls = {k: [] for k in times}
     for _ in range(repeat):
         for case, benches in cases.items():
             for name, bench in benches.items():
-                c0 = time.process_time()
+                c0, w0 = time.process_time(), time.perf_counter()
                 out, _, bench.state = bench.step_fn(bench.params, bench.state, bench.inputs,
                                                     bench.prev)
                 jax.block_until_ready(out.tokens)
                 times[case, name].append(1e3 * (time.process_time() - c0))
+                walls[case, name].append(1e3 * (time.perf_counter() - w0))
     for (case, name), v in times.items():
+        w = walls[case, name]
         print(f"  {case} {name:9s} CPU ms median {np.median(v):8.1f} "
-              f"[p10 {np.percentile(v, 10):.1f} p90 {np.percentile(v, 90):.1f}]", flush=True)
+              f"[p10 {np.percentile(v, 10):.1f} p90 {np.percentile(v, 90):.1f}]"
+              f"  wall ms median {np.median(w):8.1f} "
+              f"[p10 {np.percentile(w, 10):.1f} p90 {np.percentile(w, 90):.1f}]", flush=True)
 
 if __name__ == "__main__":
     main()

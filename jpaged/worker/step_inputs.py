@@ -169,6 +169,8 @@ def step_key(plan: StepPlan, config: EngineConfig) -> StepKey:
     }
     if plan.decode_only and config.decode_programs:
         return StepKey(num_seqs, num_seqs, cols, True, **extra)
+    if config.scheduler.one_row_bucket and len(plan) == 1 == plan.num_tokens:
+        return StepKey(1, 1, cols, False, **extra)  # a lone decode (SchedulerConfig)
     # At least a token per row (forks of an n > 1 request have none; max_num_seqs <=
     # max_num_batched_tokens), so num_tokens >= num_seqs' lower neighbour and the ragged
     # shapes are the ones bucket_keys lists.
@@ -232,6 +234,7 @@ def bucket_keys(config: EngineConfig, max_len: int | None = None) -> list[StepKe
     c = config
     pages = c.page_buckets if max_len is None else _page_buckets_up_to(c, max_len)
     keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in pages if c.decode_programs]
+    keys += [StepKey(1, 1, p, False) for p in pages if c.scheduler.one_row_bucket]
     spec = c.speculative
     drafted = spec is not None and spec.method == "draft_model"
     for spec_k in sorted({0, c.num_speculative_tokens}):
@@ -264,6 +267,7 @@ def warm_up_keys(config: EngineConfig, context_len: int) -> list[StepKey]:
         keys = [StepKey(s, s, p, True) for s in c.seq_buckets for p in pages]
     else:  # a decode step of r rows runs the ragged program (bucket(r) tokens, bucket(r) rows)
         keys = [StepKey(t, s, p, False) for t, s in _decode_shapes(c) for p in pages]
+    keys += [StepKey(1, 1, p, False) for p in pages if c.scheduler.one_row_bucket]
     spec = c.speculative
     drafted = spec is not None and spec.method == "draft_model"
     keys += [

@@ -49,14 +49,38 @@ def test_the_engine_takes_the_loaded_stacked_layers_as_they_are(checkpoint):
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     scanned = LLM(str(checkpoint), **kw)
     runner = scanned.llm_engine.runner
-    # On the CPU the scan switches over per-layer weights (models/llama.py switch_layers).
+    # On the CPU the scan switches over per-layer weights (models/llama.py switch_layers),
+    # q/k/v and gate/up merged (fuse_projections): 4 + 2 + 2 heads of 16, 2 x 128 columns.
     assert isinstance(runner.params["layers"], tuple) and len(runner.params["layers"]) == 3
-    assert runner.params["layers"][0]["wq"].shape == (64, 4, 16)
+    first = runner.params["layers"][0]
+    assert first["wqkv"].shape == (64, 128) and first["w_gate_up"].shape == (64, 256)
+    assert not {"wq", "wk", "wv", "w_gate", "w_up"} & set(first)
     unrolled = LLM(str(checkpoint), scan_layers=False, **kw)
     assert isinstance(unrolled.llm_engine.runner.params["layers"], list)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]
     tokens = [o.outputs[0].token_ids for o in scanned.generate(prompts, greedy)]
     assert tokens == [o.outputs[0].token_ids for o in unrolled.generate(prompts, greedy)]
+
+
+def test_a_lone_decode_runs_its_one_row_program_with_the_same_tokens(checkpoint):
+    """SchedulerConfig.one_row_bucket (set here: the suite's jax 0.10 flags turn it off by
+    default): once the shorter request ends, the other decodes alone in a (1, 1) program,
+    and every token equals the engine that pads that step to (4, 4)."""
+    from jpaged import LLM, SamplingParams
+
+    kw = {"max_num_seqs": 2, "max_model_len": 32, "max_num_batched_tokens": 16,
+          "page_size": 8, "num_pages": 9}  # fmt: skip
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (9, 3)]
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]
+    runs = {}
+    for one_row in (True, False):
+        llm = LLM(str(checkpoint), one_row_bucket=one_row, **kw)
+        outs = llm.generate(prompts, params)
+        runs[one_row] = [o.outputs[0].token_ids for o in outs]
+        lone = [k for k in llm.llm_engine.runner.programs.step_keys() if k.num_seqs == 1]
+        assert [(k.num_tokens, k.num_seqs) for k in lone] == ([(1, 1)] if one_row else [])
+    assert [len(t) for t in runs[True]] == [9, 3]
+    assert runs[True] == runs[False]
 
 
 def test_on_cpu_layers_over_the_line_run_unrolled_by_default(checkpoint, monkeypatch):

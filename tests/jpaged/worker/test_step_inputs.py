@@ -1,5 +1,8 @@
 """Host packing: the scheduler's plan as plain arrays, padded into a bucket (exact arrays)."""
 
+import dataclasses
+import os
+
 import numpy as np
 import pytest
 
@@ -292,7 +295,16 @@ def test_a_warm_up_run_outside_the_runs_is_refused():
         warm_up_inputs(_padded_inputs(key), key, 4, 3)
 
 
-def test_on_cpu_one_page_bucket_and_decode_steps_on_the_ragged_programs():
+@pytest.fixture
+def fusion_emitters(monkeypatch):
+    """XLA_FLAGS without the suite's jax 0.10 flag turning the fusion emitters off, as a
+    user's process runs: the CPU resolves SchedulerConfig.one_row_bucket on."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    kept = [f for f in flags if f != "--xla_cpu_use_fusion_emitters=false"]
+    monkeypatch.setenv("XLA_FLAGS", " ".join(kept))
+
+
+def test_on_cpu_one_page_bucket_and_decode_steps_on_the_ragged_programs(fusion_emitters):
     base = EngineConfig(
         cache=CacheConfig(page_size=16, num_pages=64),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
@@ -306,18 +318,25 @@ def test_on_cpu_one_page_bucket_and_decode_steps_on_the_ragged_programs():
     keys = bucket_keys(cpu)
     assert all(not k.decode_only and k.num_page_cols == 16 for k in keys)
     assert {(k.num_tokens, k.num_seqs) for k in keys} == {
-        (4, 4), (8, 4), (16, 4), (32, 4), (64, 4), (8, 8), (16, 8), (32, 8), (64, 8),
+        (1, 1), (4, 4), (8, 4), (16, 4), (32, 4), (64, 4), (8, 8), (16, 8), (32, 8), (64, 8),
         (16, 16), (32, 16), (64, 16)
     }  # fmt: skip
-    assert len(keys) == 12 and len(bucket_keys(gpu)) == 3 * 3 + 9 * 3
-    # A decode step of r rows pads to (bucket(r) tokens, bucket(r) rows), keys precompiled.
+    assert len(keys) == 13 and len(bucket_keys(gpu)) == 3 * 3 + 9 * 3
+    # A decode step of r rows pads to (bucket(r) tokens, bucket(r) rows), keys precompiled;
+    # one row's has a program of its own on CPU (SchedulerConfig.one_row_bucket).
     assert [(k.num_tokens, k.num_seqs) for k in warm_up_keys(cpu, 64)] == [
-        (4, 4), (8, 8), (16, 16), (8, 4), (16, 4), (32, 4), (64, 4)
+        (4, 4), (8, 8), (16, 16), (1, 1), (8, 4), (16, 4), (32, 4), (64, 4)
     ]
+    assert cpu.scheduler.one_row_bucket and not gpu.scheduler.one_row_bucket
+    # A smallest token bucket given (not the platform's) keeps every step in the buckets.
+    pinned = dataclasses.replace(base, scheduler=dataclasses.replace(
+        base.scheduler, min_token_bucket=8)).resolve(256, "cpu")  # fmt: skip
+    assert not pinned.scheduler.one_row_bucket
+    assert all(k.num_seqs >= 4 for k in bucket_keys(pinned))
     assert set(warm_up_keys(cpu, 64)) <= set(keys)
 
 
-def test_a_decode_plan_on_cpu_runs_the_ragged_key_of_its_rows():
+def test_a_decode_plan_on_cpu_runs_the_ragged_key_of_its_rows(fusion_emitters):
     base = EngineConfig(
         cache=CacheConfig(page_size=4, num_pages=16),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32),
@@ -333,16 +352,35 @@ def test_a_decode_plan_on_cpu_runs_the_ragged_key_of_its_rows():
     assert step_key(decode, config) == StepKey(4, 4, 8, False)  # CPU: a 4-token bucket
     assert step_key(decode, base) == StepKey(4, 4, 4, True)  # with decode programs
     assert step_key(decode, config) in bucket_keys(config)
+    feed(sched, decode, [13, 0])
+    sched.finish(sched.running[1], "stop")  # "b" ends: "a" decodes alone
+    lone = sched.schedule()
+    assert lone.decode_only and len(lone) == 1
+    assert step_key(lone, config) == StepKey(1, 1, 8, False)  # CPU: one row, one token
+    assert step_key(lone, base) == StepKey(4, 4, 4, True)
+    assert step_key(lone, config) in bucket_keys(config)
 
 
-def test_the_default_configs_program_counts_on_cpu_and_on_accelerators():
+def test_without_the_fusion_emitters_the_cpu_pads_a_lone_decode(monkeypatch):
+    """With XLA_FLAGS turning XLA:CPU's fusion emitters off, a (1, 1) program runs its
+    matrix-vector products as emitted loops (several times slower than (4, 4)): no one-row
+    program, the keys are the buckets'."""
+    flags = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    cpu = EngineConfig().resolve(2048, "cpu")
+    assert cpu.scheduler.one_row_bucket is False
+    assert min(k.num_seqs for k in bucket_keys(cpu)) == 4
+    assert len(bucket_keys(cpu)) == 26 and len(warm_up_keys(cpu, 64)) == 8
+
+
+def test_the_default_configs_program_counts_on_cpu_and_on_accelerators(fusion_emitters):
     """What a default engine (max_num_seqs 32, 512 batched tokens, max_model_len 2048) can
     compile, and what the server's warm-up (64 tokens) compiles: a change that adds programs
     fails here (issue 38: 162 reachable programs before the CPU defaults)."""
     base = EngineConfig()
     cpu, gpu = base.resolve(2048, "cpu"), base.resolve(2048, "gpu")
-    assert len(bucket_keys(cpu)) == 26
-    assert len(warm_up_keys(cpu, 64)) == 8
+    assert len(bucket_keys(cpu)) == 27  # 26 and a one-row decode's (1, 1)
+    assert len(warm_up_keys(cpu, 64)) == 9
     assert len(bucket_keys(gpu)) == 162
 
 
