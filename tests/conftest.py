@@ -17,30 +17,20 @@ from pathlib import Path
 _PLATFORMS_ASKED = os.environ.get("JAX_PLATFORMS")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_ENABLE_X64"] = "0"
-# One compute thread per process, for XLA and for torch (and the subprocesses tests start):
-# the suite runs in parallel worker processes instead, and thread pools sized for a large
-# host on a 2-core CI quota oversubscribe it badly.
-_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-# Under jax 0.10 (Python 3.11 in CI) XLA:CPU also compiles fusions with its older emitters,
-# not the MLIR fusion emitters it uses by default: the suite mostly compiles, and measured on
-# the 2-core VM (2026-12-06) the 3.11 suite's XLA compile time fell from 1,477 s to 974 s
-# (jax's backend-compile events summed over its workers), every test passing, while the
-# programs run about 20% slower (SmolLM2 decode). Users keep XLA's default. jax 0.11's XLA has no such flag (an unknown
-# XLA flag aborts the process), so the 3.12 stage compiles with the default emitters.
-_OLD_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-# LLVM's optimization level for the code XLA emits, in both jax versions: at 0 the tiny test
-# programs compile in about half the CPU time (tests/models/test_gemma.py on the 2-core VM,
-# 2026-12-07, both runs side by side: 166 s of CPU at XLA's default, 76 s at 0; 10 passed
-# in both). The dots still run in XLA's library kernels, and no float rewriting depends on it
-# (XLA:CPU's fast math is off): only the emitted loops run slower. Not on an accelerator run:
-# pytest_configure takes it out again before jax starts a backend.
-_TEST_OPT_LEVEL = "--xla_backend_optimization_level=0"
+# Make `import checkpoints` work from any test folder, and the repo importable without install.
+_TESTS = Path(__file__).resolve().parent
+for _p in (_TESTS, _TESTS.parent):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from xla_flags import OLD_EMITTERS, ONE_THREAD, TEST_OPT_LEVEL
+
 if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
     from importlib.metadata import version
 
-    # XLA stops reading flags at _ONE_THREAD's bare word: the other flags go first.
-    flags = (_OLD_EMITTERS + " " if version("jaxlib").startswith("0.10.") else "") + _ONE_THREAD
-    flags = _TEST_OPT_LEVEL + " " + flags
+    # XLA stops reading flags at ONE_THREAD's bare word: the other flags go first.
+    flags = (OLD_EMITTERS + " " if version("jaxlib").startswith("0.10.") else "") + ONE_THREAD
+    flags = TEST_OPT_LEVEL + " " + flags
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -76,11 +66,6 @@ if settings is not None:
     if os.environ.get("CI"):
         settings.load_profile("ci")
 
-# Make `import checkpoints` work from any test folder, and the repo importable without install.
-_TESTS = Path(__file__).resolve().parent
-for _p in (_TESTS, _TESTS.parent):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 
 import jax
 
@@ -217,7 +202,7 @@ def pytest_configure(config):
     # The accelerator's kernels compile at XLA's own optimization level (jax reads XLA_FLAGS
     # when its first backend starts: jax.devices() below).
     os.environ["XLA_FLAGS"] = " ".join(
-        os.environ.get("XLA_FLAGS", "").replace(_TEST_OPT_LEVEL, "").split()
+        os.environ.get("XLA_FLAGS", "").replace(TEST_OPT_LEVEL, "").split()
     )
     jax.config.update("jax_platforms", platforms)
     # One process holds the device: xdist's workers would each take most of its memory

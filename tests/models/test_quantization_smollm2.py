@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from child_process import dies_with_parent
+from xla_flags import TEST_OPT_LEVEL
 
 from tests.perplexity import REAL_PROMPTS, english_token_ids, perplexity
 
@@ -54,7 +55,7 @@ def measured(smollm2_gguf, tmp_path_factory):
     result = tmp_path_factory.mktemp("quantization_smollm2") / "measured.pkl"
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(
-        f for f in env.get("XLA_FLAGS", "").split() if f != "--xla_backend_optimization_level=0"
+        f for f in env.get("XLA_FLAGS", "").split() if f != TEST_OPT_LEVEL
     )
     repo = Path(__file__).resolve().parents[2]
     code = (

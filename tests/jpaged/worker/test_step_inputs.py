@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+from xla_flags import OLD_EMITTERS, TEST_OPT_LEVEL
 
 from jpaged.config import CacheConfig, EngineConfig, SchedulerConfig
 from jpaged.core.page_allocator import PageAllocator
@@ -300,7 +301,7 @@ def fusion_emitters(monkeypatch):
     """XLA_FLAGS without the suite's jax 0.10 flag turning the fusion emitters off, as a
     user's process runs: the CPU resolves SchedulerConfig.one_row_bucket on."""
     flags = os.environ.get("XLA_FLAGS", "").split()
-    kept = [f for f in flags if f != "--xla_cpu_use_fusion_emitters=false"]
+    kept = [f for f in flags if f != OLD_EMITTERS]
     monkeypatch.setenv("XLA_FLAGS", " ".join(kept))
 
 
@@ -365,8 +366,7 @@ def test_without_the_fusion_emitters_the_cpu_pads_a_lone_decode(monkeypatch):
     """With XLA_FLAGS turning XLA:CPU's fusion emitters off, a (1, 1) program runs its
     matrix-vector products as emitted loops (several times slower than (4, 4)): no one-row
     program, the keys are the buckets'."""
-    flags = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-    monkeypatch.setenv("XLA_FLAGS", flags)
+    monkeypatch.setenv("XLA_FLAGS", f"{TEST_OPT_LEVEL} {OLD_EMITTERS}")
     cpu = EngineConfig().resolve(2048, "cpu")
     assert cpu.scheduler.one_row_bucket is False
     assert min(k.num_seqs for k in bucket_keys(cpu)) == 4
