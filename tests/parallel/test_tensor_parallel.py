@@ -76,10 +76,12 @@ def test_weight_shardings(tp_results, t):
 
 
 def test_single_device_path_has_no_mesh(tp_results):
-    """One CPU device, unsharded: per-layer weights (models/llama.py switch_layers), no mesh."""
+    """One CPU device, unsharded: per-layer weights (models/llama.py switch_layers), q/k/v
+    and gate/up merged (fuse_projections), no mesh."""
     weights = tp_results["1x1"]["layout"]["weights"]
-    assert weights["layers.0.wq"] == ["None", [HIDDEN, HEADS, HEAD_DIM]]
-    assert "layers.wq" not in weights
+    assert weights["layers.0.wqkv"] == ["None", [HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM]]
+    assert weights["layers.0.w_gate_up"] == ["None", [HIDDEN, 2 * INTER]]
+    assert "layers.wq" not in weights and "layers.0.wq" not in weights
 
 
 def test_unrolled_layers_under_tp_give_the_scanned_tokens(tp_results):
