@@ -104,7 +104,9 @@ def threads() -> int:
     core this process may run on, as XLA's own pool."""
     if "--xla_cpu_multi_thread_eigen=false" in os.environ.get("XLA_FLAGS", "").split():
         return 1
-    return len(os.sched_getaffinity(0))
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def attention(q, k_pages, v_pages, rows, starts, ends, *, sm_scale: float,
