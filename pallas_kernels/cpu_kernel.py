@@ -80,11 +80,18 @@ def _build(path: Path) -> None:
             os.unlink(tmp)
 
 
-@functools.cache
 def available() -> bool:
-    """Whether the kernel is built, loaded and registered (once per process)."""
+    """Whether the kernel serves this process: built, loaded and registered (once), and not
+    turned off by JPAGED_CPU_ATTENTION=reference."""
     if os.environ.get(ENV, "kernel") == "reference":
         return False
+    return _registered()
+
+
+@functools.cache
+def _registered() -> bool:
+    """Builds (where the cache lacks it), loads and registers the kernel, once per process:
+    XLA refuses a second handler under the same name."""
     try:
         path = _library_path()
         if not path.exists():

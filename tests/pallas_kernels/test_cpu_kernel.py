@@ -85,26 +85,25 @@ def test_the_gather_path_still_matches_dense(gather_path):
 
 
 def test_jpaged_cpu_attention_reference_turns_it_off(monkeypatch):
-    monkeypatch.setenv(cpu_kernel.ENV, "reference")
-    cpu_kernel.available.cache_clear()
-    try:
-        assert not cpu_kernel.available()
-    finally:
-        monkeypatch.delenv(cpu_kernel.ENV)
-        cpu_kernel.available.cache_clear()
     assert cpu_kernel.available()
+    monkeypatch.setenv(cpu_kernel.ENV, "reference")
+    assert not cpu_kernel.available()
+    case = decode_case(8, lengths=[9, 30], num_kv_heads=2, group=2, page_size=4, head_dim=16,
+                       dtype="float32")
+    args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table)
+    assert _kernel_calls(
+        lambda *a: reference.paged_decode_attention(*a, sm_scale=case.sm_scale), *args
+    ) == 0
 
 
 def test_a_failed_build_is_a_warning_and_the_gather_path(monkeypatch, tmp_path, caplog):
+    """_registered's body (the process's own registration untouched) with no compiler:
+    False, one warning, nothing half written in the cache directory."""
     monkeypatch.setenv("JPAGED_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    cpu_kernel.available.cache_clear()
-    try:
-        assert not cpu_kernel.available()
-    finally:
-        cpu_kernel.available.cache_clear()
+    assert cpu_kernel._registered.__wrapped__() is False
     assert "CPU attention kernel unavailable" in caplog.text
-    assert not list(tmp_path.rglob("*.so*"))  # nothing half written left behind
+    assert not list(tmp_path.rglob("*.so*"))
 
 
 def test_lowered_for_cuda_the_step_holds_no_cpu_kernel_call():
