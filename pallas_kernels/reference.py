@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import kv_quant
+from pallas_kernels import cpu_kernel, kv_quant
 
 # A large finite negative, so that max-subtraction never computes -inf - (-inf).
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -292,6 +292,14 @@ def paged_prefill_attention(
     pos = context_lens[seq] - qlen + (t - query_start[seq])  # [T]
     kv_len = jnp.where(valid, context_lens[seq], 0)
 
+    # Decode-like token blocks run the CPU's kernel (cpu_kernel: pages read in place, on
+    # every core) where it serves: float32 pools and queries, no latent rows, no sinks.
+    kernel = (
+        not latent and sinks is None and q.dtype == jnp.float32
+        and getattr(k_pages, "dtype", None) == jnp.float32
+        and jax.default_backend() == "cpu" and cpu_kernel.available()
+    )
+
     def block(args):
         qb, seqb, posb, lenb = args
         qg = qb.reshape(-1, num_kv_heads, group, head_dim)
@@ -345,8 +353,19 @@ def paged_prefill_attention(
             out = out.reshape(n, *out.shape[2:])
             return out[jnp.argsort(order)]
 
+        if kernel:  # decode-like tokens on the CPU: its kernel, no page gather
+            per_token_gathered = per_token
+
+            def per_token(_):
+                return jax.lax.platform_dependent(
+                    cpu=lambda: _kernel_tokens(qb, k_pages, v_pages, page_table[seqb], posb,
+                                               lenb, sm_scale=sm_scale, soft_cap=soft_cap,
+                                               sliding_window=sliding_window).reshape(qg.shape),
+                    default=lambda: per_token_gathered(None),
+                )
+
         if qg.shape[0] == 1:  # one token: its own sequence
-            return one(None)
+            return per_token(None) if kernel else one(None)
         at_most_two = jnp.all((seqb == first) | (seqb == last))
         branch = jnp.where(first == last, 0, jnp.where(at_most_two, 1, 2))
         return jax.lax.switch(branch, (one, two, per_token), None)
@@ -362,6 +381,18 @@ def paged_prefill_attention(
     else:
         out = block((q, seq, pos, kv_len))
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _kernel_tokens(q, k_pages, v_pages, rows, pos, kv_len, *, sm_scale, soft_cap,
+                   sliding_window):
+    """Each token t of q [T, Hq, D] over its own row rows[t] of the page table, keys [lo,
+    pos + 1) (lo past the sliding window; kv_len 0: padding, zeros), by the CPU kernel."""
+    ends = jnp.where(kv_len > 0, jnp.minimum(pos + 1, kv_len), 0).astype(jnp.int32)
+    starts = jnp.zeros_like(ends)
+    if sliding_window is not None:
+        starts = jnp.maximum(pos - sliding_window + 1, 0).astype(jnp.int32)
+    return cpu_kernel.attention(q, k_pages, v_pages, rows.astype(jnp.int32), starts, ends,
+                                sm_scale=sm_scale, soft_cap=soft_cap)
 
 
 def paged_decode_attention(

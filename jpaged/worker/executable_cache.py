@@ -51,10 +51,12 @@ _SOURCE_PACKAGES = ("jpaged", "models", "pallas_kernels")
 
 @functools.cache
 def source_fingerprint() -> str:
-    """sha256 over the source of every module that can shape a traced program."""
+    """sha256 over the source of every module that can shape a traced program (and the CPU
+    attention kernel's C++, whose call a CPU program holds)."""
     h = hashlib.sha256()
     for package in _SOURCE_PACKAGES:
-        for path in sorted((_ROOT / package).rglob("*.py")):
+        paths = [*(_ROOT / package).rglob("*.py"), *(_ROOT / package).rglob("*.cc")]
+        for path in sorted(paths):
             h.update(str(path.relative_to(_ROOT)).encode())
             h.update(path.read_bytes())
     return h.hexdigest()
@@ -63,7 +65,12 @@ def source_fingerprint() -> str:
 def _environment() -> str:
     import jaxlib
 
+    from pallas_kernels import cpu_kernel
+
     devices = jax.devices()
+    # A CPU program calls the attention kernel where it built (pallas_kernels/cpu_kernel.py):
+    # asking registers it, before any entry that holds its call is loaded.
+    kernel = jax.default_backend() == "cpu" and cpu_kernel.available()
     return repr(
         (
             FORMAT,
@@ -75,6 +82,7 @@ def _environment() -> str:
             os.environ.get("XLA_FLAGS", ""),
             os.environ.get("JPAGED_GPU_KERNEL", ""),
             bool(jax.config.jax_enable_x64),
+            kernel,
         )
     )
 

@@ -102,6 +102,25 @@ def test_the_key_covers_config_shapes_dtypes_and_the_jax_version(monkeypatch):
     assert cache_key("step", "config-1", args) != base
 
 
+def test_the_key_asks_for_the_cpu_kernel_and_covers_it(monkeypatch):
+    """A CPU program holds the attention kernel's FFI call (pallas_kernels/cpu_kernel.py):
+    computing a key registers the kernel before any entry is loaded (a process loading every
+    program traces none), and a program built without the kernel has another key."""
+    from pallas_kernels import cpu_kernel
+
+    args = (np.zeros((4, 8), np.float32),)
+    base = cache_key("step", "config-1", args)
+    asked = []
+
+    def unavailable() -> bool:
+        asked.append(True)
+        return False
+
+    monkeypatch.setattr(cpu_kernel, "available", unavailable)
+    assert cache_key("step", "config-1", args) != base
+    assert asked
+
+
 def test_the_cache_is_off_when_the_environment_says_so(monkeypatch, tmp_path):
     monkeypatch.setenv(executable_cache.ENV, "off")
     assert not ExecutableCache(tmp_path).enabled

@@ -1,0 +1,126 @@
+"""The CPU's paged attention kernel (cpu_paged_attention.cc): built with the system's C++
+compiler on first use, loaded, and registered as an XLA FFI target for the CPU.
+
+    available() -> bool                  whether it built here (else the reference's gather path)
+    attention(q, k_pages, v_pages, rows, starts, ends, *, sm_scale, soft_cap) -> [T, Hq, D]
+
+XLA:CPU runs the reference's page gather on one thread and copies every key block before its
+product; the kernel reads each written slot where it lies, on every core XLA would use
+(docs/benchmarks.md, "A CPU attention kernel"). The library is cached per source, compiler
+flags, jaxlib and CPU under the jpaged cache directory ($JPAGED_CACHE_DIR or ~/.cache/jpaged), written
+whole and renamed into place, so concurrent processes never load half a file. No compiler,
+or a failed build: available() is False, with one warning, and the reference runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_paged_attention.cc")
+TARGET = "jpaged_cpu_paged_attention"
+# Vectorized float reductions (reassociation), no fast-math's finite-only assumption: the
+# online softmax starts from -inf.
+FLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC", "-pthread")
+# JPAGED_CPU_ATTENTION=reference keeps the reference's gather path (A/B runs, debugging).
+ENV = "JPAGED_CPU_ATTENTION"
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    model = next((ln for ln in text.splitlines() if ln.startswith("model name")), "")
+    return model + flags
+
+
+def _library_path() -> Path:
+    import jaxlib
+
+    # jpaged's cache directory, as models.demo.cache_root names it (pallas_kernels imports
+    # nothing from models: tests/test_layering.py).
+    root = os.environ.get("JPAGED_CACHE_DIR") or Path.home() / ".cache" / "jpaged"
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
+                 _cpu_id().encode()):
+        key.update(part)
+    return Path(root) / "cpu_kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
+
+
+def _build(path: Path) -> None:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def available() -> bool:
+    """Whether the kernel serves this process: built, loaded and registered (once), and not
+    turned off by JPAGED_CPU_ATTENTION=reference."""
+    if os.environ.get(ENV, "kernel") == "reference":
+        return False
+    return _registered()
+
+
+@functools.cache
+def _registered() -> bool:
+    """Builds (where the cache lacks it), loads and registers the kernel, once per process:
+    XLA refuses a second handler under the same name."""
+    try:
+        path = _library_path()
+        if not path.exists():
+            _build(path)
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        jax.ffi.register_ffi_target(
+            TARGET, jax.ffi.pycapsule(lib.JpagedCpuPagedAttention), platform="cpu"
+        )
+    except (OSError, RuntimeError) as e:
+        logger.warning("CPU attention kernel unavailable (%s); the gather path runs", e)
+        return False
+    return True
+
+
+def threads() -> int:
+    """Threads the kernel uses: one when XLA:CPU is held to one (the test suite), else every
+    core this process may run on, as XLA's own pool."""
+    if "--xla_cpu_multi_thread_eigen=false" in os.environ.get("XLA_FLAGS", "").split():
+        return 1
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def attention(q, k_pages, v_pages, rows, starts, ends, *, sm_scale: float,
+              soft_cap: float | None):
+    """q f32[T, Hq, D]; k_pages, v_pages f32[Hkv, P, S, D]; rows int32[T, W] (row t's page
+    table); starts, ends int32[T]: the keys [start, end) row t sees (end 0: zeros).
+    Returns f32[T, Hq, D]."""
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, k_pages, v_pages, rows, starts, ends, sm_scale=np.float32(sm_scale),
+                soft_cap=np.float32(soft_cap or 0.0), threads=np.int64(threads()))

@@ -1,0 +1,118 @@
+"""The CPU's paged attention kernel (pallas_kernels/cpu_kernel.py, cpu_paged_attention.cc):
+decode-like token blocks of the reference read their pages in place through it. Held to the
+dense float64 oracle of test_reference on NaN-filled pools (a slot read outside a row's
+keys would show), beside the reference's gather path it replaces, and kept off the GPU's
+lowering (lax.platform_dependent)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gpu_target import lower_for_cuda
+from paged_cases import decode_case, prefill_case
+from test_reference import assert_matches, run
+
+from pallas_kernels import cpu_kernel, reference
+
+LENGTHS = [1, 0, 17, 64, 5, 33, 48, 2, 90, 3, 0, 7, 61, 12, 1, 29,
+           44, 8, 100, 0, 15, 6, 77, 21, 2, 38, 9, 55, 4, 0, 70, 11]  # fmt: skip
+
+
+@pytest.fixture
+def gather_path(monkeypatch):
+    """The reference's own gather path (the kernel reported unavailable)."""
+    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+
+
+def _kernel_calls(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).as_text().count(cpu_kernel.TARGET)
+
+
+def test_the_kernel_builds_here_and_serves_float32_decode_blocks():
+    assert cpu_kernel.available()
+    case = decode_case(1, lengths=LENGTHS, num_kv_heads=2, group=2, page_size=4, head_dim=16,
+                       dtype="float32")
+    args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table)
+
+    def decode(*a):
+        return reference.paged_decode_attention(*a, sm_scale=case.sm_scale)
+
+    assert _kernel_calls(decode, *args) == 1
+    bf16 = [a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args]
+    assert _kernel_calls(decode, *bf16) == 0  # bfloat16 pools: the gather path
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"sliding_window": 6}, {"soft_cap": 2.0}, {"sliding_window": 1}]
+)
+@pytest.mark.parametrize("shape", [(2, 2, 4, 16), (1, 4, 16, 8), (3, 1, 8, 64)])
+def test_decode_rows_match_dense(shape, kwargs):
+    """32 rows of mixed lengths (padding rows of length 0 among them): kv heads, group,
+    page size and head_dim varied; windows and soft capping."""
+    hkv, group, page_size, head_dim = shape
+    case = decode_case(2, lengths=LENGTHS, num_kv_heads=hkv, group=group, page_size=page_size,
+                       head_dim=head_dim, dtype="float32")
+    assert_matches(case, **kwargs)
+
+
+def test_one_token_and_mixed_blocks_match_dense():
+    """A lone decode row (the CPU's (1, 1) program) and a ragged step whose blocks mix
+    prefill chunks (the gather path) with decode rows (the kernel)."""
+    assert_matches(decode_case(3, lengths=[37], num_kv_heads=3, group=3, page_size=16,
+                               head_dim=64, dtype="float32"))
+    seqs = [(5, 0), (1, 1), (7, 7), (12, 2), (9, 3), (30, 1), (23, 13), (40, 40), (33, 1)]
+    case = prefill_case(4, seqs=seqs, num_kv_heads=2, group=2, page_size=4, head_dim=16,
+                        dtype="float32")
+    assert_matches(case)
+    assert_matches(case, sliding_window=5)
+
+
+def test_the_kernel_equals_the_gather_path_it_replaces(monkeypatch):
+    case = decode_case(5, lengths=LENGTHS, num_kv_heads=3, group=3, page_size=16, head_dim=64,
+                       dtype="float32", pages_per_seq=16)
+    kernel = np.asarray(run(case))
+    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    np.testing.assert_allclose(kernel, np.asarray(run(case)), rtol=2e-6, atol=2e-6)
+
+
+def test_the_gather_path_still_matches_dense(gather_path):
+    case = decode_case(6, lengths=LENGTHS, num_kv_heads=2, group=2, page_size=4, head_dim=16,
+                       dtype="float32")
+    assert_matches(case)
+    assert_matches(case, sliding_window=6)
+
+
+def test_jpaged_cpu_attention_reference_turns_it_off(monkeypatch):
+    assert cpu_kernel.available()
+    monkeypatch.setenv(cpu_kernel.ENV, "reference")
+    assert not cpu_kernel.available()
+    case = decode_case(8, lengths=[9, 30], num_kv_heads=2, group=2, page_size=4, head_dim=16,
+                       dtype="float32")
+    args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table)
+    assert _kernel_calls(
+        lambda *a: reference.paged_decode_attention(*a, sm_scale=case.sm_scale), *args
+    ) == 0
+
+
+def test_a_failed_build_is_a_warning_and_the_gather_path(monkeypatch, tmp_path, caplog):
+    """_registered's body (the process's own registration untouched) with no compiler:
+    False, one warning, nothing half written in the cache directory."""
+    monkeypatch.setenv("JPAGED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert cpu_kernel._registered.__wrapped__() is False
+    assert "CPU attention kernel unavailable" in caplog.text
+    assert not list(tmp_path.rglob("*.so*"))
+
+
+def test_lowered_for_cuda_the_step_holds_no_cpu_kernel_call():
+    case = decode_case(7, lengths=[9, 30, 4, 17], num_kv_heads=2, group=2, page_size=4,
+                       head_dim=16, dtype="float32")
+    args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table)
+
+    def decode(*a):
+        return reference.paged_decode_attention(*a, sm_scale=case.sm_scale)
+
+    assert _kernel_calls(decode, *args) == 1  # on the CPU
+    assert cpu_kernel.TARGET not in lower_for_cuda(decode, args).as_text()
