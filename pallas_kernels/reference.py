@@ -353,22 +353,20 @@ def paged_prefill_attention(
             out = out.reshape(n, *out.shape[2:])
             return out[jnp.argsort(order)]
 
-        if kernel:  # decode-like tokens on the CPU: its kernel, no page gather
-            per_token_gathered = per_token
+        def per_token_kernel(_):  # decode-like tokens on the CPU: its kernel, no gather
+            return jax.lax.platform_dependent(
+                cpu=lambda: _kernel_tokens(qb, k_pages, v_pages, page_table[seqb], posb, lenb,
+                                           sm_scale=sm_scale, soft_cap=soft_cap,
+                                           sliding_window=sliding_window).reshape(qg.shape),
+                default=lambda: per_token(None),
+            )
 
-            def per_token(_):
-                return jax.lax.platform_dependent(
-                    cpu=lambda: _kernel_tokens(qb, k_pages, v_pages, page_table[seqb], posb,
-                                               lenb, sm_scale=sm_scale, soft_cap=soft_cap,
-                                               sliding_window=sliding_window).reshape(qg.shape),
-                    default=lambda: per_token_gathered(None),
-                )
-
+        decode = per_token_kernel if kernel else per_token
         if qg.shape[0] == 1:  # one token: its own sequence
-            return per_token(None) if kernel else one(None)
+            return decode(None) if kernel else one(None)
         at_most_two = jnp.all((seqb == first) | (seqb == last))
         branch = jnp.where(first == last, 0, jnp.where(at_most_two, 1, 2))
-        return jax.lax.switch(branch, (one, two, per_token), None)
+        return jax.lax.switch(branch, (one, two, decode), None)
 
     if num_tokens > _TOKEN_BLOCK and num_tokens % _TOKEN_BLOCK == 0:
         nb = num_tokens // _TOKEN_BLOCK

@@ -11,6 +11,10 @@ from numpy_checkpoints import make_llama_checkpoint
 
 from models.loader import load_model
 
+# A small engine over the 3-layer checkpoint below.
+ENGINE = {"max_num_seqs": 2, "max_model_len": 32, "max_num_batched_tokens": 16,
+          "page_size": 8, "num_pages": 9}  # fmt: skip
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
@@ -44,8 +48,7 @@ def test_orbax_checkpoint_loads_stacked(checkpoint, tmp_path):
 def test_the_engine_takes_the_loaded_stacked_layers_as_they_are(checkpoint):
     from jpaged import LLM, SamplingParams
 
-    kw = {"max_num_seqs": 2, "max_model_len": 32, "max_num_batched_tokens": 16,
-          "page_size": 8, "num_pages": 9}
+    kw = ENGINE
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     scanned = LLM(str(checkpoint), **kw)
     runner = scanned.llm_engine.runner
@@ -68,8 +71,7 @@ def test_a_lone_decode_runs_its_one_row_program_with_the_same_tokens(checkpoint)
     and every token equals the engine that pads that step to (4, 4)."""
     from jpaged import LLM, SamplingParams
 
-    kw = {"max_num_seqs": 2, "max_model_len": 32, "max_num_batched_tokens": 16,
-          "page_size": 8, "num_pages": 9}  # fmt: skip
+    kw = ENGINE
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (9, 3)]
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]
     runs = {}
@@ -113,8 +115,7 @@ def test_on_cpu_layers_over_the_line_run_unrolled_by_default(checkpoint, monkeyp
         return build(*args, stacked=stacked, **kw)
 
     monkeypatch.setattr(hf_checkpoint, "build_params", recorded)
-    kw = {"max_num_seqs": 2, "max_model_len": 32, "max_num_batched_tokens": 16,
-          "page_size": 8, "num_pages": 9}  # fmt: skip
+    kw = ENGINE
     unrolled = LLM(str(checkpoint), **kw)
     assert stacked_loads == [False]
     assert isinstance(unrolled.llm_engine.runner.params["layers"], list)
