@@ -2,11 +2,13 @@
 compiler on first use, loaded, and registered as an XLA FFI target for the CPU.
 
     available() -> bool                  whether it built here (else the reference's gather path)
-    attention(q, k_pages, v_pages, rows, starts, ends, *, sm_scale, soft_cap) -> [T, Hq, D]
+    attention(q, k_pages, v_pages, page_table, seq, starts, ends, *, sm_scale, soft_cap,
+              sinks=None) -> [T, Hq, D]
 
 XLA:CPU runs the reference's page gather on one thread and copies every key block before its
-product; the kernel reads each written slot where it lies, on every core XLA would use
-(docs/benchmarks.md, "A CPU attention kernel"). The library is cached per source, compiler
+product; the kernel reads each written slot where it lies, a sequence's consecutive tokens
+(a prefill chunk) sharing each page's reads, on every core XLA would use (docs/benchmarks.md,
+"A CPU attention kernel" and "Prefill through the CPU kernel"). The library is cached per source, compiler
 flags, jaxlib and CPU under the jpaged cache directory ($JPAGED_CACHE_DIR or ~/.cache/jpaged), written
 whole and renamed into place, so concurrent processes never load half a file. No compiler,
 or a failed build: available() is False, with one warning, and the reference runs.
@@ -25,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 logger = logging.getLogger(__name__)
@@ -116,11 +119,16 @@ def threads() -> int:
     return os.cpu_count() or 1
 
 
-def attention(q, k_pages, v_pages, rows, starts, ends, *, sm_scale: float,
-              soft_cap: float | None):
-    """q f32[T, Hq, D]; k_pages, v_pages f32[Hkv, P, S, D]; rows int32[T, W] (row t's page
-    table); starts, ends int32[T]: the keys [start, end) row t sees (end 0: zeros).
-    Returns f32[T, Hq, D]."""
+def attention(q, k_pages, v_pages, page_table, seq, starts, ends, *, sm_scale: float,
+              soft_cap: float | None, sinks=None):
+    """q f32[T, Hq, D]; k_pages, v_pages f32[Hkv, P, S, D]; page_table int32[N, W]; seq
+    int32[T]: token t's sequence (its page-table row); starts, ends int32[T]: the keys
+    [start, end) token t sees (end <= start: zeros); sinks: f32[Hq] sink logits (gpt-oss)
+    or None. Returns f32[T, Hq, D]."""
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_pages, v_pages, rows, starts, ends, sm_scale=np.float32(sm_scale),
-                soft_cap=np.float32(soft_cap or 0.0), threads=np.int64(threads()))
+    has_sinks = sinks is not None
+    sinks = (jnp.zeros(q.shape[1], jnp.float32) if sinks is None
+             else jnp.asarray(sinks, jnp.float32).reshape(q.shape[1]))
+    return call(q, k_pages, v_pages, page_table, seq, starts, ends, sinks,
+                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
+                has_sinks=has_sinks, threads=np.int64(threads()))

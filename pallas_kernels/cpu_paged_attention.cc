@@ -1,20 +1,29 @@
-// Paged attention for the CPU, one query token per row, reading the K/V pages where they lie
-// (pallas_kernels/cpu_kernel.py builds and registers it; reference.py calls it for decode-like
-// token blocks). XLA:CPU runs the reference's page gather on one thread and copies every key
-// block before its product; this reads each written slot once, rows x KV heads split over
-// `threads` threads. float32 only.
+// Paged attention for the CPU, reading the K/V pages where they lie (pallas_kernels/cpu_kernel.py
+// builds and registers it; reference.py calls it for every token of a float32 step on the CPU:
+// prefill chunks and decode rows alike). XLA:CPU runs the reference's page gather on one thread
+// and copies every key block before its product; this reads each written slot where it lies,
+// tiles x KV heads split over `threads` threads. float32 only.
 //
-//   q      f32[T, Hq, D]            one query per row
+//   q      f32[T, Hq, D]            query tokens
 //   k, v   f32[Hkv, P, S, D]        the pools (page_size S)
-//   rows   s32[T, W]                each row's page-table row
-//   starts s32[T], ends s32[T]      the keys [start, end) row t sees (end 0: padding, zeros)
+//   table  s32[N, W]                the page table
+//   seq    s32[T]                   each token's sequence (its row of the table)
+//   starts s32[T], ends s32[T]      the keys [start, end) token t sees (end <= start: zeros)
+//   sinks  f32[Hq]                  gpt-oss's sink logits, read when has_sinks
 //   out    f32[T, Hq, D]
 //
-// Per row and KV head: an online softmax over the keys page by page (scores of the head's
-// G = Hq / Hkv queries, soft cap c: c * tanh(s / c) when c > 0).
+// A tile is up to kTile consecutive tokens of one sequence (a prefill chunk's tokens share
+// their pages; a decode row is a tile of one token). Per tile and KV head: the keys of the
+// tile's union of ranges, page by page; each page's K transposed once ([D, S]) and scored
+// against every query row of the tile (its tokens x the head's G = Hq / Hkv query heads);
+// then per row an online softmax over its own keys of the page (soft cap c: c * tanh(s / c)
+// when c > 0) and the probabilities' sum of V rows; a sink joins the denominator as one
+// more key of no value (reference.py's _finish). Slots outside a row's keys are never
+// read into its result (unwritten slots may hold NaN).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -24,88 +33,235 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+constexpr int64_t kTile = 16;
 constexpr int64_t kMaxGroup = 32;
 constexpr int64_t kMaxDim = 512;
 constexpr int64_t kMaxPage = 256;
 
 struct Shapes {
-  int64_t t, hq, d, hkv, p, s, w, g;
+  int64_t t, hq, d, hkv, p, s, n, w, g;
 };
 
-void Attend(const Shapes& n, const float* q, const float* k, const float* v, const int32_t* rows,
-            const int32_t* starts, const int32_t* ends, float scale, float cap, float* out,
-            int64_t item) {
-  const int64_t row = item / n.hkv, h = item % n.hkv;
-  const int64_t end = std::min<int64_t>(ends[row], n.w * n.s);
-  const int64_t start = std::max<int64_t>(starts[row], 0);
-  float m[kMaxGroup], l[kMaxGroup], acc[kMaxGroup * kMaxDim], s[kMaxPage];
-  std::fill(m, m + n.g, -INFINITY);
-  std::fill(l, l + n.g, 0.f);
-  std::fill(acc, acc + n.g * n.d, 0.f);
-  const float* qrow = q + (row * n.hq + h * n.g) * n.d;
-  for (int64_t p0 = start - start % n.s; p0 < end; p0 += n.s) {
-    const int64_t page = rows[row * n.w + p0 / n.s];
-    const int64_t lo = std::max<int64_t>(start - p0, 0), hi = std::min<int64_t>(n.s, end - p0);
-    const float* kp = k + ((h * n.p + page) * n.s) * n.d;
-    const float* vp = v + ((h * n.p + page) * n.s) * n.d;
-    for (int64_t g = 0; g < n.g; ++g) {
-      const float* qg = qrow + g * n.d;
-      float mx = m[g];
-      for (int64_t j = lo; j < hi; ++j) {
-        const float* kj = kp + j * n.d;
-        float dot = 0.f;
-        for (int64_t d = 0; d < n.d; ++d) dot += qg[d] * kj[d];
-        float x = dot * scale;
-        if (cap > 0.f) x = cap * std::tanh(x / cap);
-        s[j] = x;
-        mx = std::max(mx, x);
-      }
-      const float corr = std::exp(m[g] - mx);
-      float sum = l[g] * corr;
-      float* a = acc + g * n.d;
-      for (int64_t d = 0; d < n.d; ++d) a[d] *= corr;
-      for (int64_t j = lo; j < hi; ++j) {
-        const float pj = std::exp(s[j] - mx);
-        sum += pj;
-        const float* vj = vp + j * n.d;
-        for (int64_t d = 0; d < n.d; ++d) a[d] += pj * vj[d];
-      }
-      m[g] = mx;
-      l[g] = sum;
+struct Inputs {
+  const float *q, *k, *v;
+  const int32_t *table, *seq, *starts, *ends;
+  const float* sinks;  // null: none
+  float scale, cap;
+  float* out;
+};
+
+struct Scratch {  // one per thread
+  std::vector<float> m, l, acc, kt, sc;
+  std::vector<int64_t> st, en;
+  Scratch(const Shapes& n)
+      : m(kTile * n.g), l(kTile * n.g), acc(kTile * n.g * n.d), kt(n.d * n.s),
+        sc(kTile * n.g * n.s), st(kTile), en(kTile) {}
+};
+
+// exp(x) for x <= 0 (a score less the running maximum), written so the loops calling it
+// vectorize: x = k ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r (about 1 ulp),
+// 2^k from the exponent bits. Below -87.3 (e^x under float32's normal range) gives 2^-126.
+inline float Exp(float x) {
+  x = std::max(x, -87.3f);
+  const float kf = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - kf * 0.693359375f) + kf * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(kf) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Scores of `rows` query rows against a page of 16 keys: kt [D, 16] (the page's K
+// transposed), q_r the rows' queries, sc [rows, 16]. Eight rows at a time, each a 16-wide
+// accumulator over D (independent chains, one vector of K per step of d).
+typedef float V16 __attribute__((vector_size(64)));
+
+template <int kRows>
+inline void Scores16(const float* kt, const float* const* qr, int64_t d, float* sc) {
+  V16 a[kRows];
+  for (int r = 0; r < kRows; ++r) a[r] = V16{};
+  for (int64_t x = 0; x < d; ++x) {
+    V16 kv;
+    std::memcpy(&kv, kt + x * 16, sizeof kv);
+    for (int r = 0; r < kRows; ++r) a[r] += qr[r][x] * kv;
+  }
+  for (int r = 0; r < kRows; ++r) std::memcpy(sc + r * 16, &a[r], sizeof a[r]);
+}
+
+// acc [16 kVecs] = acc * corr + sum over keys j in [a, b) of p[j] * V row j (rows of
+// 16 kVecs floats), the accumulator held in registers over the page's keys.
+template <int kVecs>
+inline void Values(float* acc, float corr, const float* p, const float* vp, int64_t a,
+                   int64_t b) {
+  V16 o[kVecs];
+  for (int x = 0; x < kVecs; ++x) {
+    std::memcpy(&o[x], acc + 16 * x, sizeof o[x]);
+    o[x] *= corr;
+  }
+  for (int64_t j = a; j < b; ++j) {
+    const float* vj = vp + j * 16 * kVecs;
+    for (int x = 0; x < kVecs; ++x) {
+      V16 vx;
+      std::memcpy(&vx, vj + 16 * x, sizeof vx);
+      o[x] += p[j] * vx;
     }
   }
-  for (int64_t g = 0; g < n.g; ++g) {
-    float* o = out + (row * n.hq + h * n.g + g) * n.d;
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    for (int64_t d = 0; d < n.d; ++d) o[d] = acc[g * n.d + d] * inv;
+  for (int x = 0; x < kVecs; ++x) std::memcpy(acc + 16 * x, &o[x], sizeof o[x]);
+}
+
+void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int64_t h,
+                Scratch& w) {
+  const int64_t rows = cnt * n.g, s = n.s, d = n.d;
+  std::fill(w.m.begin(), w.m.begin() + rows, -INFINITY);
+  std::fill(w.l.begin(), w.l.begin() + rows, 0.f);
+  std::fill(w.acc.begin(), w.acc.begin() + rows * d, 0.f);
+  int64_t lo = INT64_MAX, hi = 0;
+  for (int64_t i = 0; i < cnt; ++i) {
+    const int64_t st = std::max<int64_t>(in.starts[t0 + i], 0);
+    const int64_t en = std::min<int64_t>(in.ends[t0 + i], n.w * s);
+    w.st[i] = en > st ? st : 0;
+    w.en[i] = en > st ? en : 0;
+    if (en > st) {
+      lo = std::min(lo, st);
+      hi = std::max(hi, en);
+    }
+  }
+  const int64_t sq = in.seq[t0];
+  if (sq < 0 || sq >= n.n) hi = 0;  // no such sequence: zeros
+  const int32_t* table = in.table + sq * n.w;
+  const float* qr[kTile * kMaxGroup];
+  for (int64_t r = 0; r < rows; ++r) {
+    qr[r] = in.q + ((t0 + r / n.g) * n.hq + h * n.g + r % n.g) * d;
+  }
+  float* kt = w.kt.data();
+  float* sc = w.sc.data();
+  for (int64_t p0 = hi > 0 ? lo - lo % s : 0; p0 < hi; p0 += s) {
+    const int64_t page = table[p0 / s];
+    if (page < 0 || page >= n.p) continue;  // never for a valid table: nothing read
+    const int64_t jlo = std::max<int64_t>(lo - p0, 0), jhi = std::min<int64_t>(s, hi - p0);
+    const float* kp = in.k + ((h * n.p + page) * s) * d;
+    const float* vp = in.v + ((h * n.p + page) * s) * d;
+    // Scores of every row against the page's keys [jlo, jhi) (slots of the tile's union of
+    // ranges: all written); a row reads back only its own keys.
+    if (s == 16 && rows >= 8) {  // a tile of several tokens: K transposed once for all
+      for (int64_t j = 0; j < 16; ++j) {
+        const bool used = j >= jlo && j < jhi;
+        for (int64_t x = 0; x < d; ++x) kt[x * 16 + j] = used ? kp[j * d + x] : 0.f;
+      }
+      int64_t r = 0;
+      for (; r + 8 <= rows; r += 8) Scores16<8>(kt, qr + r, d, sc + r * 16);
+      for (; r + 4 <= rows; r += 4) Scores16<4>(kt, qr + r, d, sc + r * 16);
+      for (; r + 2 <= rows; r += 2) Scores16<2>(kt, qr + r, d, sc + r * 16);
+      for (; r < rows; ++r) Scores16<1>(kt, qr + r, d, sc + r * 16);
+    } else {  // a decode row (G rows): each key's dot products as it lies
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = jlo; j < jhi; ++j) {
+          const float* kj = kp + j * d;
+          float dot = 0.f;
+          for (int64_t x = 0; x < d; ++x) dot += qr[r][x] * kj[x];
+          sc[r * s + j] = dot;
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r / n.g;
+      const int64_t a = std::max<int64_t>(w.st[i] - p0, jlo);
+      const int64_t b = std::min<int64_t>(w.en[i] - p0, jhi);
+      if (a >= b) continue;
+      float* sr = sc + r * s;
+      float mx = w.m[r];
+      for (int64_t j = a; j < b; ++j) {
+        float x = sr[j] * in.scale;
+        if (in.cap > 0.f) x = in.cap * std::tanh(x / in.cap);
+        sr[j] = x;
+        mx = std::max(mx, x);
+      }
+      const float corr = Exp(w.m[r] - mx);
+      float sum = 0.f;
+      for (int64_t j = a; j < b; ++j) {
+        sr[j] = Exp(sr[j] - mx);
+        sum += sr[j];
+      }
+      w.l[r] = w.l[r] * corr + sum;
+      w.m[r] = mx;
+      float* acc = w.acc.data() + r * d;
+      if (d == 64) {
+        Values<4>(acc, corr, sr, vp, a, b);
+      } else if (d == 128) {
+        Values<8>(acc, corr, sr, vp, a, b);
+      } else {
+        for (int64_t x = 0; x < d; ++x) acc[x] *= corr;
+        for (int64_t j = a; j < b; ++j) {
+          const float pj = sr[j];
+          const float* vj = vp + j * d;
+          for (int64_t x = 0; x < d; ++x) acc[x] += pj * vj[x];
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = in.out + ((t0 + r / n.g) * n.hq + h * n.g + r % n.g) * d;
+    float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
+    if (in.sinks != nullptr) {  // acc e^(m - m') / (l e^(m - m') + e^(sink - m'))
+      const float sink = in.sinks[h * n.g + r % n.g], mx = std::max(w.m[r], sink);
+      const float scale = Exp(w.m[r] - mx);
+      inv = scale / (w.l[r] * scale + Exp(sink - mx));
+    }
+    const float* acc = w.acc.data() + r * d;
+    for (int64_t x = 0; x < d; ++x) o[x] = acc[x] * inv;
   }
 }
 
 ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> starts,
-                ffi::Buffer<ffi::S32> ends, float sm_scale, float soft_cap, int64_t threads,
-                ffi::ResultBuffer<ffi::F32> out) {
+                ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> seq,
+                ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> ends,
+                ffi::Buffer<ffi::F32> sinks, float sm_scale, float soft_cap, bool has_sinks,
+                int64_t threads, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
-  auto rd = rows.dimensions();
+  auto td = table.dimensions();
   auto vd = v.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || rd.size() != 2 || vd.size() != 4 ||
-      !std::equal(kd.begin(), kd.end(), vd.begin())) {
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
+      seq.dimensions().size() != 1 || starts.dimensions().size() != 1 ||
+      ends.dimensions().size() != 1 || !std::equal(kd.begin(), kd.end(), vd.begin())) {
     return ffi::Error::InvalidArgument("paged attention: unexpected ranks or shapes");
   }
-  Shapes n{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], rd[1], 0};
-  if (n.hkv == 0 || n.hq % n.hkv || kd[3] != n.d || rd[0] != n.t) {
+  Shapes n{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[0], td[1], 0};
+  if (n.hkv == 0 || n.hq % n.hkv || kd[3] != n.d || seq.dimensions()[0] != n.t ||
+      starts.dimensions()[0] != n.t || ends.dimensions()[0] != n.t ||
+      (has_sinks && (sinks.dimensions().size() != 1 || sinks.dimensions()[0] != n.hq))) {
     return ffi::Error::InvalidArgument("paged attention: shapes do not agree");
   }
   n.g = n.hq / n.hkv;
   if (n.g > kMaxGroup || n.d > kMaxDim || n.s > kMaxPage) {
     return ffi::Error::InvalidArgument("paged attention: group, head_dim or page too large");
   }
-  const int64_t items = n.t * n.hkv;
+  const int32_t* sq = seq.typed_data();
+  std::vector<int64_t> tiles;  // first token of each tile, then T
+  for (int64_t t = 0; t < n.t; ++t) {
+    if (tiles.empty() || sq[t] != sq[tiles.back()] || t - tiles.back() == kTile) {
+      tiles.push_back(t);
+    }
+  }
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  tiles.push_back(n.t);
+  const Inputs in{q.typed_data(),      k.typed_data(),    v.typed_data(),
+                  table.typed_data(),  sq,                starts.typed_data(),
+                  ends.typed_data(),   has_sinks ? sinks.typed_data() : nullptr,
+                  sm_scale,            soft_cap,          out->typed_data()};
+  const int64_t items = num_tiles * n.hkv;
   auto work = [&](int64_t first, int64_t step) {
+    Scratch scratch(n);
     for (int64_t i = first; i < items; i += step) {
-      Attend(n, q.typed_data(), k.typed_data(), v.typed_data(), rows.typed_data(),
-             starts.typed_data(), ends.typed_data(), sm_scale, soft_cap, out->typed_data(), i);
+      const int64_t tile = i / n.hkv;
+      AttendTile(n, in, tiles[tile], tiles[tile + 1] - tiles[tile], i % n.hkv, scratch);
     }
   };
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, items));
@@ -126,7 +282,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedCpuPagedAttention, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
+                                  .Attr<bool>("has_sinks")
                                   .Attr<int64_t>("threads")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,8 +1,11 @@
 """The CPU's paged attention kernel (pallas_kernels/cpu_kernel.py, cpu_paged_attention.cc):
-decode-like token blocks of the reference read their pages in place through it. Held to the
-dense float64 oracle of test_reference on NaN-filled pools (a slot read outside a row's
-keys would show), beside the reference's gather path it replaces, and kept off the GPU's
-lowering (lax.platform_dependent)."""
+every token of a float32 step on the CPU (prefill chunks in tiles of a sequence's consecutive
+tokens, decode rows one by one) reads its pages in place through it. Held to the dense
+float64 oracle of test_reference on NaN-filled pools (a slot read outside a row's keys would
+show) through each of its code paths (page size 16 with the K page transposed for a tile, any
+other page size; head_dim 64 and 128 with the values' sums in registers, any other), beside
+the reference's gather path it replaces, and kept off the GPU's lowering
+(lax.platform_dependent)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import numpy as np
 import pytest
 from gpu_target import lower_for_cuda
 from paged_cases import decode_case, prefill_case
-from test_reference import assert_matches, run
+from test_reference import MIXED, assert_matches, run
+from test_sinks import SINKS, _dense
 
 from pallas_kernels import cpu_kernel, reference
 
@@ -30,7 +34,7 @@ def _kernel_calls(fn, *args) -> int:
     return jax.jit(fn).lower(*args).as_text().count(cpu_kernel.TARGET)
 
 
-def test_the_kernel_builds_here_and_serves_float32_decode_blocks():
+def test_the_kernel_builds_here_and_serves_float32_steps():
     assert cpu_kernel.available()
     case = decode_case(1, lengths=LENGTHS, num_kv_heads=2, group=2, page_size=4, head_dim=16,
                        dtype="float32")
@@ -42,6 +46,68 @@ def test_the_kernel_builds_here_and_serves_float32_decode_blocks():
     assert _kernel_calls(decode, *args) == 1
     bf16 = [a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args]
     assert _kernel_calls(decode, *bf16) == 0  # bfloat16 pools: the gather path
+    case = prefill_case(1, seqs=MIXED, num_kv_heads=2, group=2, page_size=16, head_dim=16,
+                        dtype="float32")
+
+    def prefill(*a):
+        return reference.paged_prefill_attention(*a, sm_scale=case.sm_scale)
+
+    args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table,
+            case.query_start)
+    assert _kernel_calls(prefill, *args) == 1  # one call for every token of the step
+    def verify(*a):  # max_query_len (a verification step): the kernel serves it too
+        return reference.paged_prefill_attention(*a, sm_scale=case.sm_scale, max_query_len=5)
+
+    assert _kernel_calls(verify, *args) == 1
+
+
+# Prompts and chunks of several tiles (40 query tokens: tiles of 16, 16 and 8), decode rows,
+# a row with no query tokens, chunks continuing a prefix, contexts over several pages.
+TILES = [(40, 40), (5, 0), (1, 1), (7, 7), (12, 2), (70, 33), (9, 3), (30, 1), (23, 13),
+         (18, 17), (3, 3), (33, 1)]
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"sliding_window": 6}, {"soft_cap": 2.0}, {"sliding_window": 1}]
+)
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 3, 16, 64),  # SmolLM2's heads: K transposed for a tile, values in 4 vectors
+     (2, 4, 16, 128),  # values in 8 vectors
+     (1, 2, 16, 32),  # page 16, other head_dim
+     (2, 3, 8, 64),  # other page size
+     (1, 1, 16, 64)],  # a group of one: tiles of 16 rows
+)
+def test_prefill_tiles_match_dense(shape, kwargs):
+    hkv, group, page_size, head_dim = shape
+    for pad in (0, 5):
+        case = prefill_case(9, seqs=TILES, num_kv_heads=hkv, group=group, page_size=page_size,
+                            head_dim=head_dim, dtype="float32", pad_tokens=pad)
+        assert_matches(case, **kwargs)
+
+
+def test_prefill_kernel_equals_the_gather_path_it_replaces(monkeypatch):
+    case = prefill_case(10, seqs=TILES, num_kv_heads=3, group=3, page_size=16, head_dim=64,
+                        dtype="float32")
+    kernel = np.asarray(run(case, sliding_window=20))
+    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    np.testing.assert_allclose(kernel, np.asarray(run(case, sliding_window=20)), rtol=2e-6,
+                               atol=2e-6)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_sinks_match_a_dense_softmax_with_sinks(window):
+    """gpt-oss's sinks join each row's denominator in the kernel as in the reference."""
+    case = prefill_case(11, seqs=TILES, num_kv_heads=2, group=2, page_size=16, head_dim=64,
+                        dtype="float32")
+    args = (case.q, case.k_pages, case.v_pages, case.context_lens, case.page_table,
+            case.query_start)
+    fn = jax.jit(lambda *a: reference.paged_prefill_attention(
+        *a, sm_scale=case.sm_scale, sliding_window=window, sinks=jnp.asarray(SINKS)))
+    assert fn.lower(*args).as_text().count(cpu_kernel.TARGET) == 1
+    want = _dense(*[np.asarray(a) for a in args], case.sm_scale, np.asarray(SINKS),
+                  window=window)
+    np.testing.assert_allclose(np.asarray(fn(*args)), want, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize(
