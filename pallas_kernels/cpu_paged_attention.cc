@@ -21,9 +21,11 @@
 // more key of no value (reference.py's _finish). Slots outside a row's keys are never
 // read into its result (unwritten slots may hold NaN).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -148,6 +150,17 @@ void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int6
     const int64_t jlo = std::max<int64_t>(lo - p0, 0), jhi = std::min<int64_t>(s, hi - p0);
     const float* kp = in.k + ((h * n.p + page) * s) * d;
     const float* vp = in.v + ((h * n.p + page) * s) * d;
+    if (p0 + s < hi) {  // the next page's slots, fetched while this one is computed
+      const int64_t next = table[p0 / s + 1];
+      if (next >= 0 && next < n.p) {
+        const char* kn = reinterpret_cast<const char*>(in.k + ((h * n.p + next) * s) * d);
+        const char* vn = reinterpret_cast<const char*>(in.v + ((h * n.p + next) * s) * d);
+        for (int64_t b = 0; b < s * d * 4; b += 64) {
+          __builtin_prefetch(kn + b);
+          __builtin_prefetch(vn + b);
+        }
+      }
+    }
     // Scores of every row against the page's keys [jlo, jhi) (slots of the tile's union of
     // ranges: all written); a row reads back only its own keys.
     if (s == 16 && rows >= 8) {  // a tile of several tokens: K transposed once for all
@@ -223,7 +236,7 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ff
                 ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> seq,
                 ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> ends,
                 ffi::Buffer<ffi::F32> sinks, float sm_scale, float soft_cap, bool has_sinks,
-                int64_t threads, ffi::ResultBuffer<ffi::F32> out) {
+                int64_t threads, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
   auto td = table.dimensions();
@@ -252,23 +265,40 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ff
   }
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   tiles.push_back(n.t);
-  const Inputs in{q.typed_data(),      k.typed_data(),    v.typed_data(),
-                  table.typed_data(),  sq,                starts.typed_data(),
-                  ends.typed_data(),   has_sinks ? sinks.typed_data() : nullptr,
-                  sm_scale,            soft_cap,          out->typed_data()};
-  const int64_t items = num_tiles * n.hkv;
-  auto work = [&](int64_t first, int64_t step) {
-    Scratch scratch(n);
-    for (int64_t i = first; i < items; i += step) {
-      const int64_t tile = i / n.hkv;
-      AttendTile(n, in, tiles[tile], tiles[tile + 1] - tiles[tile], i % n.hkv, scratch);
-    }
+  // Items (tile, KV head) handed out one at a time from a shared counter: to this thread and
+  // to threads - 1 tasks on XLA's own intra-op pool (no threads started per call). A task
+  // that starts after every item is taken returns at once; the caller returns once every
+  // item it did not run itself is done, so a late task never touches the buffers.
+  struct State {
+    Shapes n;
+    Inputs in;
+    std::vector<int64_t> tiles;
+    int64_t items;
+    std::atomic<int64_t> next{0}, active{0};
   };
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, items));
-  std::vector<std::thread> pool;
-  for (int64_t i = 1; i < nt; ++i) pool.emplace_back(work, i, nt);
-  work(0, nt);
-  for (auto& th : pool) th.join();
+  auto state = std::make_shared<State>();
+  state->n = n;
+  state->in = Inputs{q.typed_data(),     k.typed_data(),   v.typed_data(),
+                     table.typed_data(), sq,               starts.typed_data(),
+                     ends.typed_data(),  has_sinks ? sinks.typed_data() : nullptr,
+                     sm_scale,           soft_cap,         out->typed_data()};
+  state->tiles = std::move(tiles);
+  state->items = num_tiles * n.hkv;
+  auto work = [state] {
+    State& st = *state;
+    st.active.fetch_add(1);
+    Scratch scratch(st.n);
+    for (int64_t i = st.next.fetch_add(1); i < st.items; i = st.next.fetch_add(1)) {
+      const int64_t tile = i / st.n.hkv;
+      AttendTile(st.n, st.in, st.tiles[tile], st.tiles[tile + 1] - st.tiles[tile],
+                 i % st.n.hkv, scratch);
+    }
+    st.active.fetch_sub(1);
+  };
+  const int64_t tasks = std::min<int64_t>(threads, state->items) - 1;
+  for (int64_t i = 0; i < tasks; ++i) pool.Schedule([work] { work(); });
+  work();
+  while (state->active.load() != 0) std::this_thread::yield();
   return ffi::Error::Success();
 }
 
@@ -288,4 +318,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedCpuPagedAttention, Impl,
                                   .Attr<float>("soft_cap")
                                   .Attr<bool>("has_sinks")
                                   .Attr<int64_t>("threads")
+                                  .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
