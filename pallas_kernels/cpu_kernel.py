@@ -1,17 +1,20 @@
-"""The CPU's paged attention kernel (cpu_paged_attention.cc): built with the system's C++
-compiler on first use, loaded, and registered as an XLA FFI target for the CPU.
+"""The CPU's kernels: paged attention (cpu_paged_attention.cc) and sampling's vocabulary
+passes (cpu_sampling.cc), built with the system's C++ compiler on first use into one library,
+loaded, and registered as XLA FFI targets for the CPU.
 
-    available() -> bool                  whether it built here (else the reference's gather path)
+    available() -> bool                  whether they built here (else the jnp paths run)
     attention(q, k_pages, v_pages, page_table, seq, starts, ends, *, sm_scale, soft_cap,
               sinks=None) -> [T, Hq, D]
+    greedy(logits, model_logits) -> (argmax int32[S], x_max f32[S], lse f32[S])
 
 XLA:CPU runs the reference's page gather on one thread and copies every key block before its
 product; the kernel reads each written slot where it lies, a sequence's consecutive tokens
 (a prefill chunk) sharing each page's reads, on every core XLA would use (docs/benchmarks.md,
-"A CPU attention kernel" and "Prefill through the CPU kernel"). The library is cached per source, compiler
-flags, jaxlib and CPU under the jpaged cache directory ($JPAGED_CACHE_DIR or ~/.cache/jpaged), written
-whole and renamed into place, so concurrent processes never load half a file. No compiler,
-or a failed build: available() is False, with one warning, and the reference runs.
+"A CPU attention kernel" and "Prefill through the CPU kernel"). The library is cached per
+sources, compiler flags, jaxlib and CPU under the jpaged cache directory ($JPAGED_CACHE_DIR
+or ~/.cache/jpaged), written whole and renamed into place, so concurrent processes never load
+half a file. No compiler, or a failed build: available() is False, with one warning, and the
+jnp paths run.
 """
 
 from __future__ import annotations
@@ -32,13 +35,17 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_paged_attention.cc")
+SOURCES = (Path(__file__).with_name("cpu_paged_attention.cc"),
+           Path(__file__).with_name("cpu_sampling.cc"))
 TARGET = "jpaged_cpu_paged_attention"
+GREEDY_TARGET = "jpaged_cpu_greedy"
+_SYMBOLS = {TARGET: "JpagedCpuPagedAttention", GREEDY_TARGET: "JpagedCpuGreedy"}
 # Vectorized float reductions (reassociation), no fast-math's finite-only assumption: the
 # online softmax starts from -inf.
 FLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC", "-pthread")
-# JPAGED_CPU_ATTENTION=reference keeps the reference's gather path (A/B runs, debugging).
+# JPAGED_CPU_ATTENTION=reference keeps the jnp paths: the reference's gathers and the
+# sampler's reductions (A/B runs, debugging).
 ENV = "JPAGED_CPU_ATTENTION"
 
 
@@ -59,10 +66,10 @@ def _library_path() -> Path:
     # nothing from models: tests/test_layering.py).
     root = os.environ.get("JPAGED_CACHE_DIR") or Path.home() / ".cache" / "jpaged"
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
-                 _cpu_id().encode()):
+    for part in (*(src.read_bytes() for src in SOURCES), " ".join(FLAGS).encode(),
+                 jaxlib.__version__.encode(), _cpu_id().encode()):
         key.update(part)
-    return Path(root) / "cpu_kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
+    return Path(root) / "cpu_kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
 def _build(path: Path) -> None:
@@ -73,7 +80,7 @@ def _build(path: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
@@ -84,7 +91,7 @@ def _build(path: Path) -> None:
 
 
 def available() -> bool:
-    """Whether the kernel serves this process: built, loaded and registered (once), and not
+    """Whether the kernels serve this process: built, loaded and registered (once), and not
     turned off by JPAGED_CPU_ATTENTION=reference."""
     if os.environ.get(ENV, "kernel") == "reference":
         return False
@@ -93,16 +100,17 @@ def available() -> bool:
 
 @functools.cache
 def _registered() -> bool:
-    """Builds (where the cache lacks it), loads and registers the kernel, once per process:
+    """Builds (where the cache lacks it), loads and registers the kernels, once per process:
     XLA refuses a second handler under the same name."""
     try:
         path = _library_path()
         if not path.exists():
             _build(path)
         lib = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(
-            TARGET, jax.ffi.pycapsule(lib.JpagedCpuPagedAttention), platform="cpu"
-        )
+        for target, symbol in _SYMBOLS.items():
+            jax.ffi.register_ffi_target(
+                target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+            )
     except (OSError, RuntimeError) as e:
         logger.warning("CPU attention kernel unavailable (%s); the gather path runs", e)
         return False
@@ -132,3 +140,15 @@ def attention(q, k_pages, v_pages, page_table, seq, starts, ends, *, sm_scale: f
     return call(q, k_pages, v_pages, page_table, seq, starts, ends, sinks,
                 sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
                 has_sinks=has_sinks, threads=np.int64(threads()))
+
+
+def greedy(logits, model_logits):
+    """logits f32[S, V] (what tokens are picked from), model_logits f32[S, V] (what
+    log-probabilities are taken of) -> (argmax int32[S]: each logits row's first maximum, or
+    its first NaN; x_max f32[S]: each model row's maximum; lse f32[S]: log(sum(exp(model_logits
+    - x_max))) per row), as jpaged/sample/sampler.py's jnp reductions give them."""
+    s = logits.shape[0]
+    call = jax.ffi.ffi_call(GREEDY_TARGET, (jax.ShapeDtypeStruct((s,), jnp.int32),
+                                            jax.ShapeDtypeStruct((s,), jnp.float32),
+                                            jax.ShapeDtypeStruct((s,), jnp.float32)))
+    return call(logits, model_logits, threads=np.int64(threads()))
