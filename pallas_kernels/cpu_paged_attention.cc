@@ -84,17 +84,22 @@ inline float Exp(float x) {
 // transposed), q_r the rows' queries, sc [rows, 16]. Eight rows at a time, each a 16-wide
 // accumulator over D (independent chains, one vector of K per step of d).
 typedef float V16 __attribute__((vector_size(64)));
+// Unaligned, aliasing access to 16 floats as a V16: loads and stores through it keep the
+// accumulators in registers (a memcpy into a V16 array made GCC spill them every step).
+typedef float V16u __attribute__((vector_size(64), aligned(4), may_alias));
+
+inline V16 Load16(const float* p) { return *reinterpret_cast<const V16u*>(p); }
+inline void Store16(float* p, V16 v) { *reinterpret_cast<V16u*>(p) = v; }
 
 template <int kRows>
 inline void Scores16(const float* kt, const float* const* qr, int64_t d, float* sc) {
   V16 a[kRows];
   for (int r = 0; r < kRows; ++r) a[r] = V16{};
   for (int64_t x = 0; x < d; ++x) {
-    V16 kv;
-    std::memcpy(&kv, kt + x * 16, sizeof kv);
+    const V16 kv = Load16(kt + x * 16);
     for (int r = 0; r < kRows; ++r) a[r] += qr[r][x] * kv;
   }
-  for (int r = 0; r < kRows; ++r) std::memcpy(sc + r * 16, &a[r], sizeof a[r]);
+  for (int r = 0; r < kRows; ++r) Store16(sc + r * 16, a[r]);
 }
 
 // acc [16 kVecs] = acc * corr + sum over keys j in [a, b) of p[j] * V row j (rows of
@@ -104,18 +109,15 @@ inline void Values(float* acc, float corr, const float* p, const float* vp, int6
                    int64_t b) {
   V16 o[kVecs];
   for (int x = 0; x < kVecs; ++x) {
-    std::memcpy(&o[x], acc + 16 * x, sizeof o[x]);
-    o[x] *= corr;
+    o[x] = Load16(acc + 16 * x) * corr;
   }
   for (int64_t j = a; j < b; ++j) {
     const float* vj = vp + j * 16 * kVecs;
     for (int x = 0; x < kVecs; ++x) {
-      V16 vx;
-      std::memcpy(&vx, vj + 16 * x, sizeof vx);
-      o[x] += p[j] * vx;
+      o[x] += p[j] * Load16(vj + 16 * x);
     }
   }
-  for (int x = 0; x < kVecs; ++x) std::memcpy(acc + 16 * x, &o[x], sizeof o[x]);
+  for (int x = 0; x < kVecs; ++x) Store16(acc + 16 * x, o[x]);
 }
 
 void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int64_t h,

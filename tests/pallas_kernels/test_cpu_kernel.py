@@ -9,6 +9,11 @@ the reference's gather path it replaces, and kept off the GPU's lowering
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,3 +187,41 @@ def test_lowered_for_cuda_the_step_holds_no_cpu_kernel_call():
 
     assert _kernel_calls(decode, *args) == 1  # on the CPU
     assert cpu_kernel.TARGET not in lower_for_cuda(decode, args).as_text()
+
+
+# The suite holds XLA:CPU to one thread (tests/conftest.py), so the kernels' items run on the
+# calling thread alone there. In a process of XLA's default threading they are shared with
+# tasks on XLA's intra-op pool: the same cases, the dense oracle's values.
+POOL_SCRIPT = """
+import sys
+sys.path[:0] = sys.argv[1:]
+import jax.numpy as jnp, numpy as np
+from paged_cases import decode_case, prefill_case
+from test_cpu_kernel import LENGTHS, TILES
+from test_reference import assert_matches
+from test_sampler_ops import rows_with_ties_and_specials
+from jpaged.sample.sampler import _vocab_passes
+from pallas_kernels import cpu_kernel
+assert cpu_kernel.threads() >= 2, cpu_kernel.threads()
+assert_matches(prefill_case(12, seqs=TILES * 3, num_kv_heads=3, group=3, page_size=16,
+                            head_dim=64, dtype="float32"), sliding_window=30)
+assert_matches(decode_case(13, lengths=LENGTHS, num_kv_heads=3, group=3, page_size=16,
+                           head_dim=64, dtype="float32"))
+x = rows_with_ties_and_specials(0, 5000)
+argmax, _, _ = _vocab_passes(jnp.asarray(x), jnp.asarray(x))
+np.testing.assert_array_equal(np.asarray(argmax), np.asarray(jnp.argmax(jnp.asarray(x), -1)))
+print("pool ok")
+"""
+
+
+def test_the_kernels_share_their_items_with_xlas_pool():
+    here = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    done = subprocess.run(
+        [sys.executable, "-c", POOL_SCRIPT, str(here), str(here.parent / "jpaged" / "sample"),
+         str(here.parents[1])],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )
+    assert done.returncode == 0 and "pool ok" in done.stdout, done.stderr[-2000:]
