@@ -327,7 +327,7 @@ def _gathered(q, k_pages, v_pages, context_lens, page_table, query_start, *, sm_
         )
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
-    num_seqs, pages_per_seq = page_table.shape
+    pages_per_seq = page_table.shape[1]
     group = num_q_heads // num_kv_heads
     key_block_pages = max(1, min(pages_per_seq, _KEY_BLOCK // page_size))
     seq, pos, kv_len = _token_positions(context_lens, query_start, num_tokens)
