@@ -1,11 +1,13 @@
-"""The CPU's kernels: paged attention (cpu_paged_attention.cc) and sampling's vocabulary
-passes (cpu_sampling.cc), built with the system's C++ compiler on first use into one library,
+"""The CPU's kernels: paged attention (cpu_paged_attention.cc), sampling's vocabulary passes
+(cpu_sampling.cc) and products against packed weights (cpu_matmul.cc), built with the system's C++ compiler on first use into one library,
 loaded, and registered as XLA FFI targets for the CPU.
 
     available() -> bool                  whether they built here (else the jnp paths run)
     attention(q, k_pages, v_pages, page_table, seq, starts, ends, *, sm_scale, soft_cap,
               sinks=None) -> [T, Hq, D]
     greedy(logits, model_logits) -> (argmax int32[S], x_max f32[S], lse f32[S])
+    pack(w [K, N]) -> panels [N / 64, K, 64];  unpack(panels) -> w
+    matmul(x [M, K], panels) -> x @ w [M, N]
 
 XLA:CPU runs the reference's page gather on one thread and copies every key block before its
 product; the kernel reads each written slot where it lies, a sequence's consecutive tokens
@@ -35,11 +37,15 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("cpu_paged_attention.cc"),
-           Path(__file__).with_name("cpu_sampling.cc"))
+SOURCES = tuple(Path(__file__).with_name(f"cpu_{name}.cc")
+                for name in ("paged_attention", "sampling", "matmul"))
 TARGET = "jpaged_cpu_paged_attention"
 GREEDY_TARGET = "jpaged_cpu_greedy"
-_SYMBOLS = {TARGET: "JpagedCpuPagedAttention", GREEDY_TARGET: "JpagedCpuGreedy"}
+MATMUL_TARGET = "jpaged_cpu_matmul"
+HEADERS = (Path(__file__).with_name("cpu_pool.h"),)  # included by the sources
+_SYMBOLS = {TARGET: "JpagedCpuPagedAttention", GREEDY_TARGET: "JpagedCpuGreedy",
+            MATMUL_TARGET: "JpagedCpuMatmul"}
+PANEL = 64  # columns per panel of a packed weight (cpu_matmul.cc)
 # Vectorized float reductions (reassociation), no fast-math's finite-only assumption: the
 # online softmax starts from -inf.
 FLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros",
@@ -66,7 +72,7 @@ def _library_path() -> Path:
     # nothing from models: tests/test_layering.py).
     root = os.environ.get("JPAGED_CACHE_DIR") or Path.home() / ".cache" / "jpaged"
     key = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), " ".join(FLAGS).encode(),
+    for part in (*(src.read_bytes() for src in SOURCES + HEADERS), " ".join(FLAGS).encode(),
                  jaxlib.__version__.encode(), _cpu_id().encode()):
         key.update(part)
     return Path(root) / "cpu_kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
@@ -152,3 +158,26 @@ def greedy(logits, model_logits):
                                             jax.ShapeDtypeStruct((s,), jnp.float32),
                                             jax.ShapeDtypeStruct((s,), jnp.float32)))
     return call(logits, model_logits, threads=np.int64(threads()))
+
+
+def pack(w):
+    """w [K, N] (N a multiple of PANEL) -> panels [N / PANEL, K, PANEL], contiguous:
+    panels[p, k, j] = w[k, PANEL p + j]. numpy in, numpy out; jax in, jax out."""
+    k, n = w.shape
+    if n % PANEL:
+        raise ValueError(f"pack: {n} columns are not a multiple of {PANEL}")
+    panels = w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)
+    return np.ascontiguousarray(panels) if isinstance(w, np.ndarray) else jnp.array(panels)
+
+
+def unpack(panels):
+    """pack's inverse: panels [P, K, PANEL] -> w [K, P * PANEL]."""
+    p, k, _ = panels.shape
+    return panels.transpose(1, 0, 2).reshape(k, p * PANEL)
+
+
+def matmul(x, panels):
+    """x f32[M, K] @ w, w packed as panels f32[N / 64, K, 64] -> f32[M, N]."""
+    n = panels.shape[0] * PANEL
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x, panels, threads=np.int64(threads()))

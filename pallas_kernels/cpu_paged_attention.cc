@@ -21,14 +21,13 @@
 // more key of no value (reference.py's _finish). Slots outside a row's keys are never
 // read into its result (unwritten slots may hold NaN).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -267,40 +266,17 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ff
   }
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   tiles.push_back(n.t);
-  // Items (tile, KV head) handed out one at a time from a shared counter: to this thread and
-  // to threads - 1 tasks on XLA's own intra-op pool (no threads started per call). A task
-  // that starts after every item is taken returns at once; the caller returns once every
-  // item it did not run itself is done, so a late task never touches the buffers.
-  struct State {
-    Shapes n;
-    Inputs in;
-    std::vector<int64_t> tiles;
-    int64_t items;
-    std::atomic<int64_t> next{0}, active{0};
-  };
-  auto state = std::make_shared<State>();
-  state->n = n;
-  state->in = Inputs{q.typed_data(),     k.typed_data(),   v.typed_data(),
-                     table.typed_data(), sq,               starts.typed_data(),
-                     ends.typed_data(),  has_sinks ? sinks.typed_data() : nullptr,
-                     sm_scale,           soft_cap,         out->typed_data()};
-  state->tiles = std::move(tiles);
-  state->items = num_tiles * n.hkv;
-  auto work = [state] {
-    State& st = *state;
-    st.active.fetch_add(1);
-    Scratch scratch(st.n);
-    for (int64_t i = st.next.fetch_add(1); i < st.items; i = st.next.fetch_add(1)) {
-      const int64_t tile = i / st.n.hkv;
-      AttendTile(st.n, st.in, st.tiles[tile], st.tiles[tile + 1] - st.tiles[tile],
-                 i % st.n.hkv, scratch);
-    }
-    st.active.fetch_sub(1);
-  };
-  const int64_t tasks = std::min<int64_t>(threads, state->items) - 1;
-  for (int64_t i = 0; i < tasks; ++i) pool.Schedule([work] { work(); });
-  work();
-  while (state->active.load() != 0) std::this_thread::yield();
+  // Items (tile, KV head) over this thread and XLA's pool (cpu_pool.h).
+  const Inputs in{q.typed_data(),     k.typed_data(),   v.typed_data(),
+                  table.typed_data(), sq,               starts.typed_data(),
+                  ends.typed_data(),  has_sinks ? sinks.typed_data() : nullptr,
+                  sm_scale,           soft_cap,         out->typed_data()};
+  jpaged::ParallelFor(pool, threads, num_tiles * n.hkv, [n, in, tiles] {
+    return [n, in, &tiles, scratch = std::make_shared<Scratch>(n)](int64_t i) {
+      const int64_t tile = i / n.hkv;
+      AttendTile(n, in, tiles[tile], tiles[tile + 1] - tiles[tile], i % n.hkv, *scratch);
+    };
+  });
   return ffi::Error::Success();
 }
 

@@ -10,12 +10,11 @@
 //   lse    f32[S]      log(sum(exp(model - x_max))) of each row: NaN when the row has a NaN
 //                      or x_max is not finite, as the jnp form gives
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <memory>
-#include <thread>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -80,35 +79,14 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> model, int64
   if (ld.size() != 2 || md.size() != 2 || ld[0] != md[0] || ld[1] != md[1]) {
     return ffi::Error::InvalidArgument("greedy sampling: logits and model must be [S, V]");
   }
-  // Rows handed out from a shared counter (cpu_paged_attention.cc's scheme).
-  struct State {
-    const float *logits, *model;
-    int64_t rows, v;
-    int32_t* argmax;
-    float *x_max, *lse;
-    std::atomic<int64_t> next{0}, active{0};
-  };
-  auto state = std::make_shared<State>();
-  state->logits = logits.typed_data();
-  state->model = model.typed_data();
-  state->rows = ld[0];
-  state->v = ld[1];
-  state->argmax = argmax->typed_data();
-  state->x_max = x_max->typed_data();
-  state->lse = lse->typed_data();
-  auto work = [state] {
-    State& st = *state;
-    st.active.fetch_add(1);
-    for (int64_t r = st.next.fetch_add(1); r < st.rows; r = st.next.fetch_add(1)) {
-      Row(st.logits + r * st.v, st.model + r * st.v, st.v, st.argmax + r, st.x_max + r,
-          st.lse + r);
-    }
-    st.active.fetch_sub(1);
-  };
-  const int64_t tasks = std::min<int64_t>(threads, state->rows) - 1;
-  for (int64_t i = 0; i < tasks; ++i) pool.Schedule([work] { work(); });
-  work();
-  while (state->active.load() != 0) std::this_thread::yield();
+  // Rows over this thread and XLA's pool (cpu_pool.h).
+  const float *lp = logits.typed_data(), *mp = model.typed_data();
+  int32_t* ap = argmax->typed_data();
+  float *xp = x_max->typed_data(), *sp = lse->typed_data();
+  const int64_t v = ld[1];
+  jpaged::ParallelFor(pool, threads, ld[0], [=] {
+    return [=](int64_t r) { Row(lp + r * v, mp + r * v, v, ap + r, xp + r, sp + r); };
+  });
   return ffi::Error::Success();
 }
 

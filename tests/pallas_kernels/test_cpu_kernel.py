@@ -191,7 +191,8 @@ def test_lowered_for_cuda_the_step_holds_no_cpu_kernel_call():
 
 # The suite holds XLA:CPU to one thread (tests/conftest.py), so the kernels' items run on the
 # calling thread alone there. In a process of XLA's default threading they are shared with
-# tasks on XLA's intra-op pool: the same cases, the dense oracle's values.
+# tasks on XLA's intra-op pool: the same cases, the dense oracle's values (attention), jnp's
+# argmax (sampling), float64 products (matmul, over two blocks of 256 rows).
 POOL_SCRIPT = """
 import sys
 sys.path[:0] = sys.argv[1:]
@@ -210,6 +211,10 @@ assert_matches(decode_case(13, lengths=LENGTHS, num_kv_heads=3, group=3, page_si
 x = rows_with_ties_and_specials(0, 5000)
 argmax, _, _ = _vocab_passes(jnp.asarray(x), jnp.asarray(x))
 np.testing.assert_array_equal(np.asarray(argmax), np.asarray(jnp.argmax(jnp.asarray(x), -1)))
+rng = np.random.default_rng(5)
+xm, wm = rng.standard_normal((300, 96), np.float32), rng.standard_normal((96, 320), np.float32)
+got = np.asarray(cpu_kernel.matmul(jnp.asarray(xm), jnp.asarray(cpu_kernel.pack(wm))))
+np.testing.assert_allclose(got, xm.astype(np.float64) @ wm, rtol=1e-4, atol=1e-4)
 print("pool ok")
 """
 
