@@ -35,15 +35,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import kv_quant
+
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(f"cpu_{name}.cc")
                 for name in ("paged_attention", "sampling", "matmul"))
 TARGET = "jpaged_cpu_paged_attention"
+QUANTIZED_TARGET = "jpaged_cpu_paged_attention_quantized"
 GREEDY_TARGET = "jpaged_cpu_greedy"
 MATMUL_TARGET = "jpaged_cpu_matmul"
 HEADERS = (Path(__file__).with_name("cpu_pool.h"),)  # included by the sources
-_SYMBOLS = {TARGET: "JpagedCpuPagedAttention", GREEDY_TARGET: "JpagedCpuGreedy",
+_SYMBOLS = {TARGET: "JpagedCpuPagedAttention",
+            QUANTIZED_TARGET: "JpagedCpuPagedAttentionQuantized",
+            GREEDY_TARGET: "JpagedCpuGreedy",
             MATMUL_TARGET: "JpagedCpuMatmul"}
 PANEL = 64  # columns per panel of a packed weight (cpu_matmul.cc)
 # Vectorized float reductions (reassociation), no fast-math's finite-only assumption: the
@@ -133,19 +138,46 @@ def threads() -> int:
     return os.cpu_count() or 1
 
 
+def serves(pages) -> bool:
+    """Whether attention takes this pool half: float32 pages, or a one-byte quantized pool
+    (int8, fp8 e4m3 or e5m2 with bfloat16 row scales: kv_quant.QuantizedPages or PoolBits)."""
+    if isinstance(pages, kv_quant.QuantizedPages | kv_quant.PoolBits):
+        return kv_quant.is_quantized(pages.dtype) and pages.scales is not None
+    return getattr(pages, "dtype", None) == jnp.float32
+
+
+def _quantized(pages):
+    """(bytes uint8[Hkv, P, S, D], scale bits uint16[Hkv, P, S]) of a quantized pool half."""
+    def bits(a, dtype):
+        return a if a.dtype == dtype else jax.lax.bitcast_convert_type(a, dtype)
+
+    return bits(pages.data, jnp.uint8), bits(pages.scales, jnp.uint16)
+
+
+def _byte_values(dtype) -> np.ndarray:
+    """f32[256]: the value of each byte in a one-byte dtype (int8, fp8 e4m3 or e5m2)."""
+    return np.arange(256, dtype=np.uint8).view(np.dtype(dtype)).astype(np.float32)
+
+
 def attention(q, k_pages, v_pages, page_table, seq, starts, ends, *, sm_scale: float,
               soft_cap: float | None, sinks=None):
-    """q f32[T, Hq, D]; k_pages, v_pages f32[Hkv, P, S, D]; page_table int32[N, W]; seq
+    """q f32[T, Hq, D]; k_pages, v_pages f32[Hkv, P, S, D] or quantized pool halves
+    (serves); page_table int32[N, W]; seq
     int32[T]: token t's sequence (its page-table row); starts, ends int32[T]: the keys
     [start, end) token t sees (end <= start: zeros); sinks: f32[Hq] sink logits (gpt-oss)
     or None. Returns f32[T, Hq, D]."""
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     has_sinks = sinks is not None
     sinks = (jnp.zeros(q.shape[1], jnp.float32) if sinks is None
              else jnp.asarray(sinks, jnp.float32).reshape(q.shape[1]))
-    return call(q, k_pages, v_pages, page_table, seq, starts, ends, sinks,
-                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap or 0.0),
-                has_sinks=has_sinks, threads=np.int64(threads()))
+    kw = {"sm_scale": np.float32(sm_scale), "soft_cap": np.float32(soft_cap or 0.0),
+          "has_sinks": has_sinks, "threads": np.int64(threads())}
+    rest = (page_table, seq, starts, ends, sinks)
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    if isinstance(k_pages, kv_quant.QuantizedPages | kv_quant.PoolBits):
+        lut = jnp.asarray(_byte_values(k_pages.dtype))
+        call = jax.ffi.ffi_call(QUANTIZED_TARGET, out)
+        return call(q, *_quantized(k_pages), *_quantized(v_pages), lut, *rest, **kw)
+    return jax.ffi.ffi_call(TARGET, out)(q, k_pages, v_pages, *rest, **kw)
 
 
 def greedy(logits, model_logits):

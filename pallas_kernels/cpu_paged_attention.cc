@@ -2,7 +2,9 @@
 // builds and registers it; reference.py calls it for every token of a float32 step on the CPU:
 // prefill chunks and decode rows alike). XLA:CPU runs the reference's page gather on one thread
 // and copies every key block before its product; this reads each written slot where it lies,
-// tiles x KV heads split over `threads` threads. float32 only.
+// tiles x KV heads split over `threads` threads. Float32 pools, or one-byte quantized ones
+// (ImplQuantized: int8, fp8 e4m3 or e5m2 bytes with bfloat16 row scales, each page's rows
+// dequantized as they are read).
 //
 //   q      f32[T, Hq, D]            query tokens
 //   k, v   f32[Hkv, P, S, D]        the pools (page_size S)
@@ -44,20 +46,35 @@ struct Shapes {
 };
 
 struct Inputs {
-  const float *q, *k, *v;
+  const float *q, *k, *v;  // k, v null: a quantized pool (kq, ks, vq, vs, lut)
   const int32_t *table, *seq, *starts, *ends;
   const float* sinks;  // null: none
   float scale, cap;
   float* out;
+  const uint8_t *kq = nullptr, *vq = nullptr;  // [Hkv, P, S, D] bytes
+  const uint16_t *ks = nullptr, *vs = nullptr;  // [Hkv, P, S] bfloat16 bits: each row's scale
+  const float* lut = nullptr;                   // [256]: each byte's value
 };
 
 struct Scratch {  // one per thread
-  std::vector<float> m, l, acc, kt, sc;
+  std::vector<float> m, l, acc, kt, sc, kbuf, vbuf;
   std::vector<int64_t> st, en;
   Scratch(const Shapes& n)
       : m(kTile * n.g), l(kTile * n.g), acc(kTile * n.g * n.d), kt(n.d * n.s),
-        sc(kTile * n.g * n.s), st(kTile), en(kTile) {}
+        sc(kTile * n.g * n.s), kbuf(n.s * n.d), vbuf(n.s * n.d), st(kTile), en(kTile) {}
 };
+
+// Rows [jlo, jhi) of a quantized page (bytes q [S, D], scale bits [S]) as float32 into buf:
+// lut[byte] * scale (kv_quant.dequantize).
+void Dequantize(const uint8_t* q, const uint16_t* scales, const float* lut, int64_t jlo,
+                int64_t jhi, int64_t d, float* buf) {
+  for (int64_t j = jlo; j < jhi; ++j) {
+    const uint32_t bits = static_cast<uint32_t>(scales[j]) << 16;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    for (int64_t x = 0; x < d; ++x) buf[j * d + x] = lut[q[j * d + x]] * scale;
+  }
+}
 
 // exp(x) for x <= 0 (a score less the running maximum), written so the loops calling it
 // vectorize: x = k ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r (about 1 ulp),
@@ -149,14 +166,27 @@ void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int6
     const int64_t page = table[p0 / s];
     if (page < 0 || page >= n.p) continue;  // never for a valid table: nothing read
     const int64_t jlo = std::max<int64_t>(lo - p0, 0), jhi = std::min<int64_t>(s, hi - p0);
-    const float* kp = in.k + ((h * n.p + page) * s) * d;
-    const float* vp = in.v + ((h * n.p + page) * s) * d;
+    const int64_t row = (h * n.p + page) * s;  // the page's first slot
+    const float *kp, *vp;
+    if (in.k != nullptr) {
+      kp = in.k + row * d;
+      vp = in.v + row * d;
+    } else {
+      Dequantize(in.kq + row * d, in.ks + row, in.lut, jlo, jhi, d, w.kbuf.data());
+      Dequantize(in.vq + row * d, in.vs + row, in.lut, jlo, jhi, d, w.vbuf.data());
+      kp = w.kbuf.data();
+      vp = w.vbuf.data();
+    }
     if (p0 + s < hi) {  // the next page's slots, fetched while this one is computed
       const int64_t next = table[p0 / s + 1];
       if (next >= 0 && next < n.p) {
-        const char* kn = reinterpret_cast<const char*>(in.k + ((h * n.p + next) * s) * d);
-        const char* vn = reinterpret_cast<const char*>(in.v + ((h * n.p + next) * s) * d);
-        for (int64_t b = 0; b < s * d * 4; b += 64) {
+        const bool f32 = in.k != nullptr;
+        const int64_t at = (h * n.p + next) * s * d, bytes = s * d * (f32 ? 4 : 1);
+        const char* kn = f32 ? reinterpret_cast<const char*>(in.k + at)
+                             : reinterpret_cast<const char*>(in.kq + at);
+        const char* vn = f32 ? reinterpret_cast<const char*>(in.v + at)
+                             : reinterpret_cast<const char*>(in.vq + at);
+        for (int64_t b = 0; b < bytes; b += 64) {
           __builtin_prefetch(kn + b);
           __builtin_prefetch(vn + b);
         }
@@ -233,21 +263,18 @@ void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int6
   }
 }
 
-ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> seq,
-                ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> ends,
-                ffi::Buffer<ffi::F32> sinks, float sm_scale, float soft_cap, bool has_sinks,
-                int64_t threads, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions();
-  auto kd = k.dimensions();
-  auto td = table.dimensions();
-  auto vd = v.dimensions();
+// The shapes of a call (pool dims kd, vd: [Hkv, P, S, D]), or an error.
+ffi::Error Check(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
+                 ffi::Span<const int64_t> vd, ffi::Span<const int64_t> td,
+                 const ffi::Buffer<ffi::S32>& seq, const ffi::Buffer<ffi::S32>& starts,
+                 const ffi::Buffer<ffi::S32>& ends, const ffi::Buffer<ffi::F32>& sinks,
+                 bool has_sinks, Shapes& n) {
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
       seq.dimensions().size() != 1 || starts.dimensions().size() != 1 ||
       ends.dimensions().size() != 1 || !std::equal(kd.begin(), kd.end(), vd.begin())) {
     return ffi::Error::InvalidArgument("paged attention: unexpected ranks or shapes");
   }
-  Shapes n{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[0], td[1], 0};
+  n = Shapes{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[0], td[1], 0};
   if (n.hkv == 0 || n.hq % n.hkv || kd[3] != n.d || seq.dimensions()[0] != n.t ||
       starts.dimensions()[0] != n.t || ends.dimensions()[0] != n.t ||
       (has_sinks && (sinks.dimensions().size() != 1 || sinks.dimensions()[0] != n.hq))) {
@@ -257,26 +284,74 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ff
   if (n.g > kMaxGroup || n.d > kMaxDim || n.s > kMaxPage) {
     return ffi::Error::InvalidArgument("paged attention: group, head_dim or page too large");
   }
-  const int32_t* sq = seq.typed_data();
+  return ffi::Error::Success();
+}
+
+// Tiles of the call's tokens, then items (tile, KV head) over this thread and XLA's pool
+// (cpu_pool.h).
+void Run(const Shapes& n, const Inputs& in, ffi::ThreadPool& pool, int64_t threads) {
   std::vector<int64_t> tiles;  // first token of each tile, then T
   for (int64_t t = 0; t < n.t; ++t) {
-    if (tiles.empty() || sq[t] != sq[tiles.back()] || t - tiles.back() == kTile) {
+    if (tiles.empty() || in.seq[t] != in.seq[tiles.back()] || t - tiles.back() == kTile) {
       tiles.push_back(t);
     }
   }
   const int64_t num_tiles = static_cast<int64_t>(tiles.size());
   tiles.push_back(n.t);
-  // Items (tile, KV head) over this thread and XLA's pool (cpu_pool.h).
-  const Inputs in{q.typed_data(),     k.typed_data(),   v.typed_data(),
-                  table.typed_data(), sq,               starts.typed_data(),
-                  ends.typed_data(),  has_sinks ? sinks.typed_data() : nullptr,
-                  sm_scale,           soft_cap,         out->typed_data()};
   jpaged::ParallelFor(pool, threads, num_tiles * n.hkv, [n, in, tiles] {
     return [n, in, &tiles, scratch = std::make_shared<Scratch>(n)](int64_t i) {
       const int64_t tile = i / n.hkv;
       AttendTile(n, in, tiles[tile], tiles[tile + 1] - tiles[tile], i % n.hkv, *scratch);
     };
   });
+}
+
+ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> seq,
+                ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> ends,
+                ffi::Buffer<ffi::F32> sinks, float sm_scale, float soft_cap, bool has_sinks,
+                int64_t threads, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
+  Shapes n;
+  ffi::Error error = Check(q.dimensions(), k.dimensions(), v.dimensions(), table.dimensions(),
+                           seq, starts, ends, sinks, has_sinks, n);
+  if (error.failure()) return error;
+  const Inputs in{q.typed_data(),     k.typed_data(),   v.typed_data(),
+                  table.typed_data(), seq.typed_data(), starts.typed_data(),
+                  ends.typed_data(),  has_sinks ? sinks.typed_data() : nullptr,
+                  sm_scale,           soft_cap,         out->typed_data()};
+  Run(n, in, pool, threads);
+  return ffi::Error::Success();
+}
+
+// A quantized pool (kv_quant.PoolBits' bits): K and V bytes with their rows' bfloat16 scale
+// bits, and lut [256] the value of each byte in the pool's dtype (int8, fp8 e4m3 or e5m2).
+ffi::Error ImplQuantized(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> kq,
+                         ffi::Buffer<ffi::U16> ks, ffi::Buffer<ffi::U8> vq,
+                         ffi::Buffer<ffi::U16> vs, ffi::Buffer<ffi::F32> lut,
+                         ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> seq,
+                         ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> ends,
+                         ffi::Buffer<ffi::F32> sinks, float sm_scale, float soft_cap,
+                         bool has_sinks, int64_t threads, ffi::ThreadPool pool,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  Shapes n;
+  ffi::Error error = Check(q.dimensions(), kq.dimensions(), vq.dimensions(),
+                           table.dimensions(), seq, starts, ends, sinks, has_sinks, n);
+  if (error.failure()) return error;
+  const auto sd = ks.dimensions();
+  if (lut.element_count() != 256 || sd.size() != 3 || sd[0] != n.hkv || sd[1] != n.p ||
+      sd[2] != n.s || !std::equal(sd.begin(), sd.end(), vs.dimensions().begin())) {
+    return ffi::Error::InvalidArgument("paged attention: scales [Hkv, P, S], lut [256]");
+  }
+  Inputs in{q.typed_data(),     nullptr,          nullptr,
+            table.typed_data(), seq.typed_data(), starts.typed_data(),
+            ends.typed_data(),  has_sinks ? sinks.typed_data() : nullptr,
+            sm_scale,           soft_cap,         out->typed_data()};
+  in.kq = kq.typed_data();
+  in.vq = vq.typed_data();
+  in.ks = ks.typed_data();
+  in.vs = vs.typed_data();
+  in.lut = lut.typed_data();
+  Run(n, in, pool, threads);
   return ffi::Error::Success();
 }
 
@@ -286,6 +361,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedCpuPagedAttention, Impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<bool>("has_sinks")
+                                  .Attr<int64_t>("threads")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedCpuPagedAttentionQuantized, ImplQuantized,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -272,8 +272,9 @@ def paged_prefill_attention(
     args = (q, k_pages, v_pages, context_lens, page_table, query_start)
     # On the CPU every token runs its kernel (cpu_kernel: pages read where they lie, a
     # sequence's tokens sharing each page's reads, on every core) where it serves: float32
-    # pools and queries, no latent rows. Lowered for another platform: the gathers below.
-    if (not latent and q.dtype == jnp.float32 and getattr(k_pages, "dtype", None) == jnp.float32
+    # queries, float32 or one-byte quantized pools, no latent rows. Lowered for another
+    # platform: the gathers below.
+    if (not latent and q.dtype == jnp.float32 and cpu_kernel.serves(k_pages)
             and jax.default_backend() == "cpu" and cpu_kernel.available()):
         return jax.lax.platform_dependent(
             *args,

@@ -23,7 +23,7 @@ from paged_cases import decode_case, prefill_case
 from test_reference import MIXED, assert_matches, run
 from test_sinks import SINKS, _dense
 
-from pallas_kernels import cpu_kernel, reference
+from pallas_kernels import cpu_kernel, kv_quant, reference
 
 LENGTHS = [1, 0, 17, 64, 5, 33, 48, 2, 90, 3, 0, 7, 61, 12, 1, 29,
            44, 8, 100, 0, 15, 6, 77, 21, 2, 38, 9, 55, 4, 0, 70, 11]  # fmt: skip
@@ -187,6 +187,34 @@ def test_lowered_for_cuda_the_step_holds_no_cpu_kernel_call():
 
     assert _kernel_calls(decode, *args) == 1  # on the CPU
     assert cpu_kernel.TARGET not in lower_for_cuda(decode, args).as_text()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("form", ["pages", "bits"])
+def test_quantized_pools_equal_the_gather_path(monkeypatch, dtype, form):
+    """One-byte pools with bfloat16 row scales (kv_quant.QuantizedPages, or PoolBits as a
+    CPU step holds them): each page's rows dequantized by the kernel, the gather path's
+    values; a prefill step of several tiles and decode rows, rows past the written ones NaN
+    (their scales NaN)."""
+    store = kv_quant.storage_dtype(dtype, np.float32)
+    case = prefill_case(14, seqs=TILES, num_kv_heads=3, group=3, page_size=16, head_dim=64,
+                        dtype="float32")
+    k, v = (kv_quant.QuantizedPages(*kv_quant.quantize(p, store))
+            for p in (case.k_pages, case.v_pages))
+    if form == "bits":
+        k, v = kv_quant.to_bits(k), kv_quant.to_bits(v)
+    args = (case.q, k, v, case.context_lens, case.page_table, case.query_start)
+
+    def attend(*a):
+        return reference.paged_prefill_attention(*a, sm_scale=case.sm_scale, sliding_window=40)
+
+    text = jax.jit(attend).lower(*args).as_text()
+    assert cpu_kernel.QUANTIZED_TARGET in text
+    kernel = np.asarray(jax.jit(attend)(*args))
+    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    gather = np.asarray(jax.jit(lambda *a: attend(*a))(*args))
+    assert np.isfinite(kernel).all()
+    np.testing.assert_allclose(kernel, gather, rtol=2e-6, atol=2e-6)
 
 
 # The suite holds XLA:CPU to one thread (tests/conftest.py), so the kernels' items run on the
