@@ -100,3 +100,13 @@ def test_switch_layers_packs_plain_float32_projections_and_the_tied_head():
     np.testing.assert_array_equal(
         np.asarray(cpu_kernel.unpack(first["w_gate_up"].panels)),
         np.asarray(plain["layers"][0]["w_gate_up"]))
+
+
+def test_jpaged_cpu_attention_reference_leaves_weights_unpacked(monkeypatch):
+    """The switch that turns the CPU kernels off (pallas_kernels/cpu_kernel.py ENV) keeps the
+    plain layout: XLA's dots, as before the kernels."""
+    _, w = _operands(4, 1, 16, 64)
+    assert isinstance(packed.pack(jnp.asarray(w)), packed.PackedWeight)
+    monkeypatch.setenv(cpu_kernel.ENV, "reference")
+    plain = jnp.asarray(w)
+    assert packed.pack(plain) is plain
