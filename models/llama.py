@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from models import lora, mla, moe, quantization
+from models import lora, mla, moe, packed, quantization
 from models.config import (
     LinearRopeScaling,
     LongRopeScaling,
@@ -309,7 +309,7 @@ def forward(
     kinds = _layer_kinds(cfg)
     dtype = params["final_norm"].dtype
     if "tied_head" in params:  # the tied table kept only as [D, V] (switch_layers)
-        x = jnp.take(params["tied_head"], token_ids, axis=1).T.astype(dtype)  # [T, D]
+        x = packed.columns(params["tied_head"], token_ids).astype(dtype)  # [T, D]
     else:
         x = _embed(params["embed"], cfg, token_ids, tp_axis, dtype)  # [T, D]
     if cfg.embed_scale:  # in the activation dtype, as transformers scales
@@ -331,7 +331,7 @@ def forward(
         if "wqkv" in layer:  # one product, split (fuse_projections; unsharded: every head)
             heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
             ends = np.cumsum(heads)[:2] * cfg.head_dim
-            qkv = jnp.split(h @ layer["wqkv"], ends, axis=1)  # [T, H * Dh] each
+            qkv = jnp.split(packed.dense(h, layer["wqkv"]), ends, axis=1)  # [T, H * Dh] each
             qkv = (y.reshape(y.shape[0], n, cfg.head_dim) for y, n in zip(qkv, heads, strict=True))
         else:
             qkv = (quantization.einsum("td,dhk->thk", h, layer[w]) for w in ("wq", "wk", "wv"))
@@ -378,7 +378,10 @@ def forward(
         return attn, k_pages, v_pages
 
     def finish(layer, x, attn, experts=kinds[0][2]):  # the o projection and the MLP: x [T, D]
-        out = quantization.einsum("thk,hkd->td", attn, layer["wo"])
+        if isinstance(layer["wo"], packed.PackedWeight):  # [Hq * Dh, D] (switch_layers)
+            out = packed.dense(attn.reshape(attn.shape[0], -1), layer["wo"])
+        else:
+            out = quantization.einsum("thk,hkd->td", attn, layer["wo"])
         out = _reduce(lora.add(out, attn, layer, "o_proj", lora_slots), tp_axis)
         if "bo" in layer:  # after the reduce: added once, not once per device
             out = out + layer["bo"]
@@ -514,7 +517,8 @@ def switches_layers(cfg: ModelConfig, platform: str, *, sharded: bool) -> bool:
 TIED_HEAD_MAX_BYTES = 256 << 20
 
 
-def switch_layers(params: dict, tied_head: bool = True, fuse: bool = True) -> dict:
+def switch_layers(params: dict, tied_head: bool = True, fuse: bool = True,
+                  pack: bool = True) -> dict:
     """params with "layers" as a tuple of per-layer dicts: forward then runs them under
     lax.scan over the layer index, each layer's projections picked by lax.switch, so every
     dot reads its weights where they lie. XLA:CPU copies a stacked layer's slice out before
@@ -530,10 +534,16 @@ def switch_layers(params: dict, tied_head: bool = True, fuse: bool = True) -> di
 
     fuse: plain q/k/v and gate/up weights merged (fuse_projections): the one-row decode
     step 9% faster (26.4 against 28.9 ms), the (4, 4), 32-row and 512-token steps within
-    noise (docs/benchmarks.md, "One row, one token")."""
+    noise (docs/benchmarks.md, "One row, one token").
+
+    pack: the plain float32 projections (wqkv, wo as [Hq * Dh, D], w_gate_up, w_down, and the
+    unfused ones) and the tied head packed for the CPU's matmul kernel (models/packed.py):
+    a decode step's products 15-40% faster (docs/benchmarks.md, "Packed weights")."""
     layers = unstack_layers(params)["layers"]
     if fuse:
         layers = [fuse_projections(layer) for layer in layers]
+    if pack:
+        layers = [pack_projections(layer) for layer in layers]
     params = {**params, "layers": tuple(layers)}
     embed = params.get("embed")
     if (
@@ -542,9 +552,27 @@ def switch_layers(params: dict, tied_head: bool = True, fuse: bool = True) -> di
         and isinstance(embed, jax.Array | np.ndarray)
         and embed.nbytes <= TIED_HEAD_MAX_BYTES
     ):
-        params["tied_head"] = jnp.asarray(embed).T.copy()  # [D, V], row-major
+        head = jnp.asarray(embed).T.copy()  # [D, V], row-major
+        params["tied_head"] = packed.pack(head) if pack else head
         del params["embed"]
     return params
+
+
+PACKED_PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_gate", "w_up", "w_down")
+
+
+def pack_projections(layer: dict) -> dict:
+    """A per-layer dict with its plain float32 projections packed (models/packed.py; wo
+    [Hq, Dh, D] flattened to [Hq * Dh, D] first; each left as it was where packing does not
+    apply)."""
+    layer = dict(layer)
+    for name in PACKED_PROJECTIONS:
+        w = layer.get(name)
+        if isinstance(w, jax.Array | np.ndarray):
+            flat = w.reshape(-1, w.shape[-1])
+            if packed.pack_applies(flat):
+                layer[name] = packed.pack(flat)
+    return layer
 
 
 def fuse_projections(layer: dict) -> dict:
@@ -576,7 +604,7 @@ def compute_logits(
 ) -> jax.Array:
     """hidden [N, D] -> float32 logits [N, vocab] (gathered over tp_axis when vocab-split)."""
     if "tied_head" in params:  # the tied embedding stored transposed (switch_layers)
-        logits = hidden @ params["tied_head"]
+        logits = packed.dense(hidden, params["tied_head"])
     elif cfg.tie_word_embeddings or "lm_head" not in params:
         logits = quantization.tied_logits(hidden, params["embed"])
     else:
@@ -610,14 +638,13 @@ def _mlp(
     kind) the experts (models/moe.py); lora_slots: each token's adapter (models/lora.py)."""
     if experts:
         return moe.moe_mlp(h, layer, cfg, act, tp_axis)
-    mm = quantization.matmul
     if "w_gate_up" in layer:  # one product, split (fuse_projections)
-        gate, up = jnp.split(h @ layer["w_gate_up"], 2, axis=-1)
+        gate, up = jnp.split(packed.dense(h, layer["w_gate_up"]), 2, axis=-1)
     else:
-        gate, up = mm(h, layer["w_gate"]), mm(h, layer["w_up"])
+        gate, up = packed.dense(h, layer["w_gate"]), packed.dense(h, layer["w_up"])
     gate = act(lora.add(gate, h, layer, "gate_proj", lora_slots))
     gated = gate * lora.add(up, h, layer, "up_proj", lora_slots)
-    out = lora.add(mm(gated, layer["w_down"]), gated, layer, "down_proj", lora_slots)
+    out = lora.add(packed.dense(gated, layer["w_down"]), gated, layer, "down_proj", lora_slots)
     return _reduce(out, tp_axis)
 
 

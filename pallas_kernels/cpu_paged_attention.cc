@@ -1,118 +1,357 @@
-// Paged attention for the CPU, one query token per row, reading the K/V pages where they lie
-// (pallas_kernels/cpu_kernel.py builds and registers it; reference.py calls it for decode-like
-// token blocks). XLA:CPU runs the reference's page gather on one thread and copies every key
-// block before its product; this reads each written slot once, rows x KV heads split over
-// `threads` threads. float32 only.
+// Paged attention for the CPU, reading the K/V pages where they lie (pallas_kernels/cpu_kernel.py
+// builds and registers it; reference.py calls it for every token of a float32 step on the CPU:
+// prefill chunks and decode rows alike). XLA:CPU runs the reference's page gather on one thread
+// and copies every key block before its product; this reads each written slot where it lies,
+// tiles x KV heads split over `threads` threads. Float32 pools, or one-byte quantized ones
+// (ImplQuantized: int8, fp8 e4m3 or e5m2 bytes with bfloat16 row scales, each page's rows
+// dequantized as they are read).
 //
-//   q      f32[T, Hq, D]            one query per row
+//   q      f32[T, Hq, D]            query tokens
 //   k, v   f32[Hkv, P, S, D]        the pools (page_size S)
-//   rows   s32[T, W]                each row's page-table row
-//   starts s32[T], ends s32[T]      the keys [start, end) row t sees (end 0: padding, zeros)
+//   table  s32[N, W]                the page table
+//   seq    s32[T]                   each token's sequence (its row of the table)
+//   starts s32[T], ends s32[T]      the keys [start, end) token t sees (end <= start: zeros)
+//   sinks  f32[Hq]                  gpt-oss's sink logits, read when has_sinks
 //   out    f32[T, Hq, D]
 //
-// Per row and KV head: an online softmax over the keys page by page (scores of the head's
-// G = Hq / Hkv queries, soft cap c: c * tanh(s / c) when c > 0).
+// A tile is up to kTile consecutive tokens of one sequence (a prefill chunk's tokens share
+// their pages; a decode row is a tile of one token). Per tile and KV head: the keys of the
+// tile's union of ranges, page by page; each page's K transposed once ([D, S]) and scored
+// against every query row of the tile (its tokens x the head's G = Hq / Hkv query heads);
+// then per row an online softmax over its own keys of the page (soft cap c: c * tanh(s / c)
+// when c > 0) and the probabilities' sum of V rows; a sink joins the denominator as one
+// more key of no value (reference.py's _finish). Slots outside a row's keys are never
+// read into its result (unwritten slots may hold NaN).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <thread>
+#include <cstring>
+#include <memory>
 #include <vector>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+constexpr int64_t kTile = 16;
 constexpr int64_t kMaxGroup = 32;
 constexpr int64_t kMaxDim = 512;
 constexpr int64_t kMaxPage = 256;
 
 struct Shapes {
-  int64_t t, hq, d, hkv, p, s, w, g;
+  int64_t t, hq, d, hkv, p, s, n, w, g;
 };
 
-void Attend(const Shapes& n, const float* q, const float* k, const float* v, const int32_t* rows,
-            const int32_t* starts, const int32_t* ends, float scale, float cap, float* out,
-            int64_t item) {
-  const int64_t row = item / n.hkv, h = item % n.hkv;
-  const int64_t end = std::min<int64_t>(ends[row], n.w * n.s);
-  const int64_t start = std::max<int64_t>(starts[row], 0);
-  float m[kMaxGroup], l[kMaxGroup], acc[kMaxGroup * kMaxDim], s[kMaxPage];
-  std::fill(m, m + n.g, -INFINITY);
-  std::fill(l, l + n.g, 0.f);
-  std::fill(acc, acc + n.g * n.d, 0.f);
-  const float* qrow = q + (row * n.hq + h * n.g) * n.d;
-  for (int64_t p0 = start - start % n.s; p0 < end; p0 += n.s) {
-    const int64_t page = rows[row * n.w + p0 / n.s];
-    const int64_t lo = std::max<int64_t>(start - p0, 0), hi = std::min<int64_t>(n.s, end - p0);
-    const float* kp = k + ((h * n.p + page) * n.s) * n.d;
-    const float* vp = v + ((h * n.p + page) * n.s) * n.d;
-    for (int64_t g = 0; g < n.g; ++g) {
-      const float* qg = qrow + g * n.d;
-      float mx = m[g];
-      for (int64_t j = lo; j < hi; ++j) {
-        const float* kj = kp + j * n.d;
-        float dot = 0.f;
-        for (int64_t d = 0; d < n.d; ++d) dot += qg[d] * kj[d];
-        float x = dot * scale;
-        if (cap > 0.f) x = cap * std::tanh(x / cap);
-        s[j] = x;
-        mx = std::max(mx, x);
-      }
-      const float corr = std::exp(m[g] - mx);
-      float sum = l[g] * corr;
-      float* a = acc + g * n.d;
-      for (int64_t d = 0; d < n.d; ++d) a[d] *= corr;
-      for (int64_t j = lo; j < hi; ++j) {
-        const float pj = std::exp(s[j] - mx);
-        sum += pj;
-        const float* vj = vp + j * n.d;
-        for (int64_t d = 0; d < n.d; ++d) a[d] += pj * vj[d];
-      }
-      m[g] = mx;
-      l[g] = sum;
-    }
-  }
-  for (int64_t g = 0; g < n.g; ++g) {
-    float* o = out + (row * n.hq + h * n.g + g) * n.d;
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    for (int64_t d = 0; d < n.d; ++d) o[d] = acc[g * n.d + d] * inv;
+struct Inputs {
+  const float *q, *k, *v;  // k, v null: a quantized pool (kq, ks, vq, vs, lut)
+  const int32_t *table, *seq, *starts, *ends;
+  const float* sinks;  // null: none
+  float scale, cap;
+  float* out;
+  const uint8_t *kq = nullptr, *vq = nullptr;  // [Hkv, P, S, D] bytes
+  const uint16_t *ks = nullptr, *vs = nullptr;  // [Hkv, P, S] bfloat16 bits: each row's scale
+  const float* lut = nullptr;                   // [256]: each byte's value
+};
+
+struct Scratch {  // one per thread
+  std::vector<float> m, l, acc, kt, sc, kbuf, vbuf;
+  std::vector<int64_t> st, en;
+  Scratch(const Shapes& n)
+      : m(kTile * n.g), l(kTile * n.g), acc(kTile * n.g * n.d), kt(n.d * n.s),
+        sc(kTile * n.g * n.s), kbuf(n.s * n.d), vbuf(n.s * n.d), st(kTile), en(kTile) {}
+};
+
+// Rows [jlo, jhi) of a quantized page (bytes q [S, D], scale bits [S]) as float32 into buf:
+// lut[byte] * scale (kv_quant.dequantize).
+void Dequantize(const uint8_t* q, const uint16_t* scales, const float* lut, int64_t jlo,
+                int64_t jhi, int64_t d, float* buf) {
+  for (int64_t j = jlo; j < jhi; ++j) {
+    const uint32_t bits = static_cast<uint32_t>(scales[j]) << 16;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    for (int64_t x = 0; x < d; ++x) buf[j * d + x] = lut[q[j * d + x]] * scale;
   }
 }
 
-ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> starts,
-                ffi::Buffer<ffi::S32> ends, float sm_scale, float soft_cap, int64_t threads,
-                ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions();
-  auto kd = k.dimensions();
-  auto rd = rows.dimensions();
-  auto vd = v.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || rd.size() != 2 || vd.size() != 4 ||
-      !std::equal(kd.begin(), kd.end(), vd.begin())) {
+// exp(x) for x <= 0 (a score less the running maximum), written so the loops calling it
+// vectorize: x = k ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r (about 1 ulp),
+// 2^k from the exponent bits. Below -87.3 (e^x under float32's normal range) gives 2^-126.
+inline float Exp(float x) {
+  x = std::max(x, -87.3f);
+  const float kf = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - kf * 0.693359375f) + kf * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(kf) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Scores of `rows` query rows against a page of 16 keys: kt [D, 16] (the page's K
+// transposed), q_r the rows' queries, sc [rows, 16]. Eight rows at a time, each a 16-wide
+// accumulator over D (independent chains, one vector of K per step of d).
+typedef float V16 __attribute__((vector_size(64)));
+// Unaligned, aliasing access to 16 floats as a V16: loads and stores through it keep the
+// accumulators in registers (a memcpy into a V16 array made GCC spill them every step).
+typedef float V16u __attribute__((vector_size(64), aligned(4), may_alias));
+
+inline V16 Load16(const float* p) { return *reinterpret_cast<const V16u*>(p); }
+inline void Store16(float* p, V16 v) { *reinterpret_cast<V16u*>(p) = v; }
+
+template <int kRows>
+inline void Scores16(const float* kt, const float* const* qr, int64_t d, float* sc) {
+  V16 a[kRows];
+  for (int r = 0; r < kRows; ++r) a[r] = V16{};
+  for (int64_t x = 0; x < d; ++x) {
+    const V16 kv = Load16(kt + x * 16);
+    for (int r = 0; r < kRows; ++r) a[r] += qr[r][x] * kv;
+  }
+  for (int r = 0; r < kRows; ++r) Store16(sc + r * 16, a[r]);
+}
+
+// acc [16 kVecs] = acc * corr + sum over keys j in [a, b) of p[j] * V row j (rows of
+// 16 kVecs floats), the accumulator held in registers over the page's keys.
+template <int kVecs>
+inline void Values(float* acc, float corr, const float* p, const float* vp, int64_t a,
+                   int64_t b) {
+  V16 o[kVecs];
+  for (int x = 0; x < kVecs; ++x) {
+    o[x] = Load16(acc + 16 * x) * corr;
+  }
+  for (int64_t j = a; j < b; ++j) {
+    const float* vj = vp + j * 16 * kVecs;
+    for (int x = 0; x < kVecs; ++x) {
+      o[x] += p[j] * Load16(vj + 16 * x);
+    }
+  }
+  for (int x = 0; x < kVecs; ++x) Store16(acc + 16 * x, o[x]);
+}
+
+void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int64_t h,
+                Scratch& w) {
+  const int64_t rows = cnt * n.g, s = n.s, d = n.d;
+  std::fill(w.m.begin(), w.m.begin() + rows, -INFINITY);
+  std::fill(w.l.begin(), w.l.begin() + rows, 0.f);
+  std::fill(w.acc.begin(), w.acc.begin() + rows * d, 0.f);
+  int64_t lo = INT64_MAX, hi = 0;
+  for (int64_t i = 0; i < cnt; ++i) {
+    const int64_t st = std::max<int64_t>(in.starts[t0 + i], 0);
+    const int64_t en = std::min<int64_t>(in.ends[t0 + i], n.w * s);
+    w.st[i] = en > st ? st : 0;
+    w.en[i] = en > st ? en : 0;
+    if (en > st) {
+      lo = std::min(lo, st);
+      hi = std::max(hi, en);
+    }
+  }
+  const int64_t sq = in.seq[t0];
+  if (sq < 0 || sq >= n.n) hi = 0;  // no such sequence: zeros
+  const int32_t* table = in.table + sq * n.w;
+  const float* qr[kTile * kMaxGroup];
+  for (int64_t r = 0; r < rows; ++r) {
+    qr[r] = in.q + ((t0 + r / n.g) * n.hq + h * n.g + r % n.g) * d;
+  }
+  float* kt = w.kt.data();
+  float* sc = w.sc.data();
+  for (int64_t p0 = hi > 0 ? lo - lo % s : 0; p0 < hi; p0 += s) {
+    const int64_t page = table[p0 / s];
+    if (page < 0 || page >= n.p) continue;  // never for a valid table: nothing read
+    const int64_t jlo = std::max<int64_t>(lo - p0, 0), jhi = std::min<int64_t>(s, hi - p0);
+    const int64_t row = (h * n.p + page) * s;  // the page's first slot
+    const float *kp, *vp;
+    if (in.k != nullptr) {
+      kp = in.k + row * d;
+      vp = in.v + row * d;
+    } else {
+      Dequantize(in.kq + row * d, in.ks + row, in.lut, jlo, jhi, d, w.kbuf.data());
+      Dequantize(in.vq + row * d, in.vs + row, in.lut, jlo, jhi, d, w.vbuf.data());
+      kp = w.kbuf.data();
+      vp = w.vbuf.data();
+    }
+    if (p0 + s < hi) {  // the next page's slots, fetched while this one is computed
+      const int64_t next = table[p0 / s + 1];
+      if (next >= 0 && next < n.p) {
+        const bool f32 = in.k != nullptr;
+        const int64_t at = (h * n.p + next) * s * d, bytes = s * d * (f32 ? 4 : 1);
+        const char* kn = f32 ? reinterpret_cast<const char*>(in.k + at)
+                             : reinterpret_cast<const char*>(in.kq + at);
+        const char* vn = f32 ? reinterpret_cast<const char*>(in.v + at)
+                             : reinterpret_cast<const char*>(in.vq + at);
+        for (int64_t b = 0; b < bytes; b += 64) {
+          __builtin_prefetch(kn + b);
+          __builtin_prefetch(vn + b);
+        }
+      }
+    }
+    // Scores of every row against the page's keys [jlo, jhi) (slots of the tile's union of
+    // ranges: all written); a row reads back only its own keys.
+    if (s == 16 && rows >= 8) {  // a tile of several tokens: K transposed once for all
+      for (int64_t j = 0; j < 16; ++j) {
+        const bool used = j >= jlo && j < jhi;
+        for (int64_t x = 0; x < d; ++x) kt[x * 16 + j] = used ? kp[j * d + x] : 0.f;
+      }
+      int64_t r = 0;
+      for (; r + 8 <= rows; r += 8) Scores16<8>(kt, qr + r, d, sc + r * 16);
+      for (; r + 4 <= rows; r += 4) Scores16<4>(kt, qr + r, d, sc + r * 16);
+      for (; r + 2 <= rows; r += 2) Scores16<2>(kt, qr + r, d, sc + r * 16);
+      for (; r < rows; ++r) Scores16<1>(kt, qr + r, d, sc + r * 16);
+    } else {  // a decode row (G rows): each key's dot products as it lies
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = jlo; j < jhi; ++j) {
+          const float* kj = kp + j * d;
+          float dot = 0.f;
+          for (int64_t x = 0; x < d; ++x) dot += qr[r][x] * kj[x];
+          sc[r * s + j] = dot;
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r / n.g;
+      const int64_t a = std::max<int64_t>(w.st[i] - p0, jlo);
+      const int64_t b = std::min<int64_t>(w.en[i] - p0, jhi);
+      if (a >= b) continue;
+      float* sr = sc + r * s;
+      float mx = w.m[r];
+      for (int64_t j = a; j < b; ++j) {
+        float x = sr[j] * in.scale;
+        if (in.cap > 0.f) x = in.cap * std::tanh(x / in.cap);
+        sr[j] = x;
+        mx = std::max(mx, x);
+      }
+      const float corr = Exp(w.m[r] - mx);
+      float sum = 0.f;
+      for (int64_t j = a; j < b; ++j) {
+        sr[j] = Exp(sr[j] - mx);
+        sum += sr[j];
+      }
+      w.l[r] = w.l[r] * corr + sum;
+      w.m[r] = mx;
+      float* acc = w.acc.data() + r * d;
+      if (d == 64) {
+        Values<4>(acc, corr, sr, vp, a, b);
+      } else if (d == 128) {
+        Values<8>(acc, corr, sr, vp, a, b);
+      } else {
+        for (int64_t x = 0; x < d; ++x) acc[x] *= corr;
+        for (int64_t j = a; j < b; ++j) {
+          const float pj = sr[j];
+          const float* vj = vp + j * d;
+          for (int64_t x = 0; x < d; ++x) acc[x] += pj * vj[x];
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = in.out + ((t0 + r / n.g) * n.hq + h * n.g + r % n.g) * d;
+    float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
+    if (in.sinks != nullptr) {  // acc e^(m - m') / (l e^(m - m') + e^(sink - m'))
+      const float sink = in.sinks[h * n.g + r % n.g], mx = std::max(w.m[r], sink);
+      const float scale = Exp(w.m[r] - mx);
+      inv = scale / (w.l[r] * scale + Exp(sink - mx));
+    }
+    const float* acc = w.acc.data() + r * d;
+    for (int64_t x = 0; x < d; ++x) o[x] = acc[x] * inv;
+  }
+}
+
+// The shapes of a call (pool dims kd, vd: [Hkv, P, S, D]), or an error.
+ffi::Error Check(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
+                 ffi::Span<const int64_t> vd, ffi::Span<const int64_t> td,
+                 const ffi::Buffer<ffi::S32>& seq, const ffi::Buffer<ffi::S32>& starts,
+                 const ffi::Buffer<ffi::S32>& ends, const ffi::Buffer<ffi::F32>& sinks,
+                 bool has_sinks, Shapes& n) {
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || vd.size() != 4 ||
+      seq.dimensions().size() != 1 || starts.dimensions().size() != 1 ||
+      ends.dimensions().size() != 1 || !std::equal(kd.begin(), kd.end(), vd.begin())) {
     return ffi::Error::InvalidArgument("paged attention: unexpected ranks or shapes");
   }
-  Shapes n{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], rd[1], 0};
-  if (n.hkv == 0 || n.hq % n.hkv || kd[3] != n.d || rd[0] != n.t) {
+  n = Shapes{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], td[0], td[1], 0};
+  if (n.hkv == 0 || n.hq % n.hkv || kd[3] != n.d || seq.dimensions()[0] != n.t ||
+      starts.dimensions()[0] != n.t || ends.dimensions()[0] != n.t ||
+      (has_sinks && (sinks.dimensions().size() != 1 || sinks.dimensions()[0] != n.hq))) {
     return ffi::Error::InvalidArgument("paged attention: shapes do not agree");
   }
   n.g = n.hq / n.hkv;
   if (n.g > kMaxGroup || n.d > kMaxDim || n.s > kMaxPage) {
     return ffi::Error::InvalidArgument("paged attention: group, head_dim or page too large");
   }
-  const int64_t items = n.t * n.hkv;
-  auto work = [&](int64_t first, int64_t step) {
-    for (int64_t i = first; i < items; i += step) {
-      Attend(n, q.typed_data(), k.typed_data(), v.typed_data(), rows.typed_data(),
-             starts.typed_data(), ends.typed_data(), sm_scale, soft_cap, out->typed_data(), i);
+  return ffi::Error::Success();
+}
+
+// Tiles of the call's tokens, then items (tile, KV head) over this thread and XLA's pool
+// (cpu_pool.h).
+void Run(const Shapes& n, const Inputs& in, ffi::ThreadPool& pool, int64_t threads) {
+  std::vector<int64_t> tiles;  // first token of each tile, then T
+  for (int64_t t = 0; t < n.t; ++t) {
+    if (tiles.empty() || in.seq[t] != in.seq[tiles.back()] || t - tiles.back() == kTile) {
+      tiles.push_back(t);
     }
-  };
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, items));
-  std::vector<std::thread> pool;
-  for (int64_t i = 1; i < nt; ++i) pool.emplace_back(work, i, nt);
-  work(0, nt);
-  for (auto& th : pool) th.join();
+  }
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  tiles.push_back(n.t);
+  jpaged::ParallelFor(pool, threads, num_tiles * n.hkv, [n, in, tiles] {
+    return [n, in, &tiles, scratch = std::make_shared<Scratch>(n)](int64_t i) {
+      const int64_t tile = i / n.hkv;
+      AttendTile(n, in, tiles[tile], tiles[tile + 1] - tiles[tile], i % n.hkv, *scratch);
+    };
+  });
+}
+
+ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> seq,
+                ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> ends,
+                ffi::Buffer<ffi::F32> sinks, float sm_scale, float soft_cap, bool has_sinks,
+                int64_t threads, ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
+  Shapes n;
+  ffi::Error error = Check(q.dimensions(), k.dimensions(), v.dimensions(), table.dimensions(),
+                           seq, starts, ends, sinks, has_sinks, n);
+  if (error.failure()) return error;
+  const Inputs in{q.typed_data(),     k.typed_data(),   v.typed_data(),
+                  table.typed_data(), seq.typed_data(), starts.typed_data(),
+                  ends.typed_data(),  has_sinks ? sinks.typed_data() : nullptr,
+                  sm_scale,           soft_cap,         out->typed_data()};
+  Run(n, in, pool, threads);
+  return ffi::Error::Success();
+}
+
+// A quantized pool (kv_quant.PoolBits' bits): K and V bytes with their rows' bfloat16 scale
+// bits, and lut [256] the value of each byte in the pool's dtype (int8, fp8 e4m3 or e5m2).
+ffi::Error ImplQuantized(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> kq,
+                         ffi::Buffer<ffi::U16> ks, ffi::Buffer<ffi::U8> vq,
+                         ffi::Buffer<ffi::U16> vs, ffi::Buffer<ffi::F32> lut,
+                         ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> seq,
+                         ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> ends,
+                         ffi::Buffer<ffi::F32> sinks, float sm_scale, float soft_cap,
+                         bool has_sinks, int64_t threads, ffi::ThreadPool pool,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  Shapes n;
+  ffi::Error error = Check(q.dimensions(), kq.dimensions(), vq.dimensions(),
+                           table.dimensions(), seq, starts, ends, sinks, has_sinks, n);
+  if (error.failure()) return error;
+  const auto sd = ks.dimensions();
+  if (lut.element_count() != 256 || sd.size() != 3 || sd[0] != n.hkv || sd[1] != n.p ||
+      sd[2] != n.s || !std::equal(sd.begin(), sd.end(), vs.dimensions().begin())) {
+    return ffi::Error::InvalidArgument("paged attention: scales [Hkv, P, S], lut [256]");
+  }
+  Inputs in{q.typed_data(),     nullptr,          nullptr,
+            table.typed_data(), seq.typed_data(), starts.typed_data(),
+            ends.typed_data(),  has_sinks ? sinks.typed_data() : nullptr,
+            sm_scale,           soft_cap,         out->typed_data()};
+  in.kq = kq.typed_data();
+  in.vq = vq.typed_data();
+  in.ks = ks.typed_data();
+  in.vs = vs.typed_data();
+  in.lut = lut.typed_data();
+  Run(n, in, pool, threads);
   return ffi::Error::Success();
 }
 
@@ -126,7 +365,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedCpuPagedAttention, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
+                                  .Attr<bool>("has_sinks")
                                   .Attr<int64_t>("threads")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedCpuPagedAttentionQuantized, ImplQuantized,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<bool>("has_sinks")
+                                  .Attr<int64_t>("threads")
+                                  .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -267,6 +267,54 @@ def paged_prefill_attention(
     sinks (optional): one logit per query head that joins every query's softmax
     denominator (gpt-oss's attention sinks, _finish); None: a plain softmax.
     """
+    kw = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window,
+          "latent": latent, "sinks": sinks}
+    args = (q, k_pages, v_pages, context_lens, page_table, query_start)
+    # On the CPU every token runs its kernel (cpu_kernel: pages read where they lie, a
+    # sequence's tokens sharing each page's reads, on every core) where it serves: float32
+    # queries, float32 or one-byte quantized pools, no latent rows. Lowered for another
+    # platform: the gathers below.
+    if (not latent and q.dtype == jnp.float32 and cpu_kernel.serves(k_pages)
+            and jax.default_backend() == "cpu" and cpu_kernel.available()):
+        return jax.lax.platform_dependent(
+            *args,
+            cpu=lambda *a: _kernel_step(*a, sm_scale=sm_scale, soft_cap=soft_cap,
+                                        sliding_window=sliding_window, sinks=sinks),
+            default=lambda *a: _gathered(*a, max_query_len=max_query_len, **kw),
+        )
+    return _gathered(*args, max_query_len=max_query_len, **kw)
+
+
+def _token_positions(context_lens, query_start, num_tokens):
+    """Each query token's sequence, position and its sequence's length (0: padding, a token
+    at or past query_start[-1]), int32[T] each."""
+    num_seqs = context_lens.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(query_start[1:], t, side="right").astype(jnp.int32)
+    valid = t < query_start[num_seqs]
+    seq = jnp.clip(seq, 0, num_seqs - 1)
+    qlen = query_start[seq + 1] - query_start[seq]
+    pos = context_lens[seq] - qlen + (t - query_start[seq])
+    return seq, pos, jnp.where(valid, context_lens[seq], 0)
+
+
+def _kernel_step(q, k_pages, v_pages, context_lens, page_table, query_start, *, sm_scale,
+                 soft_cap, sliding_window, sinks):
+    """paged_prefill_attention by the CPU kernel: token t over keys [lo, pos + 1) of its own
+    sequence (lo past the sliding window; padding: zeros)."""
+    seq, pos, kv_len = _token_positions(context_lens, query_start, q.shape[0])
+    ends = jnp.where(kv_len > 0, jnp.minimum(pos + 1, kv_len), 0).astype(jnp.int32)
+    starts = jnp.zeros_like(ends)
+    if sliding_window is not None:
+        starts = jnp.maximum(pos - sliding_window + 1, 0).astype(jnp.int32)
+    return cpu_kernel.attention(q, k_pages, v_pages, page_table.astype(jnp.int32), seq,
+                                starts, ends, sm_scale=sm_scale, soft_cap=soft_cap,
+                                sinks=sinks)
+
+
+def _gathered(q, k_pages, v_pages, context_lens, page_table, query_start, *, sm_scale,
+              soft_cap, sliding_window, max_query_len, latent, sinks):
+    """paged_prefill_attention by gathers of key blocks (the module's docstring)."""
     if max_query_len is not None:
         kw = {"sm_scale": sm_scale, "soft_cap": soft_cap, "sliding_window": sliding_window,
               "latent": latent, "sinks": sinks}
@@ -275,30 +323,15 @@ def paged_prefill_attention(
         return jax.lax.cond(
             fits,
             lambda a: _attend_grouped(*a, max_query_len=max_query_len, **kw),
-            lambda a: paged_prefill_attention(*a, **kw),
+            lambda a: _gathered(*a, max_query_len=None, **kw),
             args,
         )
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
-    num_seqs, pages_per_seq = page_table.shape
+    pages_per_seq = page_table.shape[1]
     group = num_q_heads // num_kv_heads
     key_block_pages = max(1, min(pages_per_seq, _KEY_BLOCK // page_size))
-
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(query_start[1:], t, side="right").astype(jnp.int32)
-    valid = t < query_start[num_seqs]
-    seq = jnp.clip(seq, 0, num_seqs - 1)
-    qlen = query_start[seq + 1] - query_start[seq]
-    pos = context_lens[seq] - qlen + (t - query_start[seq])  # [T]
-    kv_len = jnp.where(valid, context_lens[seq], 0)
-
-    # Decode-like token blocks run the CPU's kernel (cpu_kernel: pages read in place, on
-    # every core) where it serves: float32 pools and queries, no latent rows, no sinks.
-    kernel = (
-        not latent and sinks is None and q.dtype == jnp.float32
-        and getattr(k_pages, "dtype", None) == jnp.float32
-        and jax.default_backend() == "cpu" and cpu_kernel.available()
-    )
+    seq, pos, kv_len = _token_positions(context_lens, query_start, num_tokens)
 
     def block(args):
         qb, seqb, posb, lenb = args
@@ -353,20 +386,11 @@ def paged_prefill_attention(
             out = out.reshape(n, *out.shape[2:])
             return out[jnp.argsort(order)]
 
-        def per_token_kernel(_):  # decode-like tokens on the CPU: its kernel, no gather
-            return jax.lax.platform_dependent(
-                cpu=lambda: _kernel_tokens(qb, k_pages, v_pages, page_table[seqb], posb, lenb,
-                                           sm_scale=sm_scale, soft_cap=soft_cap,
-                                           sliding_window=sliding_window).reshape(qg.shape),
-                default=lambda: per_token(None),
-            )
-
-        decode = per_token_kernel if kernel else per_token
         if qg.shape[0] == 1:  # one token: its own sequence
-            return decode(None) if kernel else one(None)
+            return one(None)
         at_most_two = jnp.all((seqb == first) | (seqb == last))
         branch = jnp.where(first == last, 0, jnp.where(at_most_two, 1, 2))
-        return jax.lax.switch(branch, (one, two, decode), None)
+        return jax.lax.switch(branch, (one, two, per_token), None)
 
     if num_tokens > _TOKEN_BLOCK and num_tokens % _TOKEN_BLOCK == 0:
         nb = num_tokens // _TOKEN_BLOCK
@@ -379,18 +403,6 @@ def paged_prefill_attention(
     else:
         out = block((q, seq, pos, kv_len))
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
-
-
-def _kernel_tokens(q, k_pages, v_pages, rows, pos, kv_len, *, sm_scale, soft_cap,
-                   sliding_window):
-    """Each token t of q [T, Hq, D] over its own row rows[t] of the page table, keys [lo,
-    pos + 1) (lo past the sliding window; kv_len 0: padding, zeros), by the CPU kernel."""
-    ends = jnp.where(kv_len > 0, jnp.minimum(pos + 1, kv_len), 0).astype(jnp.int32)
-    starts = jnp.zeros_like(ends)
-    if sliding_window is not None:
-        starts = jnp.maximum(pos - sliding_window + 1, 0).astype(jnp.int32)
-    return cpu_kernel.attention(q, k_pages, v_pages, rows.astype(jnp.int32), starts, ends,
-                                sm_scale=sm_scale, soft_cap=soft_cap)
 
 
 def paged_decode_attention(

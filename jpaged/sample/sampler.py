@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpaged.sample.logits_processors import apply_logit_bias, apply_token_bitmask
+from pallas_kernels import cpu_kernel
 
 MAX_LOGPROBS = 20
 _NEG_INF = -jnp.inf
@@ -164,13 +165,32 @@ def _argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(first, vocab - 1).astype(jnp.int32)
 
 
-def _log_softmax_at(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """jax.nn.log_softmax(logits)[row, tokens[row]] without the [S, V] result: the same
-    operations (x - max, then minus log(sum(exp(x - max)))) on the one entry per row."""
-    x_max = jnp.max(logits, axis=-1, initial=-np.inf, keepdims=True)
-    lse = jnp.log(jnp.sum(jnp.exp(logits - jax.lax.stop_gradient(x_max)), axis=-1, keepdims=True))
-    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)
-    return ((picked - jax.lax.stop_gradient(x_max)) - lse)[:, 0]
+def _vocab_passes(logits: jax.Array, model_logits: jax.Array) -> tuple[jax.Array, ...]:
+    """The passes over the vocabulary an all-greedy step needs: (_argmax(logits), the max of
+    each model_logits row, log(sum(exp(model_logits - max)))), each [S]. On the CPU one kernel
+    makes them (pallas_kernels/cpu_kernel.py greedy: two passes a row, rows over every core,
+    where XLA:CPU runs each reduction on one thread)."""
+
+    def passes():
+        x_max = jnp.max(model_logits, axis=-1, initial=-np.inf)
+        lse = jnp.log(jnp.sum(jnp.exp(model_logits - x_max[:, None]), axis=-1))
+        return _argmax(logits), x_max, lse
+
+    if (jax.default_backend() == "cpu" and logits.dtype == jnp.float32
+            and model_logits.dtype == jnp.float32 and cpu_kernel.available()):
+        return jax.lax.platform_dependent(
+            cpu=lambda: cpu_kernel.greedy(logits, model_logits), default=passes
+        )
+    return passes()
+
+
+def _log_softmax_at(logits: jax.Array, tokens: jax.Array, x_max: jax.Array,
+                    lse: jax.Array) -> jax.Array:
+    """jax.nn.log_softmax(logits)[row, tokens[row]] without the [S, V] result, given each
+    row's max and log-sum-exp (_vocab_passes): the same operations (x - max, then minus
+    log(sum(exp(x - max)))) on the one entry per row."""
+    picked = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return (picked - x_max) - lse
 
 
 def greedy_rows(temperature: jax.Array) -> jax.Array:
@@ -219,15 +239,17 @@ def sample(logits: jax.Array, inputs: SamplingInputs, *, num_logprobs: int) -> S
     sampled = jax.lax.cond(
         jnp.all(greedy), lambda x: jnp.zeros(x.shape[0], jnp.int32), draw, logits
     )
-    tokens = jnp.where(greedy, _argmax(logits), sampled).astype(jnp.int32)
     top_ids = top_lp = None
     if num_logprobs > 0:
+        tokens = jnp.where(greedy, _argmax(logits), sampled).astype(jnp.int32)
         raw_logprobs = jax.nn.log_softmax(model_logits, axis=-1)
         chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
         top_ids = top_ids.astype(jnp.int32)
     else:
-        chosen = _log_softmax_at(model_logits, tokens)
+        argmax, x_max, lse = _vocab_passes(logits, model_logits)
+        tokens = jnp.where(greedy, argmax, sampled).astype(jnp.int32)
+        chosen = _log_softmax_at(model_logits, tokens, x_max, lse)
     return SamplerOutput(tokens, chosen, top_ids, top_lp)
 
 

@@ -52,10 +52,11 @@ _SOURCE_PACKAGES = ("jpaged", "models", "pallas_kernels")
 @functools.cache
 def source_fingerprint() -> str:
     """sha256 over the source of every module that can shape a traced program (and the CPU
-    attention kernel's C++, whose call a CPU program holds)."""
+    CPU kernels' C++, whose calls a CPU program holds)."""
     h = hashlib.sha256()
     for package in _SOURCE_PACKAGES:
-        paths = [*(_ROOT / package).rglob("*.py"), *(_ROOT / package).rglob("*.cc")]
+        paths = [*(_ROOT / package).rglob("*.py"), *(_ROOT / package).rglob("*.cc"),
+                 *(_ROOT / package).rglob("*.h")]
         for path in sorted(paths):
             h.update(str(path.relative_to(_ROOT)).encode())
             h.update(path.read_bytes())

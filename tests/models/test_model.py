@@ -13,6 +13,8 @@ from dense_families import padded_chunk
 
 from models.llama import compute_logits, forward, stack_layers, switch_layers, switchable
 from models.loader import load_hf_model
+from models.packed import PackedWeight
+from pallas_kernels import cpu_kernel
 
 PAGE = 8
 _forward = jax.jit(forward, static_argnums=(1,), static_argnames=("decode_only",))
@@ -118,14 +120,18 @@ def _dummy_args(cfg, tokens=4, pages=4):
 
 
 def test_switched_layers_keep_a_tied_head_transposed(tiny_checkpoints):
-    """switch_layers keeps a tied embedding [V, D] only transposed ("tied_head" [D, V]);
-    compute_logits then multiplies it, giving the tied product's logits (the forward's lookup
-    of its columns: the parity tests). Untied models and
-    switch_layers(tied_head=False) keep the params as they were."""
+    """switch_layers keeps a tied embedding [V, D] only transposed ("tied_head" [D, V], packed
+    for the CPU's matmul kernel: models/packed.py); compute_logits then multiplies it, giving
+    the tied product's logits (the forward's lookup of its columns: the parity tests). Untied
+    models and switch_layers(tied_head=False) keep the params as they were."""
     loaded = load_hf_model(tiny_checkpoints["llama3"])  # tied
     cfg, embed = loaded.config, np.asarray(loaded.params["embed"])
     switched = switch_layers(loaded.params)
-    np.testing.assert_array_equal(np.asarray(switched["tied_head"]), embed.T)
+    head = switched["tied_head"]
+    assert isinstance(head, PackedWeight)
+    np.testing.assert_array_equal(np.asarray(cpu_kernel.unpack(head.panels)), embed.T)
+    plain = switch_layers(loaded.params, pack=False)["tied_head"]
+    np.testing.assert_array_equal(np.asarray(plain), embed.T)
     assert "embed" not in switched  # one copy of the table
     assert "tied_head" not in switch_layers(loaded.params, tied_head=False)
     hidden = jnp.asarray(np.random.default_rng(5).standard_normal((3, cfg.hidden_size)), jnp.float32)

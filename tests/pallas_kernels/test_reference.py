@@ -8,6 +8,10 @@ page. Every one of those paths is driven here on NaN-filled pools with shuffled 
 chunks continuing a prefix, rows with no query tokens, padding rows, several query and key
 blocks (the block sizes shrunk so that small cases cross them), sliding windows and soft
 capping. Tolerances per element: f32 atol = rtol = 2e-5, bf16 atol = rtol = 2e-2.
+
+On the CPU a float32 step runs the C++ kernel instead (pallas_kernels/cpu_kernel.py), so every
+test runs twice: as the CPU serves it ("kernel") and with the kernel reported unavailable
+("gather": the jnp path above, the one other platforms lower).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import numpy as np
 import pytest
 from paged_cases import check, decode_case, prefill_case
 
-from pallas_kernels import reference
+from pallas_kernels import cpu_kernel, reference
 
 
 def dense(case, *, soft_cap=None, sliding_window=None):
@@ -67,6 +71,14 @@ def assert_matches(case, max_query_len=None, **kwargs):
     check(out, expected.astype(np.float32).astype(out.dtype))
     pad = len(case.context_lens) if case.query_start is None else int(case.query_start[-1])
     np.testing.assert_array_equal(np.asarray(out[pad:], np.float32), 0.0)  # padding rows
+
+
+@pytest.fixture(autouse=True, params=["kernel", "gather"])
+def path(request, monkeypatch):
+    """Which CPU path float32 steps take: the C++ kernel or the reference's gathers."""
+    if request.param == "gather":
+        monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    return request.param
 
 
 @pytest.fixture

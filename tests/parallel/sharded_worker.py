@@ -89,6 +89,7 @@ def _layout(runner) -> dict:
     for name, x in named.items():
         if x is None:
             continue
+        x = getattr(x, "panels", x)  # a weight packed for the CPU (models/packed.py): its panels
         spec = getattr(x.sharding, "spec", None)
         weights[name] = [str(spec), list(x.addressable_shards[0].data.shape)]
     k = runner.state.k_pages

@@ -77,10 +77,13 @@ def test_weight_shardings(tp_results, t):
 
 def test_single_device_path_has_no_mesh(tp_results):
     """One CPU device, unsharded: per-layer weights (models/llama.py switch_layers), q/k/v
-    and gate/up merged (fuse_projections), no mesh."""
+    and gate/up merged (fuse_projections) and packed in panels of 64 columns for the CPU's
+    matmul kernel (models/packed.py: [N / 64, K, 64]), no mesh."""
     weights = tp_results["1x1"]["layout"]["weights"]
-    assert weights["layers.0.wqkv"] == ["None", [HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM]]
-    assert weights["layers.0.w_gate_up"] == ["None", [HIDDEN, 2 * INTER]]
+    qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    assert weights["layers.0.wqkv"] == ["None", [qkv // 64, HIDDEN, 64]]
+    assert weights["layers.0.w_gate_up"] == ["None", [2 * INTER // 64, HIDDEN, 64]]
+    assert weights["layers.0.wo"] == ["None", [HIDDEN // 64, HEADS * HEAD_DIM, 64]]
     assert "layers.wq" not in weights and "layers.0.wq" not in weights
 
 

@@ -2,7 +2,9 @@
 
 _argmax (a max, then a float min over indices) must pick what jnp.argmax picks: the first
 maximum, with ties and infinities, and the first NaN of a row that has one. _log_softmax_at
-must equal jax.nn.log_softmax gathered at the chosen tokens. A seeded row's draw depends on
+must equal jax.nn.log_softmax gathered at the chosen tokens. On the CPU the vocabulary passes
+of an all-greedy step run a kernel (pallas_kernels/cpu_kernel.py greedy): the same argmax and
+maxima, log-sum-exp to float32 rounding, NaN where jnp gives NaN. A seeded row's draw depends on
 its key, its token count and its logits only, never on the batch's size or its row in it (the
 CPU's token buckets pad one decoding row to 4 rows, eight to 8, more to 16...). Runs without
 torch.
@@ -21,9 +23,11 @@ from jpaged.sample.sampler import (
     SamplingInputs,
     _argmax,
     _log_softmax_at,
+    _vocab_passes,
     sample,
     seeds_to_key_data,
 )
+from pallas_kernels import cpu_kernel
 
 
 def rows_with_ties_and_specials(seed: int, vocab: int) -> np.ndarray:
@@ -56,9 +60,40 @@ def test_log_softmax_at_equals_the_full_log_softmax():
     x = (rng.standard_normal((8, 1000)) * 20).astype(np.float32)
     x[0, :500] = -np.inf  # masked entries
     tokens = rng.integers(500, 1000, size=8).astype(np.int32)
-    got = np.asarray(jax.jit(_log_softmax_at)(jnp.asarray(x), jnp.asarray(tokens)))
+
+    @jax.jit
+    def at(x, tokens):
+        _, x_max, lse = _vocab_passes(x, x)
+        return _log_softmax_at(x, tokens, x_max, lse)
+
+    got = np.asarray(at(jnp.asarray(x), jnp.asarray(tokens)))
     full = np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
     np.testing.assert_allclose(got, full[np.arange(8), tokens], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 49152])
+def test_the_cpu_kernels_vocabulary_passes_equal_the_jnp_ones(monkeypatch, vocab):
+    """Rows with ties, infinities and NaN (in the picked-from logits and, shifted, in the
+    model's), rows of 1 to 49,152 entries; the kernel's call is in the CPU program."""
+    x = rows_with_ties_and_specials(vocab, max(vocab, 10))[:, :vocab]
+    model = np.roll(x, 3, axis=0) * 1.5
+    model[8] = np.random.default_rng(1).standard_normal(vocab) * 30  # a wide range
+    args = (jnp.asarray(x), jnp.asarray(model))
+    fn = jax.jit(_vocab_passes)
+    assert cpu_kernel.available()
+    assert cpu_kernel.GREEDY_TARGET in fn.lower(*args).as_text()
+    kernel = [np.asarray(a) for a in fn(*args)]
+    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    plain = jax.jit(lambda a, b: _vocab_passes(a, b))  # traced afresh
+    assert cpu_kernel.GREEDY_TARGET not in plain.lower(*args).as_text()
+    want = [np.asarray(a) for a in plain(*args)]
+    np.testing.assert_array_equal(kernel[0], want[0])  # argmax, exactly
+    numbers = ~np.isnan(model).any(axis=1)  # a NaN row's maximum is XLA's choice; its
+    np.testing.assert_array_equal(kernel[1][numbers], want[1][numbers])  # lse is NaN
+    np.testing.assert_allclose(kernel[2], want[2], rtol=2e-6, atol=2e-6, equal_nan=True)
+    assert np.isnan(want[2]).any() and np.isfinite(want[2]).any()
+    chosen = [(model[np.arange(len(x)), r[0]] - r[1]) - r[2] for r in (kernel, want)]
+    np.testing.assert_allclose(chosen[0], chosen[1], rtol=2e-6, atol=2e-6, equal_nan=True)
 
 
 _SAMPLE = jax.jit(functools.partial(sample, num_logprobs=0))  # one compile per batch size

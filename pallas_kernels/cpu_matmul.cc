@@ -1,0 +1,94 @@
+// Matrix products for the CPU against weights packed in panels of 64 columns
+// (pallas_kernels/cpu_kernel.py builds and registers it, and packs the weights;
+// models/packed.py calls it). XLA:CPU's products of a decode step's few rows run at about
+// 60-70% of the cores' FMA peak; reading each panel's K x 64 block contiguously, eight rows at
+// a time with 32 accumulators, runs them 15-40% faster and large products as fast.
+//
+//   x       f32[M, K]          rows
+//   panels  f32[P, K, 64]      w [K, N] as panels: panels[p, k, j] = w[k, 64 p + j], N = 64 P
+//   out     f32[M, N]          x @ w
+//
+// Items (panel, block of up to 256 rows) are shared by this thread and XLA's intra-op pool
+// (cpu_pool.h). Each output is one sum over k in order, in float32.
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+
+#include "cpu_pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V16u __attribute__((vector_size(64), aligned(4), may_alias));
+
+inline V16 Load16(const float* p) { return *reinterpret_cast<const V16u*>(p); }
+inline void Store16(float* p, V16 v) { *reinterpret_cast<V16u*>(p) = v; }
+
+constexpr int64_t kPanel = 64;
+constexpr int64_t kRowBlock = 256;
+
+// out[m0 .. m0 + kRows, 64 p .. 64 p + 64) = x[m0 .. m0 + kRows) @ panel p.
+template <int kRows>
+inline void Tile(const float* x, const float* panel, float* out, int64_t k, int64_t n,
+                 int64_t m0, int64_t col) {
+  V16 acc[kRows][4];
+  for (int i = 0; i < kRows; ++i) {
+    for (int j = 0; j < 4; ++j) acc[i][j] = V16{};
+  }
+  const float* xr = x + m0 * k;
+  for (int64_t t = 0; t < k; ++t) {
+    const float* w = panel + t * kPanel;
+    const V16 b0 = Load16(w), b1 = Load16(w + 16), b2 = Load16(w + 32), b3 = Load16(w + 48);
+    for (int i = 0; i < kRows; ++i) {
+      const float a = xr[i * k + t];
+      acc[i][0] += a * b0;
+      acc[i][1] += a * b1;
+      acc[i][2] += a * b2;
+      acc[i][3] += a * b3;
+    }
+  }
+  for (int i = 0; i < kRows; ++i) {
+    for (int j = 0; j < 4; ++j) Store16(out + (m0 + i) * n + col + 16 * j, acc[i][j]);
+  }
+}
+
+ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, int64_t threads,
+                ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions();
+  auto pd = panels.dimensions();
+  auto od = out->dimensions();
+  if (xd.size() != 2 || pd.size() != 3 || pd[2] != kPanel || pd[1] != xd[1] ||
+      od.size() != 2 || od[0] != xd[0] || od[1] != pd[0] * kPanel) {
+    return ffi::Error::InvalidArgument("matmul: x [M, K], panels [N / 64, K, 64], out [M, N]");
+  }
+  // Items (panel, block of rows) over this thread and XLA's pool (cpu_pool.h).
+  const float *xp = x.typed_data(), *pp = panels.typed_data();
+  float* op = out->typed_data();
+  const int64_t m = xd[0], k = xd[1], n = od[1];
+  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  jpaged::ParallelFor(pool, threads, pd[0] * blocks, [=] {
+    return [=](int64_t i) {
+      const int64_t p = i / blocks, m0 = (i % blocks) * kRowBlock;
+      const int64_t m1 = std::min(m, m0 + kRowBlock);
+      const float* panel = pp + p * k * kPanel;
+      int64_t r = m0;
+      for (; r + 8 <= m1; r += 8) Tile<8>(xp, panel, op, k, n, r, p * kPanel);
+      for (; r + 4 <= m1; r += 4) Tile<4>(xp, panel, op, k, n, r, p * kPanel);
+      for (; r < m1; ++r) Tile<1>(xp, panel, op, k, n, r, p * kPanel);
+    };
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedCpuMatmul, Impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("threads")
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
