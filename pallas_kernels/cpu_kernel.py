@@ -1,6 +1,7 @@
 """The CPU's kernels: paged attention (cpu_paged_attention.cc), sampling's vocabulary passes
-(cpu_sampling.cc) and products against packed weights (cpu_matmul.cc), built with the system's C++ compiler on first use into one library,
-loaded, and registered as XLA FFI targets for the CPU.
+(cpu_sampling.cc) and products against packed weights (cpu_matmul.cc), built with the
+system's C++ compiler on first use into one library, loaded, and registered as XLA FFI
+targets for the CPU.
 
     available() -> bool                  whether they built here (else the jnp paths run)
     attention(q, k_pages, v_pages, page_table, seq, starts, ends, *, sm_scale, soft_cap,
@@ -12,7 +13,7 @@ loaded, and registered as XLA FFI targets for the CPU.
 XLA:CPU runs the reference's page gather on one thread and copies every key block before its
 product; the kernel reads each written slot where it lies, a sequence's consecutive tokens
 (a prefill chunk) sharing each page's reads, on every core XLA would use (docs/benchmarks.md,
-"A CPU attention kernel" and "Prefill through the CPU kernel"). The library is cached per
+"A CPU attention kernel" and "Prefill, sampling and products through CPU kernels"). The library is cached per
 sources, compiler flags, jaxlib and CPU under the jpaged cache directory ($JPAGED_CACHE_DIR
 or ~/.cache/jpaged), written whole and renamed into place, so concurrent processes never load
 half a file. No compiler, or a failed build: available() is False, with one warning, and the
