@@ -46,7 +46,8 @@ TARGET = "jpaged_cpu_paged_attention"
 QUANTIZED_TARGET = "jpaged_cpu_paged_attention_quantized"
 GREEDY_TARGET = "jpaged_cpu_greedy"
 MATMUL_TARGET = "jpaged_cpu_matmul"
-HEADERS = (Path(__file__).with_name("cpu_pool.h"),)  # included by the sources
+HEADERS = tuple(Path(__file__).with_name(f"cpu_{name}.h")  # included by the sources
+                for name in ("math", "pool"))
 _SYMBOLS = {TARGET: "JpagedCpuPagedAttention",
             QUANTIZED_TARGET: "JpagedCpuPagedAttentionQuantized",
             GREEDY_TARGET: "JpagedCpuGreedy",

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "cpu_math.h"
 #include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -21,11 +22,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float V16 __attribute__((vector_size(64)));
-typedef float V16u __attribute__((vector_size(64), aligned(4), may_alias));
-
-inline V16 Load16(const float* p) { return *reinterpret_cast<const V16u*>(p); }
-inline void Store16(float* p, V16 v) { *reinterpret_cast<V16u*>(p) = v; }
+using jpaged::Load16;
+using jpaged::Store16;
+using jpaged::V16;
 
 constexpr int64_t kPanel = 64;
 constexpr int64_t kRowBlock = 256;

@@ -29,12 +29,18 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_math.h"
 #include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jpaged::Exp;
+using jpaged::Load16;
+using jpaged::Store16;
+using jpaged::V16;
 
 constexpr int64_t kTile = 16;
 constexpr int64_t kMaxGroup = 32;
@@ -76,37 +82,9 @@ void Dequantize(const uint8_t* q, const uint16_t* scales, const float* lut, int6
   }
 }
 
-// exp(x) for x <= 0 (a score less the running maximum), written so the loops calling it
-// vectorize: x = k ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r (about 1 ulp),
-// 2^k from the exponent bits. Below -87.3 (e^x under float32's normal range) gives 2^-126.
-inline float Exp(float x) {
-  x = std::max(x, -87.3f);
-  const float kf = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - kf * 0.693359375f) + kf * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(kf) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // Scores of `rows` query rows against a page of 16 keys: kt [D, 16] (the page's K
 // transposed), q_r the rows' queries, sc [rows, 16]. Eight rows at a time, each a 16-wide
 // accumulator over D (independent chains, one vector of K per step of d).
-typedef float V16 __attribute__((vector_size(64)));
-// Unaligned, aliasing access to 16 floats as a V16: loads and stores through it keep the
-// accumulators in registers (a memcpy into a V16 array made GCC spill them every step).
-typedef float V16u __attribute__((vector_size(64), aligned(4), may_alias));
-
-inline V16 Load16(const float* p) { return *reinterpret_cast<const V16u*>(p); }
-inline void Store16(float* p, V16 v) { *reinterpret_cast<V16u*>(p) = v; }
-
 template <int kRows>
 inline void Scores16(const float* kt, const float* const* qr, int64_t d, float* sc) {
   V16 a[kRows];

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "cpu_math.h"
 #include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -21,23 +22,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// exp(x) for x <= 0, vectorizable (cpu_paged_attention.cc's, same constants).
-inline float Exp(float x) {
-  x = std::max(x, -87.3f);
-  const float kf = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - kf * 0.693359375f) + kf * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(kf) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+using jpaged::Exp;
 
 void Row(const float* logits, const float* model, int64_t v, int32_t* argmax, float* x_max,
          float* lse) {
