@@ -117,34 +117,45 @@ inline void Values(float* acc, float corr, const float* p, const float* vp, int6
 
 typedef int32_t I16 __attribute__((vector_size(64)));
 
+// The two-source lane shuffles of four stages over blocks of b = 8, 4, 2, 1 lanes: kLo[s]
+// takes x's even blocks each followed by the same block of y, kHi[s] the odd ones. They
+// serve a 16 x 16 transpose (Transpose16: stage s pairs rows j and j + b) and a sum of 16
+// vectors' lanes (LaneSums: stage s pairs neighbouring vectors and adds the two halves).
+inline constexpr I16 kLo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                               {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                               {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                               {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+inline constexpr I16 kHi[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+                               {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+                               {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+                               {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+
+// r [16 rows of 16] transposed in place.
+inline void Transpose16(V16* r) {
+  for (int s = 0; s < 4; ++s) {
+    const int b = 8 >> s;
+    for (int j = 0; j < 16; ++j) {
+      if (j & b) continue;
+      const V16 x = r[j], y = r[j + b];
+      r[j] = __builtin_shuffle(x, y, kLo[s]);
+      r[j + b] = __builtin_shuffle(x, y, kHi[s]);
+    }
+  }
+}
+
 // Each of 16 vectors' lanes summed: lane j of the result is the sum of v[j]'s 16 lanes
-// (pairwise shuffles: 16 -> 8 -> 4 -> 2 -> 1 vectors, each lane built from one input).
+// (16 -> 8 -> 4 -> 2 -> 1 vectors, each lane built from one input vector's lanes).
 inline V16 LaneSums(const V16* v) {
-  V16 c[8], d[4], e[2];
-  for (int i = 0; i < 8; ++i) {
-    c[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1],
-                             I16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
-           __builtin_shuffle(v[2 * i], v[2 * i + 1],
-                             I16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  V16 w[16];
+  for (int j = 0; j < 16; ++j) w[j] = v[j];
+  for (int s = 0, n = 8; s < 4; ++s, n /= 2) {
+    for (int i = 0; i < n; ++i) {
+      w[i] = __builtin_shuffle(w[2 * i], w[2 * i + 1], kLo[s]) +
+             __builtin_shuffle(w[2 * i], w[2 * i + 1], kHi[s]);
+    }
   }
-  for (int i = 0; i < 4; ++i) {
-    d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1],
-                             I16{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
-           __builtin_shuffle(c[2 * i], c[2 * i + 1],
-                             I16{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
-  }
-  for (int i = 0; i < 2; ++i) {
-    e[i] = __builtin_shuffle(d[2 * i], d[2 * i + 1],
-                             I16{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
-           __builtin_shuffle(d[2 * i], d[2 * i + 1],
-                             I16{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
-  }
-  const V16 f = __builtin_shuffle(e[0], e[1],
-                                  I16{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}) +
-                __builtin_shuffle(e[0], e[1],
-                                  I16{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
-  // f's lane k holds the sum of v[bit-reversed k]; bit reversal is its own inverse.
-  return __builtin_shuffle(f, I16{0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
+  // w[0]'s lane k holds the sum of v[bit-reversed k]; bit reversal is its own inverse.
+  return __builtin_shuffle(w[0], I16{0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
 }
 
 // Every lane the maximum of v's 16 (butterfly: swap halves, quarters, pairs, neighbours).
@@ -160,6 +171,32 @@ inline V16 MaxAll(V16 v) {
   return v;
 }
 
+// The online softmax of one row over a page of 16 keys: sv its scores (scaled), keys [a, b)
+// its own (soft cap c > 0: c * tanh(s / c)); pr gets e^(s - m') for them and zeros for the
+// rest, m and l the new maximum and sum; returns the old terms' factor e^(m - m').
+inline float Softmax16(V16 sv, int64_t a, int64_t b, float cap, float* pr, float& m,
+                       float& l) {
+  const I16 lane{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const auto inside = (lane >= static_cast<int32_t>(a)) & (lane < static_cast<int32_t>(b));
+  if (cap > 0.f) {
+    Store16(pr, sv);
+    for (int j = 0; j < 16; ++j) pr[j] = cap * std::tanh(pr[j] / cap);
+    sv = Load16(pr);
+  }
+  sv = inside ? sv : V16{} - INFINITY;
+  const float mx = std::max(m, MaxAll(sv)[0]);
+  Store16(pr, sv - mx);
+  for (int j = 0; j < 16; ++j) pr[j] = Exp(pr[j]);
+  const V16 e = inside ? Load16(pr) : V16{};
+  Store16(pr, e);
+  float sum = 0.f;
+  for (int j = 0; j < 16; ++j) sum += e[j];
+  const float corr = Exp(m - mx);
+  l = l * corr + sum;
+  m = mx;
+  return corr;
+}
+
 // One page of 16 keys for the G query rows of one token (a decode row): scores by row
 // (each key's products summed across lanes, LaneSums), an online softmax over keys [a, b),
 // then the values summed for kChunk rows at a time, each V row read once for them.
@@ -169,8 +206,6 @@ void DecodePage(const float* const* qr, int64_t g, const float* kp, const float*
                 float* p) {
   constexpr int64_t d = 16 * kVecs;
   float corr[kMaxGroup];
-  const I16 lane{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const auto inside = (lane >= static_cast<int32_t>(a)) & (lane < static_cast<int32_t>(b));
   for (int64_t r = 0; r < g; ++r) {
     V16 q[kVecs], part[16];
     for (int x = 0; x < kVecs; ++x) q[x] = Load16(qr[r] + 16 * x);
@@ -179,26 +214,7 @@ void DecodePage(const float* const* qr, int64_t g, const float* kp, const float*
       for (int x = 1; x < kVecs; ++x) s += q[x] * Load16(kp + j * d + 16 * x);
       part[j] = s;
     }
-    float* pr = p + r * 16;
-    V16 sv = LaneSums(part) * scale;
-    if (cap > 0.f) {
-      Store16(pr, sv);
-      for (int j = 0; j < 16; ++j) pr[j] = cap * std::tanh(pr[j] / cap);
-      sv = Load16(pr);
-    }
-    sv = inside ? sv : V16{} - INFINITY;  // keys outside [a, b): -inf
-    const V16 mv = MaxAll(sv);
-    const float mx = std::max(m[r], mv[0]);
-    Store16(pr, sv - mx);
-    float sum = 0.f;
-    for (int64_t j = 0; j < 16; ++j) {
-      pr[j] = Exp(pr[j]);
-      sum += pr[j];
-    }
-    Store16(pr, inside ? Load16(pr) : V16{});
-    corr[r] = Exp(m[r] - mx);
-    l[r] = l[r] * corr[r] + sum;
-    m[r] = mx;
+    corr[r] = Softmax16(LaneSums(part) * scale, a, b, cap, p + r * 16, m[r], l[r]);
   }
   constexpr int kChunk = kVecs == 4 ? 4 : 2;
   for (int64_t r0 = 0; r0 < g; r0 += kChunk) {
@@ -297,9 +313,20 @@ void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int6
       continue;
     }
     if (s == 16 && rows >= 8) {  // a tile of several tokens: K transposed once for all
-      for (int64_t j = 0; j < 16; ++j) {
-        const bool used = j >= jlo && j < jhi;
-        for (int64_t x = 0; x < d; ++x) kt[x * 16 + j] = used ? kp[j * d + x] : 0.f;
+      if (d % 16 == 0) {  // 16 x 16 blocks in registers (unused slots as zeros)
+        for (int64_t x0 = 0; x0 < d; x0 += 16) {
+          V16 block[16];
+          for (int64_t j = 0; j < 16; ++j) {
+            block[j] = j >= jlo && j < jhi ? Load16(kp + j * d + x0) : V16{};
+          }
+          Transpose16(block);
+          for (int64_t x = 0; x < 16; ++x) Store16(kt + (x0 + x) * 16, block[x]);
+        }
+      } else {
+        for (int64_t j = 0; j < 16; ++j) {
+          const bool used = j >= jlo && j < jhi;
+          for (int64_t x = 0; x < d; ++x) kt[x * 16 + j] = used ? kp[j * d + x] : 0.f;
+        }
       }
       int64_t r = 0;
       for (; r + 8 <= rows; r += 8) Scores16<8>(kt, qr + r, d, sc + r * 16);
@@ -322,21 +349,26 @@ void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int6
       const int64_t b = std::min<int64_t>(w.en[i] - p0, jhi);
       if (a >= b) continue;
       float* sr = sc + r * s;
-      float mx = w.m[r];
-      for (int64_t j = a; j < b; ++j) {
-        float x = sr[j] * in.scale;
-        if (in.cap > 0.f) x = in.cap * std::tanh(x / in.cap);
-        sr[j] = x;
-        mx = std::max(mx, x);
+      float corr;
+      if (s == 16) {
+        corr = Softmax16(Load16(sr) * in.scale, a, b, in.cap, sr, w.m[r], w.l[r]);
+      } else {
+        float mx = w.m[r];
+        for (int64_t j = a; j < b; ++j) {
+          float x = sr[j] * in.scale;
+          if (in.cap > 0.f) x = in.cap * std::tanh(x / in.cap);
+          sr[j] = x;
+          mx = std::max(mx, x);
+        }
+        corr = Exp(w.m[r] - mx);
+        float sum = 0.f;
+        for (int64_t j = a; j < b; ++j) {
+          sr[j] = Exp(sr[j] - mx);
+          sum += sr[j];
+        }
+        w.l[r] = w.l[r] * corr + sum;
+        w.m[r] = mx;
       }
-      const float corr = Exp(w.m[r] - mx);
-      float sum = 0.f;
-      for (int64_t j = a; j < b; ++j) {
-        sr[j] = Exp(sr[j] - mx);
-        sum += sr[j];
-      }
-      w.l[r] = w.l[r] * corr + sum;
-      w.m[r] = mx;
       float* acc = w.acc.data() + r * d;
       if (d == 64) {
         Values<4>(acc, corr, sr, vp, a, b);
