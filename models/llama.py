@@ -325,13 +325,15 @@ def forward(
     layer_groups = jnp.asarray(groups.layer_groups, jnp.int32)
     # Quantized keys are stored rotated, and queries rotated alike (kv_quant.key_rotation).
     rotate_keys = kv_quant.is_quantized(k_pages.dtype)
+    # The step's real tokens, before its bucket's padding: packed products compute only them.
+    valid = query_start[-1]
 
     def project(layer, x):  # a layer's first half up to attention: (q, k, v) [T, H, Dh]
         h = norm(x, layer["input_norm"], cfg.rms_norm_eps)
         if "wqkv" in layer:  # one product, split (fuse_projections; unsharded: every head)
             heads = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
             ends = np.cumsum(heads)[:2] * cfg.head_dim
-            qkv = jnp.split(packed.dense(h, layer["wqkv"]), ends, axis=1)  # [T, H * Dh] each
+            qkv = jnp.split(packed.dense(h, layer["wqkv"], valid), ends, axis=1)  # [T, H * Dh]
             qkv = (y.reshape(y.shape[0], n, cfg.head_dim) for y, n in zip(qkv, heads, strict=True))
         else:
             qkv = (quantization.einsum("td,dhk->thk", h, layer[w]) for w in ("wq", "wk", "wv"))
@@ -379,7 +381,7 @@ def forward(
 
     def finish(layer, x, attn, experts=kinds[0][2]):  # the o projection and the MLP: x [T, D]
         if isinstance(layer["wo"], packed.PackedWeight):  # [Hq * Dh, D] (switch_layers)
-            out = packed.dense(attn.reshape(attn.shape[0], -1), layer["wo"])
+            out = packed.dense(attn.reshape(attn.shape[0], -1), layer["wo"], valid)
         else:
             out = quantization.einsum("thk,hkd->td", attn, layer["wo"])
         out = _reduce(lora.add(out, attn, layer, "o_proj", lora_slots), tp_axis)
@@ -387,7 +389,7 @@ def forward(
             out = out + layer["bo"]
         if cfg.post_norms:
             out = norm(out, layer["attn_out_norm"], cfg.rms_norm_eps)
-        return _mlp_residual(x + out, layer, cfg, norm, act, tp_axis, experts, lora_slots)
+        return _mlp_residual(x + out, layer, cfg, norm, act, tp_axis, experts, lora_slots, valid)
 
     def run_layer(carry, layer_and_offset, kind=kinds[0]):
         x, k_pages, v_pages = carry
@@ -601,11 +603,17 @@ def unstack_layers(params: dict) -> dict:
 
 
 def compute_logits(
-    params: dict, cfg: ModelConfig, hidden: jax.Array, tp_axis: str | tuple[str, ...] | None = None
+    params: dict,
+    cfg: ModelConfig,
+    hidden: jax.Array,
+    tp_axis: str | tuple[str, ...] | None = None,
+    valid: jax.Array | None = None,
 ) -> jax.Array:
-    """hidden [N, D] -> float32 logits [N, vocab] (gathered over tp_axis when vocab-split)."""
+    """hidden [N, D] -> float32 logits [N, vocab] (gathered over tp_axis when vocab-split).
+    valid: int32[], the rows that matter, a prefix (packed.dense; None: all): a packed head
+    gives zeros for the rest."""
     if "tied_head" in params:  # the tied embedding stored transposed (switch_layers)
-        logits = packed.dense(hidden, params["tied_head"])
+        logits = packed.dense(hidden, params["tied_head"], valid)
     elif cfg.tie_word_embeddings or "lm_head" not in params:
         logits = quantization.tied_logits(hidden, params["embed"])
     else:
@@ -623,29 +631,38 @@ def _feed_forward(x, layer, cfg, norm, act, tp_axis, experts, pool, lora_slots=N
     return (_mlp_residual(x, layer, cfg, norm, act, tp_axis, experts, lora_slots), *pool), None
 
 
-def _mlp_residual(x, layer, cfg, norm, act, tp_axis, experts, lora_slots=None):
-    """x plus the (post-normed) MLP of normed x."""
+def _mlp_residual(x, layer, cfg, norm, act, tp_axis, experts, lora_slots=None, valid=None):
+    """x plus the (post-normed) MLP of normed x (valid: packed.dense's, the real rows)."""
     h = norm(x, layer["post_attn_norm"], cfg.rms_norm_eps)
-    out = _mlp(h, layer, cfg, act, tp_axis, experts, lora_slots)
+    out = _mlp(h, layer, cfg, act, tp_axis, experts, lora_slots, valid)
     if cfg.post_norms:
         out = norm(out, layer["mlp_out_norm"], cfg.rms_norm_eps)
     return x + out
 
 
 def _mlp(
-    h: jax.Array, layer: dict, cfg: ModelConfig, act, tp_axis, experts: bool, lora_slots=None
+    h: jax.Array,
+    layer: dict,
+    cfg: ModelConfig,
+    act,
+    tp_axis,
+    experts: bool,
+    lora_slots=None,
+    valid: jax.Array | None = None,
 ) -> jax.Array:
     """The feed-forward of normed h [T, D]: the gated MLP, or (experts: static, the layer's
-    kind) the experts (models/moe.py); lora_slots: each token's adapter (models/lora.py)."""
+    kind) the experts (models/moe.py); lora_slots: each token's adapter (models/lora.py);
+    valid: packed.dense's, the real rows (None: all)."""
     if experts:
         return moe.moe_mlp(h, layer, cfg, act, tp_axis)
     if "w_gate_up" in layer:  # one product, split (fuse_projections)
-        gate, up = jnp.split(packed.dense(h, layer["w_gate_up"]), 2, axis=-1)
+        gate, up = jnp.split(packed.dense(h, layer["w_gate_up"], valid), 2, axis=-1)
     else:
-        gate, up = packed.dense(h, layer["w_gate"]), packed.dense(h, layer["w_up"])
+        gate, up = packed.dense(h, layer["w_gate"], valid), packed.dense(h, layer["w_up"], valid)
     gate = act(lora.add(gate, h, layer, "gate_proj", lora_slots))
     gated = gate * lora.add(up, h, layer, "up_proj", lora_slots)
-    out = lora.add(packed.dense(gated, layer["w_down"]), gated, layer, "down_proj", lora_slots)
+    out = lora.add(packed.dense(gated, layer["w_down"], valid), gated, layer, "down_proj",
+                   lora_slots)
     return _reduce(out, tp_axis)
 
 

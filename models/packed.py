@@ -64,15 +64,18 @@ def pack(w: Any) -> Any:
     return PackedWeight(jnp.asarray(cpu_kernel.pack(w))) if pack_applies(w) else w
 
 
-def dense(x: jax.Array, w: Any) -> jax.Array:
+def dense(x: jax.Array, w: Any, valid: jax.Array | None = None) -> jax.Array:
     """x [..., K] @ w: the CPU kernel for a packed w (lowered for another platform: the
-    panels unpacked into one dot), quantization.matmul otherwise."""
+    panels unpacked into one dot), quantization.matmul otherwise. valid: int32[], the rows of
+    x (flattened) that matter, a prefix (a step's real tokens before its bucket's padding):
+    the kernel computes those (rounded up to its 8-row tile) and gives zeros for the rest;
+    other paths compute every row. None: all."""
     if not isinstance(w, PackedWeight):
         return quantization.matmul(x, w)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k).astype(jnp.float32)
     out = jax.lax.platform_dependent(
-        cpu=lambda: cpu_kernel.matmul(rows, w.panels),
+        cpu=lambda: cpu_kernel.matmul(rows, w.panels, valid),
         default=lambda: rows @ cpu_kernel.unpack(w.panels),
     )
     return out.reshape(*lead, w.shape[1]).astype(x.dtype)

@@ -210,8 +210,11 @@ def unpack(panels):
     return panels.transpose(1, 0, 2).reshape(k, p * PANEL)
 
 
-def matmul(x, panels):
-    """x f32[M, K] @ w, w packed as panels f32[N / 64, K, 64] -> f32[M, N]."""
-    n = panels.shape[0] * PANEL
-    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x, panels, threads=np.int64(threads()))
+def matmul(x, panels, valid=None):
+    """x f32[M, K] @ w, w packed as panels f32[N / 64, K, 64] -> f32[M, N]. valid: int32[]
+    (traced or not), the rows that matter: the first min(valid, M) (a step's real tokens);
+    rows from the next multiple of 8 on are zeros, not computed. None: all M."""
+    m, n = x.shape[0], panels.shape[0] * PANEL
+    valid = jnp.asarray(m if valid is None else valid, jnp.int32).reshape(())
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))
+    return call(x, panels, valid, threads=np.int64(threads()))

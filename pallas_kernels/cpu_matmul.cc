@@ -6,12 +6,16 @@
 //
 //   x       f32[M, K]          rows
 //   panels  f32[P, K, 64]      w [K, N] as panels: panels[p, k, j] = w[k, 64 p + j], N = 64 P
+//   valid   s32[]              rows that matter: the first min(max(valid, 0), M) (a step's
+//                              real tokens before its bucket's padding); rows from the next
+//                              multiple of 8 on are zeros in out, not computed
 //   out     f32[M, N]          x @ w
 //
 // Items (panel, block of up to 256 rows) are shared by this thread and XLA's intra-op pool
 // (cpu_pool.h). Each output is one sum over k in order, in float32.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 #include "cpu_math.h"
@@ -54,19 +58,27 @@ inline void Tile(const float* x, const float* panel, float* out, int64_t k, int6
   }
 }
 
-ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, int64_t threads,
-                ffi::ThreadPool pool, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
+                ffi::Buffer<ffi::S32> valid, int64_t threads, ffi::ThreadPool pool,
+                ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions();
   auto pd = panels.dimensions();
   auto od = out->dimensions();
   if (xd.size() != 2 || pd.size() != 3 || pd[2] != kPanel || pd[1] != xd[1] ||
-      od.size() != 2 || od[0] != xd[0] || od[1] != pd[0] * kPanel) {
-    return ffi::Error::InvalidArgument("matmul: x [M, K], panels [N / 64, K, 64], out [M, N]");
+      od.size() != 2 || od[0] != xd[0] || od[1] != pd[0] * kPanel ||
+      valid.element_count() != 1) {
+    return ffi::Error::InvalidArgument(
+        "matmul: x [M, K], panels [N / 64, K, 64], valid [], out [M, N]");
   }
   // Items (panel, block of rows) over this thread and XLA's pool (cpu_pool.h).
   const float *xp = x.typed_data(), *pp = panels.typed_data();
   float* op = out->typed_data();
-  const int64_t m = xd[0], k = xd[1], n = od[1];
+  const int64_t k = xd[1], n = od[1];
+  // Rows up to a whole tile of 8 past valid (at most M): a last partial tile of one-row
+  // passes would read the panels once per row.
+  const int64_t rows = std::clamp<int64_t>(valid.typed_data()[0], 0, xd[0]);
+  const int64_t m = std::min<int64_t>(xd[0], (rows + 7) / 8 * 8);
+  std::memset(op + m * n, 0, sizeof(float) * (xd[0] - m) * n);
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   jpaged::ParallelFor(pool, threads, pd[0] * blocks, [=] {
     return [=](int64_t i) {
@@ -88,6 +100,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpagedCpuMatmul, Impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("threads")
                                   .Ctx<ffi::ThreadPool>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

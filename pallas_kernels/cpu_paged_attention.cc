@@ -15,7 +15,8 @@
 //   out    f32[T, Hq, D]
 //
 // A tile is up to kTile consecutive tokens of one sequence (a prefill chunk's tokens share
-// their pages; a decode row is a tile of one token). Per tile and KV head: the keys of the
+// their pages; a decode row is a tile of one token, served page by page by DecodePage for
+// pages of 16 and head_dim 64 or 128). Per tile and KV head: the keys of the
 // tile's union of ranges, page by page; each page's K transposed once ([D, S]) and scored
 // against every query row of the tile (its tokens x the head's G = Hq / Hkv query heads);
 // then per row an online softmax over its own keys of the page (soft cap c: c * tanh(s / c)
@@ -114,6 +115,130 @@ inline void Values(float* acc, float corr, const float* p, const float* vp, int6
   for (int x = 0; x < kVecs; ++x) Store16(acc + 16 * x, o[x]);
 }
 
+typedef int32_t I16 __attribute__((vector_size(64)));
+
+// The two-source lane shuffles of four stages over blocks of b = 8, 4, 2, 1 lanes: kLo[s]
+// takes x's even blocks each followed by the same block of y, kHi[s] the odd ones. They
+// serve a 16 x 16 transpose (Transpose16: stage s pairs rows j and j + b) and a sum of 16
+// vectors' lanes (LaneSums: stage s pairs neighbouring vectors and adds the two halves).
+inline constexpr I16 kLo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                               {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                               {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                               {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+inline constexpr I16 kHi[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+                               {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+                               {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+                               {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+
+// r [16 rows of 16] transposed in place.
+inline void Transpose16(V16* r) {
+  for (int s = 0; s < 4; ++s) {
+    const int b = 8 >> s;
+    for (int j = 0; j < 16; ++j) {
+      if (j & b) continue;
+      const V16 x = r[j], y = r[j + b];
+      r[j] = __builtin_shuffle(x, y, kLo[s]);
+      r[j + b] = __builtin_shuffle(x, y, kHi[s]);
+    }
+  }
+}
+
+// Each of 16 vectors' lanes summed: lane j of the result is the sum of v[j]'s 16 lanes
+// (16 -> 8 -> 4 -> 2 -> 1 vectors, each lane built from one input vector's lanes).
+inline V16 LaneSums(const V16* v) {
+  V16 w[16];
+  for (int j = 0; j < 16; ++j) w[j] = v[j];
+  for (int s = 0, n = 8; s < 4; ++s, n /= 2) {
+    for (int i = 0; i < n; ++i) {
+      w[i] = __builtin_shuffle(w[2 * i], w[2 * i + 1], kLo[s]) +
+             __builtin_shuffle(w[2 * i], w[2 * i + 1], kHi[s]);
+    }
+  }
+  // w[0]'s lane k holds the sum of v[bit-reversed k]; bit reversal is its own inverse.
+  return __builtin_shuffle(w[0], I16{0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
+}
+
+// Every lane the maximum of v's 16 (butterfly: swap halves, quarters, pairs, neighbours).
+inline V16 MaxAll(V16 v) {
+  const I16 swaps[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                        {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                        {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                        {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
+  for (const I16& swap : swaps) {
+    const V16 u = __builtin_shuffle(v, swap);
+    v = u > v ? u : v;
+  }
+  return v;
+}
+
+// The online softmax of one row over a page of 16 keys: sv its scores (scaled), keys [a, b)
+// its own (soft cap c > 0: c * tanh(s / c)); pr gets e^(s - m') for them and zeros for the
+// rest, m and l the new maximum and sum; returns the old terms' factor e^(m - m').
+inline float Softmax16(V16 sv, int64_t a, int64_t b, float cap, float* pr, float& m,
+                       float& l) {
+  const I16 lane{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const auto inside = (lane >= static_cast<int32_t>(a)) & (lane < static_cast<int32_t>(b));
+  if (cap > 0.f) {
+    Store16(pr, sv);
+    for (int j = 0; j < 16; ++j) pr[j] = cap * std::tanh(pr[j] / cap);
+    sv = Load16(pr);
+  }
+  sv = inside ? sv : V16{} - INFINITY;
+  const float mx = std::max(m, MaxAll(sv)[0]);
+  Store16(pr, sv - mx);
+  for (int j = 0; j < 16; ++j) pr[j] = Exp(pr[j]);
+  const V16 e = inside ? Load16(pr) : V16{};
+  Store16(pr, e);
+  float sum = 0.f;
+  for (int j = 0; j < 16; ++j) sum += e[j];
+  const float corr = Exp(m - mx);
+  l = l * corr + sum;
+  m = mx;
+  return corr;
+}
+
+// One page of 16 keys for the G query rows of one token (a decode row): scores by row
+// (each key's products summed across lanes, LaneSums), an online softmax over keys [a, b),
+// then the values summed for kChunk rows at a time, each V row read once for them.
+template <int kVecs>
+void DecodePage(const float* const* qr, int64_t g, const float* kp, const float* vp,
+                int64_t a, int64_t b, float scale, float cap, float* m, float* l, float* acc,
+                float* p) {
+  constexpr int64_t d = 16 * kVecs;
+  float corr[kMaxGroup];
+  for (int64_t r = 0; r < g; ++r) {
+    V16 q[kVecs], part[16];
+    for (int x = 0; x < kVecs; ++x) q[x] = Load16(qr[r] + 16 * x);
+    for (int j = 0; j < 16; ++j) {
+      V16 s = q[0] * Load16(kp + j * d);
+      for (int x = 1; x < kVecs; ++x) s += q[x] * Load16(kp + j * d + 16 * x);
+      part[j] = s;
+    }
+    corr[r] = Softmax16(LaneSums(part) * scale, a, b, cap, p + r * 16, m[r], l[r]);
+  }
+  constexpr int kChunk = kVecs == 4 ? 4 : 2;
+  for (int64_t r0 = 0; r0 < g; r0 += kChunk) {
+    const int64_t rows = std::min<int64_t>(kChunk, g - r0);
+    V16 o[kChunk][kVecs];
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int x = 0; x < kVecs; ++x) {
+        o[r][x] = Load16(acc + (r0 + r) * d + 16 * x) * corr[r0 + r];
+      }
+    }
+    for (int64_t j = a; j < b; ++j) {
+      V16 vj[kVecs];
+      for (int x = 0; x < kVecs; ++x) vj[x] = Load16(vp + j * d + 16 * x);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float pj = p[(r0 + r) * 16 + j];
+        for (int x = 0; x < kVecs; ++x) o[r][x] += pj * vj[x];
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int x = 0; x < kVecs; ++x) Store16(acc + (r0 + r) * d + 16 * x, o[r][x]);
+    }
+  }
+}
+
 void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int64_t h,
                 Scratch& w) {
   const int64_t rows = cnt * n.g, s = n.s, d = n.d;
@@ -155,9 +280,12 @@ void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int6
       kp = w.kbuf.data();
       vp = w.vbuf.data();
     }
-    if (p0 + s < hi) {  // the next page's slots, fetched while this one is computed
+    // The next page's slots fetched into L2 while this one is computed, where it does not
+    // follow this one in memory (the hardware's prefetcher runs on along a run of pages;
+    // fetching those too made a decode row's reads a third slower, measured alone).
+    if (p0 + s < hi) {
       const int64_t next = table[p0 / s + 1];
-      if (next >= 0 && next < n.p) {
+      if (next >= 0 && next < n.p && next != page + 1) {
         const bool f32 = in.k != nullptr;
         const int64_t at = (h * n.p + next) * s * d, bytes = s * d * (f32 ? 4 : 1);
         const char* kn = f32 ? reinterpret_cast<const char*>(in.k + at)
@@ -165,17 +293,40 @@ void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int6
         const char* vn = f32 ? reinterpret_cast<const char*>(in.v + at)
                              : reinterpret_cast<const char*>(in.vq + at);
         for (int64_t b = 0; b < bytes; b += 64) {
-          __builtin_prefetch(kn + b);
-          __builtin_prefetch(vn + b);
+          __builtin_prefetch(kn + b, 0, 2);
+          __builtin_prefetch(vn + b, 0, 2);
         }
       }
     }
     // Scores of every row against the page's keys [jlo, jhi) (slots of the tile's union of
     // ranges: all written); a row reads back only its own keys.
+    if (cnt == 1 && s == 16 && (d == 64 || d == 128)) {  // a decode row: DecodePage
+      const int64_t a = std::max<int64_t>(w.st[0] - p0, jlo);
+      const int64_t b = std::min<int64_t>(w.en[0] - p0, jhi);
+      if (a >= b) continue;
+      float *m = w.m.data(), *l = w.l.data(), *acc = w.acc.data();
+      if (d == 64) {
+        DecodePage<4>(qr, rows, kp, vp, a, b, in.scale, in.cap, m, l, acc, sc);
+      } else {
+        DecodePage<8>(qr, rows, kp, vp, a, b, in.scale, in.cap, m, l, acc, sc);
+      }
+      continue;
+    }
     if (s == 16 && rows >= 8) {  // a tile of several tokens: K transposed once for all
-      for (int64_t j = 0; j < 16; ++j) {
-        const bool used = j >= jlo && j < jhi;
-        for (int64_t x = 0; x < d; ++x) kt[x * 16 + j] = used ? kp[j * d + x] : 0.f;
+      if (d % 16 == 0) {  // 16 x 16 blocks in registers (unused slots as zeros)
+        for (int64_t x0 = 0; x0 < d; x0 += 16) {
+          V16 block[16];
+          for (int64_t j = 0; j < 16; ++j) {
+            block[j] = j >= jlo && j < jhi ? Load16(kp + j * d + x0) : V16{};
+          }
+          Transpose16(block);
+          for (int64_t x = 0; x < 16; ++x) Store16(kt + (x0 + x) * 16, block[x]);
+        }
+      } else {
+        for (int64_t j = 0; j < 16; ++j) {
+          const bool used = j >= jlo && j < jhi;
+          for (int64_t x = 0; x < d; ++x) kt[x * 16 + j] = used ? kp[j * d + x] : 0.f;
+        }
       }
       int64_t r = 0;
       for (; r + 8 <= rows; r += 8) Scores16<8>(kt, qr + r, d, sc + r * 16);
@@ -198,21 +349,26 @@ void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int6
       const int64_t b = std::min<int64_t>(w.en[i] - p0, jhi);
       if (a >= b) continue;
       float* sr = sc + r * s;
-      float mx = w.m[r];
-      for (int64_t j = a; j < b; ++j) {
-        float x = sr[j] * in.scale;
-        if (in.cap > 0.f) x = in.cap * std::tanh(x / in.cap);
-        sr[j] = x;
-        mx = std::max(mx, x);
+      float corr;
+      if (s == 16) {
+        corr = Softmax16(Load16(sr) * in.scale, a, b, in.cap, sr, w.m[r], w.l[r]);
+      } else {
+        float mx = w.m[r];
+        for (int64_t j = a; j < b; ++j) {
+          float x = sr[j] * in.scale;
+          if (in.cap > 0.f) x = in.cap * std::tanh(x / in.cap);
+          sr[j] = x;
+          mx = std::max(mx, x);
+        }
+        corr = Exp(w.m[r] - mx);
+        float sum = 0.f;
+        for (int64_t j = a; j < b; ++j) {
+          sr[j] = Exp(sr[j] - mx);
+          sum += sr[j];
+        }
+        w.l[r] = w.l[r] * corr + sum;
+        w.m[r] = mx;
       }
-      const float corr = Exp(w.m[r] - mx);
-      float sum = 0.f;
-      for (int64_t j = a; j < b; ++j) {
-        sr[j] = Exp(sr[j] - mx);
-        sum += sr[j];
-      }
-      w.l[r] = w.l[r] * corr + sum;
-      w.m[r] = mx;
       float* acc = w.acc.data() + r * d;
       if (d == 64) {
         Values<4>(acc, corr, sr, vp, a, b);

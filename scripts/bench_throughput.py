@@ -547,7 +547,23 @@ def run_jpaged(
     if log is not None:
         res.update(step_profile(probe, log, steps, bandwidth, args.max_num_seqs,
                                 kv_per_token=stats["kv_bytes_per_token"]))
+    if args.step_trace:
+        write_step_trace(Path(args.step_trace), log or [], steps)
     return res
+
+
+def write_step_trace(path: Path, log, steps) -> None:
+    """One JSON line per step of the timed run: its wall milliseconds and, where the step
+    log holds it, the program's token and row buckets, its rows, their summed context and the
+    device milliseconds (profiling.StepTimer)."""
+    with path.open("w") as f:
+        for wall, i in steps:
+            line = {"wall_ms": round(1e3 * wall, 3)}
+            if i is not None:
+                key, rows, context, device = log[i]
+                line.update(tokens=key.num_tokens, seqs=key.num_seqs, decode=key.decode_only,
+                            rows=rows, context=context, device_ms=round(1e3 * device, 3))
+            f.write(json.dumps(line) + "\n")
 
 
 def step_profile(probe: EngineProbe, log, steps, bandwidth, max_num_seqs, *,
@@ -750,6 +766,11 @@ def parse_args(argv=None):
         help="seconds for the whole run; each phase gets the time actually left",
     )
     p.add_argument("--json-out", default=None, help="the result JSON, rewritten after each phase")
+    p.add_argument(
+        "--step-trace",
+        default=None,
+        help="a JSON-lines file: each step of jpaged's timed run (buckets, rows, context, times)",
+    )
     p.add_argument("--jpaged-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--startup-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workload-file", help=argparse.SUPPRESS)
@@ -973,6 +994,7 @@ def _engine_flags(args) -> list[str]:
     flags += ["--precompile"] if args.precompile else []
     flags += ["--quantization", args.quantization] if args.quantization else []
     flags += ["--kv-cache-dtype", args.kv_cache_dtype]
+    flags += ["--step-trace", str(Path(args.step_trace).resolve())] if args.step_trace else []
     flags += [] if args.async_scheduling else ["--no-async-scheduling"]
     if args.scan_layers is not None:
         flags += ["--scan-layers" if args.scan_layers else "--no-scan-layers"]

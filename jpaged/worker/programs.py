@@ -197,7 +197,11 @@ def step(
     elif key.spec_k:
         out = _verify(params, model_config, hidden, inputs, key, tp_axis)
     else:
-        logits = compute_logits(params, model_config, hidden[inputs.logits_indices], tp_axis)
+        # The real rows come first, each with a context; the bucket's padding rows have none.
+        rows = jnp.sum(inputs.context_lens > 0, dtype=jnp.int32)
+        logits = compute_logits(
+            params, model_config, hidden[inputs.logits_indices], tp_axis, valid=rows
+        )
         out = sample(logits, inputs.sampling, num_logprobs=key.num_logprobs)
     if key.prompt_logprobs:  # the LM head over every token of the step
         all_logits = compute_logits(params, model_config, hidden, tp_axis)

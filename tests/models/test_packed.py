@@ -2,7 +2,9 @@
 the kernel's products equal float64 numpy's over row counts that cross its tiles of 8, 4 and 1
 rows and its blocks of 256 rows, contraction lengths of any size and one or several panels;
 packing is a pure relayout (unpack gives w back exactly); dense and columns serve packed and
-plain weights alike, and lowered for another platform a packed product holds no CPU call;
+plain weights alike, and lowered for another platform a packed product holds no CPU call; a
+product told how many rows are valid (a step's real tokens) computes them up to a tile of 8
+and gives zeros past it, in the kernel and through dense;
 switch_layers packs the plain float32 projections and the tied head, and leaves the rest."""
 
 from __future__ import annotations
@@ -33,6 +35,31 @@ def test_the_kernel_equals_float64_products(m, k, n):
     scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)  # the sum's magnitude
     assert got.shape == (m, n) and got.dtype == np.float32
     assert np.all(np.abs(got - want) <= 1e-6 * scale + 1e-6)
+
+
+@pytest.mark.parametrize("m, valid, computed", [
+    (32, 17, 24), (32, 31, 32), (32, 8, 8), (32, 0, 0), (32, -3, 0), (32, 40, 32), (4, 3, 4),
+    (1, 1, 1), (300, 260, 264),
+])
+def test_valid_rows_are_computed_up_to_a_tile_and_the_rest_are_zeros(m, valid, computed):
+    assert cpu_kernel.available()
+    x, w = _operands(m + valid, m, 48, 128)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    matmul = jax.jit(cpu_kernel.matmul)
+    got = np.asarray(matmul(jnp.asarray(x), jnp.asarray(cpu_kernel.pack(w)), jnp.int32(valid)))
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
+    assert np.all(np.abs(got[:computed] - want[:computed]) <= 1e-6 * scale[:computed] + 1e-6)
+    np.testing.assert_array_equal(got[computed:], 0.0)
+    if computed < m:  # the rows past the tile read nothing: NaN there stays out of the result
+        x[computed:] = np.nan
+        got_nan = np.asarray(matmul(jnp.asarray(x), jnp.asarray(cpu_kernel.pack(w)),
+                                    jnp.int32(valid)))
+        np.testing.assert_array_equal(got_nan, got)
+    pw = packed.pack(jnp.asarray(w))
+    through = np.asarray(jax.jit(packed.dense)(jnp.asarray(x), pw, jnp.int32(valid)))
+    np.testing.assert_array_equal(through[computed:], 0.0)
+    real = max(min(valid, m), 0)
+    np.testing.assert_allclose(through[:real], want[:real], rtol=1e-5, atol=1e-5)
 
 
 def test_packing_is_a_relayout():
