@@ -13,11 +13,11 @@ targets for the CPU.
 XLA:CPU runs the reference's page gather on one thread and copies every key block before its
 product; the kernel reads each written slot where it lies, a sequence's consecutive tokens
 (a prefill chunk) sharing each page's reads, on every core XLA would use (docs/benchmarks.md,
-"A CPU attention kernel" and "Prefill, sampling and products through CPU kernels"). The library is cached per
-sources, compiler flags, jaxlib and CPU under the jpaged cache directory ($JPAGED_CACHE_DIR
-or ~/.cache/jpaged), written whole and renamed into place, so concurrent processes never load
-half a file. No compiler, or a failed build: available() is False, with one warning, and the
-jnp paths run.
+"A CPU attention kernel" and "Prefill, sampling and products through CPU kernels"). The
+library is cached per sources, compiler flags, jaxlib and CPU under the jpaged cache
+directory ($JPAGED_CACHE_DIR or ~/.cache/jpaged), written whole and renamed into place, so
+concurrent processes never load half a file. No compiler, or a failed build: available() is
+False, with one warning, and the jnp paths run.
 """
 
 from __future__ import annotations

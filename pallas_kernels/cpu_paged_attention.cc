@@ -333,7 +333,8 @@ void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int6
       for (; r + 4 <= rows; r += 4) Scores16<4>(kt, qr + r, d, sc + r * 16);
       for (; r + 2 <= rows; r += 2) Scores16<2>(kt, qr + r, d, sc + r * 16);
       for (; r < rows; ++r) Scores16<1>(kt, qr + r, d, sc + r * 16);
-    } else {  // a decode row (G rows): each key's dot products as it lies
+    } else {  // pages of another size, or under 8 rows DecodePage does not serve (other
+              // head_dims, a short tile's few tokens): each key's dot products as it lies
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t j = jlo; j < jhi; ++j) {
           const float* kj = kp + j * d;
