@@ -197,13 +197,45 @@ inline float Softmax16(V16 sv, int64_t a, int64_t b, float cap, float* pr, float
   return corr;
 }
 
+// acc [kRows, 16 kVecs] = acc * corr + p @ V over the page's keys [a, b): each V row read once
+// for the kRows query rows (p [kRows, 16] their probabilities), the sums held in registers.
+// While it runs, the next page's K and V rows (kn, vn; null: none) are fetched into L2, a
+// key's rows at a time, so that they arrive while this page is computed.
+template <int kVecs, int kRows>
+inline void DecodeValues(float* acc, const float* corr, const float* p, const float* vp,
+                         int64_t a, int64_t b, const float* kn, const float* vn) {
+  constexpr int64_t d = 16 * kVecs;
+  V16 o[kRows][kVecs];
+  for (int r = 0; r < kRows; ++r) {
+    for (int x = 0; x < kVecs; ++x) o[r][x] = Load16(acc + r * d + 16 * x) * corr[r];
+  }
+  for (int64_t j = a; j < b; ++j) {
+    if (kn != nullptr) {
+      for (int x = 0; x < kVecs; ++x) {
+        __builtin_prefetch(kn + j * d + 16 * x, 0, 2);
+        __builtin_prefetch(vn + j * d + 16 * x, 0, 2);
+      }
+    }
+    V16 vj[kVecs];
+    for (int x = 0; x < kVecs; ++x) vj[x] = Load16(vp + j * d + 16 * x);
+    for (int r = 0; r < kRows; ++r) {
+      const float pj = p[r * 16 + j];
+      for (int x = 0; x < kVecs; ++x) o[r][x] += pj * vj[x];
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int x = 0; x < kVecs; ++x) Store16(acc + r * d + 16 * x, o[r][x]);
+  }
+}
+
 // One page of 16 keys for the G query rows of one token (a decode row): scores by row
 // (each key's products summed across lanes, LaneSums), an online softmax over keys [a, b),
-// then the values summed for kChunk rows at a time, each V row read once for them.
+// then the values summed for up to kChunk rows at a time (DecodeValues), which also fetches
+// the next page (kn, vn) where there is one.
 template <int kVecs>
 void DecodePage(const float* const* qr, int64_t g, const float* kp, const float* vp,
                 int64_t a, int64_t b, float scale, float cap, float* m, float* l, float* acc,
-                float* p) {
+                float* p, const float* kn, const float* vn) {
   constexpr int64_t d = 16 * kVecs;
   float corr[kMaxGroup];
   for (int64_t r = 0; r < g; ++r) {
@@ -216,26 +248,23 @@ void DecodePage(const float* const* qr, int64_t g, const float* kp, const float*
     }
     corr[r] = Softmax16(LaneSums(part) * scale, a, b, cap, p + r * 16, m[r], l[r]);
   }
-  constexpr int kChunk = kVecs == 4 ? 4 : 2;
+  constexpr int64_t kChunk = kVecs == 4 ? 4 : 2;  // accumulators + one V row in registers
   for (int64_t r0 = 0; r0 < g; r0 += kChunk) {
-    const int64_t rows = std::min<int64_t>(kChunk, g - r0);
-    V16 o[kChunk][kVecs];
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int x = 0; x < kVecs; ++x) {
-        o[r][x] = Load16(acc + (r0 + r) * d + 16 * x) * corr[r0 + r];
-      }
+    float *o = acc + r0 * d, *c = corr + r0, *pr = p + r0 * 16;
+    switch (std::min(kChunk, g - r0)) {  // the next page fetched once, with the first rows
+      case 4:
+        DecodeValues<kVecs, 4>(o, c, pr, vp, a, b, kn, vn);
+        break;
+      case 3:
+        DecodeValues<kVecs, 3>(o, c, pr, vp, a, b, kn, vn);
+        break;
+      case 2:
+        DecodeValues<kVecs, 2>(o, c, pr, vp, a, b, kn, vn);
+        break;
+      default:
+        DecodeValues<kVecs, 1>(o, c, pr, vp, a, b, kn, vn);
     }
-    for (int64_t j = a; j < b; ++j) {
-      V16 vj[kVecs];
-      for (int x = 0; x < kVecs; ++x) vj[x] = Load16(vp + j * d + 16 * x);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float pj = p[(r0 + r) * 16 + j];
-        for (int x = 0; x < kVecs; ++x) o[r][x] += pj * vj[x];
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int x = 0; x < kVecs; ++x) Store16(acc + (r0 + r) * d + 16 * x, o[r][x]);
-    }
+    kn = vn = nullptr;
   }
 }
 
@@ -265,6 +294,7 @@ void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int6
   }
   float* kt = w.kt.data();
   float* sc = w.sc.data();
+  const bool decode = cnt == 1 && s == 16 && (d == 64 || d == 128);  // DecodePage's rows
   for (int64_t p0 = hi > 0 ? lo - lo % s : 0; p0 < hi; p0 += s) {
     const int64_t page = table[p0 / s];
     if (page < 0 || page >= n.p) continue;  // never for a valid table: nothing read
@@ -280,35 +310,41 @@ void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int6
       kp = w.kbuf.data();
       vp = w.vbuf.data();
     }
-    // The next page's slots fetched into L2 while this one is computed, where it does not
-    // follow this one in memory (the hardware's prefetcher runs on along a run of pages;
-    // fetching those too made a decode row's reads a third slower, measured alone).
+    // The next page: a float32 decode row fetches it into L2 during this page's values
+    // (DecodeValues: K and V rows interleaved with the work, with pages in order or not;
+    // the hardware's prefetcher alone left the decode step's K/V reads a third slower).
+    // Otherwise its slots are fetched here, at once, where it does not follow this page in
+    // memory (along a run of pages the hardware's prefetcher does better alone).
+    const float *kn = nullptr, *vn = nullptr;
     if (p0 + s < hi) {
       const int64_t next = table[p0 / s + 1];
-      if (next >= 0 && next < n.p && next != page + 1) {
-        const bool f32 = in.k != nullptr;
+      const bool f32 = in.k != nullptr, valid = next >= 0 && next < n.p;
+      if (valid && decode && f32) {
+        kn = in.k + (h * n.p + next) * s * d;
+        vn = in.v + (h * n.p + next) * s * d;
+      } else if (valid && next != page + 1) {
         const int64_t at = (h * n.p + next) * s * d, bytes = s * d * (f32 ? 4 : 1);
-        const char* kn = f32 ? reinterpret_cast<const char*>(in.k + at)
+        const char* kb = f32 ? reinterpret_cast<const char*>(in.k + at)
                              : reinterpret_cast<const char*>(in.kq + at);
-        const char* vn = f32 ? reinterpret_cast<const char*>(in.v + at)
+        const char* vb = f32 ? reinterpret_cast<const char*>(in.v + at)
                              : reinterpret_cast<const char*>(in.vq + at);
         for (int64_t b = 0; b < bytes; b += 64) {
-          __builtin_prefetch(kn + b, 0, 2);
-          __builtin_prefetch(vn + b, 0, 2);
+          __builtin_prefetch(kb + b, 0, 2);
+          __builtin_prefetch(vb + b, 0, 2);
         }
       }
     }
     // Scores of every row against the page's keys [jlo, jhi) (slots of the tile's union of
     // ranges: all written); a row reads back only its own keys.
-    if (cnt == 1 && s == 16 && (d == 64 || d == 128)) {  // a decode row: DecodePage
+    if (decode) {  // a decode row: DecodePage
       const int64_t a = std::max<int64_t>(w.st[0] - p0, jlo);
       const int64_t b = std::min<int64_t>(w.en[0] - p0, jhi);
       if (a >= b) continue;
       float *m = w.m.data(), *l = w.l.data(), *acc = w.acc.data();
       if (d == 64) {
-        DecodePage<4>(qr, rows, kp, vp, a, b, in.scale, in.cap, m, l, acc, sc);
+        DecodePage<4>(qr, rows, kp, vp, a, b, in.scale, in.cap, m, l, acc, sc, kn, vn);
       } else {
-        DecodePage<8>(qr, rows, kp, vp, a, b, in.scale, in.cap, m, l, acc, sc);
+        DecodePage<8>(qr, rows, kp, vp, a, b, in.scale, in.cap, m, l, acc, sc, kn, vn);
       }
       continue;
     }

@@ -1,0 +1,134 @@
+"""Decode attention through the CPU kernel, one or more source trees in one process.
+
+Each tree's pallas_kernels/cpu_paged_attention.cc is built with cpu_kernel's flags and
+registered under its own name; the calls alternate, so that every tree sees the same machine
+(this VM's memory rate moves by half between minutes: only trees timed side by side compare).
+A call is `--layers` attention calls in one jitted program, each over its own K/V pools (as a
+step's layers: nothing stays in the caches between them).
+
+    python scripts/bench_cpu_attention.py --tree main=/path/to/main --tree new=.
+    python scripts/bench_cpu_attention.py --rows 16 --context 906 --order shuffled
+
+Prints per tree the median, 25th percentile and minimum ms of a call, the K/V read rate
+(rows x context x KV heads x head_dim x 2 x 4 bytes x layers over the median), and the largest
+difference of its output from the first tree's.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pallas_kernels import cpu_kernel
+
+PAGE = 16
+
+
+def build(tree: Path, out: Path) -> Path:
+    """The tree's attention kernel as a shared library at out."""
+    src = tree / "pallas_kernels" / "cpu_paged_attention.cc"
+    if not src.exists():
+        raise SystemExit(f"--tree {tree}: no {src.relative_to(tree)}")
+    cmd = ["g++", *cpu_kernel.FLAGS, f"-I{jax.ffi.include_dir()}", str(src), "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"building {src} failed: {done.stderr.strip()[-500:]}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                    help="a source tree to time (repeatable; default: this checkout)")
+    ap.add_argument("--rows", type=int, default=32, help="decode rows (one token each)")
+    ap.add_argument("--context", type=int, default=584, help="tokens per row")
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--group", type=int, default=3, help="query heads per KV head")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--order", choices=("in-order", "shuffled", "hot"), default="in-order",
+                    help="pages of a row in order, shuffled over the pool, or every row "
+                         "on the same pages (cached: the kernel's arithmetic alone)")
+    ap.add_argument("--repeat", type=int, default=25)
+    args = ap.parse_args()
+
+    trees = []
+    for spec in args.tree or [f"this={ROOT}"]:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.isidentifier():
+            raise SystemExit(f"--tree {spec!r}: expected NAME=DIR")
+        trees.append((name, Path(path).resolve()))
+
+    b, ctx, hkv, d = args.rows, args.context, args.kv_heads, args.head_dim
+    hq = hkv * args.group
+    pages = -(-ctx // PAGE)
+    pool = b * pages + 1  # page 0 unused, as the engine's null page
+    rng = np.random.default_rng(0)
+    if args.order == "hot":
+        table = np.tile(np.arange(1, pages + 1), (b, 1))
+    elif args.order == "shuffled":
+        table = (rng.permutation(pool - 1) + 1).reshape(b, pages)
+    else:
+        table = np.arange(1, pool).reshape(b, pages)
+    table = jnp.asarray(table, jnp.int32)
+    kv = [tuple(jnp.asarray(rng.standard_normal((hkv, pool, PAGE, d), np.float32))
+                for _ in range(2)) for _ in range(args.layers)]
+    q = jnp.asarray(rng.standard_normal((b, hq, d), np.float32))
+    seq = jnp.arange(b, dtype=jnp.int32)
+    starts = jnp.zeros(b, jnp.int32)
+    ends = jnp.full(b, ctx, jnp.int32)
+    sinks = jnp.zeros(hq, jnp.float32)
+    attrs = {"sm_scale": np.float32(d ** -0.5), "soft_cap": np.float32(0),
+             "has_sinks": False, "threads": np.int64(cpu_kernel.threads())}
+
+    calls = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, tree) in enumerate(trees):
+            lib = ctypes.cdll.LoadLibrary(str(build(tree, Path(tmp) / f"attention_{i}.so")))
+            target = f"bench_cpu_attention_{i}"
+            jax.ffi.register_ffi_target(
+                target, jax.ffi.pycapsule(lib.JpagedCpuPagedAttention), platform="cpu")
+            call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+
+            def layers(q, kv, call=call):
+                for k, v in kv:  # each layer's query is the last one's output, as a chain
+                    q = call(q, k, v, table, seq, starts, ends, sinks, **attrs)
+                return q
+
+            calls[name] = jax.jit(layers)
+
+    first = None
+    for name, f in calls.items():
+        out = np.asarray(f(q, kv))
+        first = out if first is None else first
+        print(f"{name}: largest difference from {trees[0][0]}: "
+              f"{float(np.abs(out - first).max()):.3g}")
+    times = {name: [] for name in calls}
+    for _ in range(args.repeat):
+        for name, f in calls.items():
+            t0 = time.perf_counter()
+            f(q, kv).block_until_ready()
+            times[name].append(time.perf_counter() - t0)
+    gb = b * ctx * hkv * d * 2 * 4 * args.layers / 1e9
+    print(f"{args.layers} layers x {b} rows x {ctx} tokens, {hkv} KV heads x {args.group} "
+          f"query heads, head_dim {d}, pages {args.order}: {gb * 1e3:.0f} MB of K/V a call; "
+          f"{cpu_kernel.threads()} threads, {args.repeat} calls each, alternated")
+    for name, ts in times.items():
+        ms = np.array(ts) * 1e3
+        print(f"  {name:12s} median {np.median(ms):7.1f} ms  p25 {np.percentile(ms, 25):7.1f}"
+              f"  min {ms.min():7.1f}  {gb / np.median(ms) * 1e3:5.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
