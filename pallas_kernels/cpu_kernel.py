@@ -85,7 +85,10 @@ def _library_path() -> Path:
     return Path(root) / "cpu_kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
-def _build(path: Path) -> None:
+def build_library(path: Path, sources: tuple[Path, ...] = SOURCES) -> None:
+    """Compiles sources (default: the kernels') into the shared library at path, written
+    whole and renamed into place; RuntimeError on no compiler or a failed build.
+    scripts/bench_cpu_attention.py builds other trees' attention source with it."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
@@ -93,7 +96,7 @@ def _build(path: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
+        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, sources), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
@@ -118,7 +121,7 @@ def _registered() -> bool:
     try:
         path = _library_path()
         if not path.exists():
-            _build(path)
+            build_library(path)
         lib = ctypes.cdll.LoadLibrary(str(path))
         for target, symbol in _SYMBOLS.items():
             jax.ffi.register_ffi_target(

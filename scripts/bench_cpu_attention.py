@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,14 +35,15 @@ PAGE = 16
 
 
 def build(tree: Path, out: Path) -> Path:
-    """The tree's attention kernel as a shared library at out."""
+    """The tree's attention kernel as a shared library at out (cpu_kernel's compiler and
+    flags)."""
     src = tree / "pallas_kernels" / "cpu_paged_attention.cc"
     if not src.exists():
         raise SystemExit(f"--tree {tree}: no {src.relative_to(tree)}")
-    cmd = ["g++", *cpu_kernel.FLAGS, f"-I{jax.ffi.include_dir()}", str(src), "-o", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise SystemExit(f"building {src} failed: {done.stderr.strip()[-500:]}")
+    try:
+        cpu_kernel.build_library(out, (src,))
+    except RuntimeError as e:
+        raise SystemExit(f"building {src}: {e}") from None
     return out
 
 
