@@ -16,7 +16,8 @@
 //
 // A tile is up to kTile consecutive tokens of one sequence (a prefill chunk's tokens share
 // their pages; a decode row is a tile of one token, served page by page by DecodePage for
-// pages of 16 and head_dim 64 or 128). Per tile and KV head: the keys of the
+// pages of 16 and head_dim 64 or 128; a tile of 16 rows or more on such pages by
+// LanesPage, 16 rows as a vector's lanes). Per tile and KV head: the keys of the
 // tile's union of ranges, page by page; each page's K transposed once ([D, S]) and scored
 // against every query row of the tile (its tokens x the head's G = Hq / Hkv query heads);
 // then per row an online softmax over its own keys of the page (soft cap c: c * tanh(s / c)
@@ -63,12 +64,15 @@ struct Inputs {
   const float* lut = nullptr;                   // [256]: each byte's value
 };
 
-struct Scratch {  // one per thread
-  std::vector<float> m, l, acc, kt, sc, kbuf, vbuf;
+struct Scratch {  // one per thread; m and l over whole groups of 16 rows (LanesPage)
+  std::vector<float> m, l, acc, kt, sc, kbuf, vbuf, qt, pb;
   std::vector<int64_t> st, en;
+  std::vector<int32_t> rst, ren;  // each row's keys [start, end), whole groups of 16
   Scratch(const Shapes& n)
-      : m(kTile * n.g), l(kTile * n.g), acc(kTile * n.g * n.d), kt(n.d * n.s),
-        sc(kTile * n.g * n.s), kbuf(n.s * n.d), vbuf(n.s * n.d), st(kTile), en(kTile) {}
+      : m(Rows16(n)), l(Rows16(n)), acc(kTile * n.g * n.d), kt(n.d * n.s),
+        sc(kTile * n.g * n.s), kbuf(n.s * n.d), vbuf(n.s * n.d), qt(Rows16(n) * n.d),
+        pb(256), st(kTile), en(kTile), rst(Rows16(n)), ren(Rows16(n)) {}
+  static int64_t Rows16(const Shapes& n) { return (kTile * n.g + 15) / 16 * 16; }
 };
 
 // Rows [jlo, jhi) of a quantized page (bytes q [S, D], scale bits [S]) as float32 into buf:
@@ -268,11 +272,92 @@ void DecodePage(const float* const* qr, int64_t g, const float* kp, const float*
   }
 }
 
+// acc [kRows, 16 kVecs] = acc * corr + p @ V over the page's keys [a, b), p by key: row r's
+// probability of key j at p[16 j + r] (LanesPage's layout); each V row read once for the
+// kRows rows, the sums held in registers.
+template <int kVecs, int kRows>
+inline void LaneValues(float* acc, const float* corr, const float* p, const float* vp,
+                       int64_t a, int64_t b) {
+  constexpr int64_t d = 16 * kVecs;
+  V16 o[kRows][kVecs];
+  for (int r = 0; r < kRows; ++r) {
+    for (int x = 0; x < kVecs; ++x) o[r][x] = Load16(acc + r * d + 16 * x) * corr[r];
+  }
+  for (int64_t j = a; j < b; ++j) {
+    V16 vj[kVecs];
+    for (int x = 0; x < kVecs; ++x) vj[x] = Load16(vp + j * d + 16 * x);
+    for (int r = 0; r < kRows; ++r) {
+      const float pj = p[16 * j + r];
+      for (int x = 0; x < kVecs; ++x) o[r][x] += pj * vj[x];
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int x = 0; x < kVecs; ++x) Store16(acc + r * d + 16 * x, o[r][x]);
+  }
+}
+
+// One page of 16 keys for 16 rows of a prefill tile, the rows as the lanes of a vector (no
+// work across lanes): qt [D, 16] the rows' queries transposed, rst / ren [16] each row's keys
+// [start, end) (rows past nrows: empty), p0 the page's first key, [a, b) the keys any row
+// of the tile sees (all written; scores of the other slots are computed but never kept).
+// Scores as 16 vectors, one per key (K's elements broadcast against qt's rows); the online
+// softmax per lane; then the values for up to kChunk rows at a time (LaneValues).
+template <int kVecs>
+void LanesPage(const float* qt, const int32_t* rst, const int32_t* ren, int64_t nrows,
+               int64_t p0, const float* kp, const float* vp, int64_t a, int64_t b, float scale,
+               float cap, float* m, float* l, float* acc, float* pb) {
+  constexpr int64_t d = 16 * kVecs;
+  V16 sc[16];
+  for (int j = 0; j < 16; ++j) sc[j] = V16{};
+  for (int64_t x = 0; x < d; ++x) {
+    const V16 q = Load16(qt + 16 * x);
+    for (int j = 0; j < 16; ++j) sc[j] += kp[j * d + x] * q;
+  }
+  I16 st, en;
+  std::memcpy(&st, rst, sizeof st);
+  std::memcpy(&en, ren, sizeof en);
+  const V16 m_old = Load16(m);
+  V16 mx = m_old;
+  I16 inside[16];
+  for (int j = 0; j < 16; ++j) {
+    const int32_t key = static_cast<int32_t>(p0 + j);
+    const I16 slot = I16{} + (j >= a && j < b ? -1 : 0);  // in the tile's keys
+    inside[j] = (I16{} + key >= st) & (I16{} + key < en) & slot;
+    V16 x = sc[j] * scale;
+    if (cap > 0.f) {
+      for (int r = 0; r < 16; ++r) x[r] = cap * std::tanh(x[r] / cap);
+    }
+    sc[j] = inside[j] ? x : V16{} - INFINITY;
+    mx = sc[j] > mx ? sc[j] : mx;
+  }
+  const V16 base = mx == V16{} - INFINITY ? V16{} : mx;  // a lane with no key yet: 0
+  for (int j = 0; j < 16; ++j) Store16(pb + 16 * j, sc[j] - base);
+  for (int i = 0; i < 256; ++i) pb[i] = Exp(pb[i]);
+  V16 sum{};
+  for (int j = 0; j < 16; ++j) {
+    const V16 e = inside[j] ? Load16(pb + 16 * j) : V16{};
+    Store16(pb + 16 * j, e);
+    sum += e;
+  }
+  float corr[16];
+  Store16(corr, m_old - base);
+  for (int r = 0; r < 16; ++r) corr[r] = Exp(corr[r]);  // lanes with no key: acc, l are 0
+  Store16(l, Load16(l) * Load16(corr) + sum);
+  Store16(m, mx);
+  constexpr int64_t kChunk = kVecs == 4 ? 4 : 2;  // accumulators + one V row in registers
+  int64_t r = 0;
+  for (; r + kChunk <= nrows; r += kChunk) {
+    LaneValues<kVecs, kChunk>(acc + r * d, corr + r, pb + r, vp, a, b);
+  }
+  for (; r < nrows; ++r) LaneValues<kVecs, 1>(acc + r * d, corr + r, pb + r, vp, a, b);
+}
+
 void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int64_t h,
                 Scratch& w) {
   const int64_t rows = cnt * n.g, s = n.s, d = n.d;
-  std::fill(w.m.begin(), w.m.begin() + rows, -INFINITY);
-  std::fill(w.l.begin(), w.l.begin() + rows, 0.f);
+  const int64_t rows16 = (rows + 15) / 16 * 16;  // whole groups of 16 (LanesPage's lanes)
+  std::fill(w.m.begin(), w.m.begin() + rows16, -INFINITY);
+  std::fill(w.l.begin(), w.l.begin() + rows16, 0.f);
   std::fill(w.acc.begin(), w.acc.begin() + rows * d, 0.f);
   int64_t lo = INT64_MAX, hi = 0;
   for (int64_t i = 0; i < cnt; ++i) {
@@ -295,6 +380,18 @@ void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int6
   float* kt = w.kt.data();
   float* sc = w.sc.data();
   const bool decode = cnt == 1 && s == 16 && (d == 64 || d == 128);  // DecodePage's rows
+  // A prefill tile of 16 rows or more: LanesPage, groups of 16 rows as a vector's lanes, their
+  // queries transposed once here ([D, 16] a group; rows past `rows` zeros with no keys).
+  const bool lanes = !decode && s == 16 && (d == 64 || d == 128) && rows >= 16;
+  if (lanes) {
+    for (int64_t r = 0; r < rows16; ++r) {
+      const bool real = r < rows;
+      w.rst[r] = real ? static_cast<int32_t>(w.st[r / n.g]) : 0;
+      w.ren[r] = real ? static_cast<int32_t>(w.en[r / n.g]) : 0;
+      float* qt = w.qt.data() + (r / 16) * 16 * d + r % 16;
+      for (int64_t x = 0; x < d; ++x) qt[16 * x] = real ? qr[r][x] : 0.f;
+    }
+  }
   for (int64_t p0 = hi > 0 ? lo - lo % s : 0; p0 < hi; p0 += s) {
     const int64_t page = table[p0 / s];
     if (page < 0 || page >= n.p) continue;  // never for a valid table: nothing read
@@ -345,6 +442,22 @@ void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int6
         DecodePage<4>(qr, rows, kp, vp, a, b, in.scale, in.cap, m, l, acc, sc, kn, vn);
       } else {
         DecodePage<8>(qr, rows, kp, vp, a, b, in.scale, in.cap, m, l, acc, sc, kn, vn);
+      }
+      continue;
+    }
+    if (lanes) {
+      for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const float* qt = w.qt.data() + r0 * d;
+        const int32_t *rst = w.rst.data() + r0, *ren = w.ren.data() + r0;
+        float *m = w.m.data() + r0, *l = w.l.data() + r0, *acc = w.acc.data() + r0 * d;
+        const int64_t nr = std::min<int64_t>(16, rows - r0);
+        if (d == 64) {
+          LanesPage<4>(qt, rst, ren, nr, p0, kp, vp, jlo, jhi, in.scale, in.cap, m, l, acc,
+                       w.pb.data());
+        } else {
+          LanesPage<8>(qt, rst, ren, nr, p0, kp, vp, jlo, jhi, in.scale, in.cap, m, l, acc,
+                       w.pb.data());
+        }
       }
       continue;
     }

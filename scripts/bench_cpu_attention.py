@@ -10,7 +10,7 @@ step's layers: nothing stays in the caches between them).
     python scripts/bench_cpu_attention.py --rows 16 --context 906 --order shuffled
 
 Prints per tree the median, 25th percentile and minimum ms of a call, the K/V read rate
-(rows x context x KV heads x head_dim x 2 x 4 bytes x layers over the median), and the largest
+(the rows' tokens x KV heads x head_dim x 2 x 4 bytes x layers over the median), and the largest
 difference of its output from the first tree's.
 """
 from __future__ import annotations
@@ -52,14 +52,20 @@ def main() -> None:
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                     help="a source tree to time (repeatable; default: this checkout)")
     ap.add_argument("--rows", type=int, default=32, help="decode rows (one token each)")
-    ap.add_argument("--context", type=int, default=584, help="tokens per row")
+    ap.add_argument("--context", type=int, default=584, help="tokens per row (the most)")
+    ap.add_argument("--min-context", type=int, default=None,
+                    help="rows' tokens drawn uniformly from [this, --context] (default: all "
+                         "--context), as a batch of running sequences")
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--group", type=int, default=3, help="query heads per KV head")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--order", choices=("in-order", "shuffled", "hot"), default="in-order",
-                    help="pages of a row in order, shuffled over the pool, or every row "
-                         "on the same pages (cached: the kernel's arithmetic alone)")
+    ap.add_argument("--order", choices=("in-order", "descending", "shuffled", "hot"),
+                    default="in-order",
+                    help="pages of a row in order, a run in descending order (as the free "
+                         "list hands out a finished sequence's pages, tail first), shuffled "
+                         "over the pool, or every row on the same pages (cached: the "
+                         "kernel's arithmetic alone)")
     ap.add_argument("--repeat", type=int, default=25)
     args = ap.parse_args()
 
@@ -71,14 +77,20 @@ def main() -> None:
         trees.append((name, Path(path).resolve()))
 
     b, ctx, hkv, d = args.rows, args.context, args.kv_heads, args.head_dim
+    low = ctx if args.min_context is None else args.min_context
+    if not 1 <= low <= ctx:
+        raise SystemExit(f"--min-context {low}: expected 1 to --context ({ctx})")
     hq = hkv * args.group
     pages = -(-ctx // PAGE)
     pool = b * pages + 1  # page 0 unused, as the engine's null page
     rng = np.random.default_rng(0)
+    lens = rng.integers(low, ctx + 1, b) if low < ctx else np.full(b, ctx)
     if args.order == "hot":
         table = np.tile(np.arange(1, pages + 1), (b, 1))
     elif args.order == "shuffled":
         table = (rng.permutation(pool - 1) + 1).reshape(b, pages)
+    elif args.order == "descending":  # each row's pages a run from its last down
+        table = np.arange(1, pool).reshape(b, pages)[:, ::-1].copy()
     else:
         table = np.arange(1, pool).reshape(b, pages)
     table = jnp.asarray(table, jnp.int32)
@@ -87,7 +99,7 @@ def main() -> None:
     q = jnp.asarray(rng.standard_normal((b, hq, d), np.float32))
     seq = jnp.arange(b, dtype=jnp.int32)
     starts = jnp.zeros(b, jnp.int32)
-    ends = jnp.full(b, ctx, jnp.int32)
+    ends = jnp.asarray(lens, jnp.int32)
     sinks = jnp.zeros(hq, jnp.float32)
     attrs = {"sm_scale": np.float32(d ** -0.5), "soft_cap": np.float32(0),
              "has_sinks": False, "threads": np.int64(cpu_kernel.threads())}
@@ -120,8 +132,9 @@ def main() -> None:
             t0 = time.perf_counter()
             f(q, kv).block_until_ready()
             times[name].append(time.perf_counter() - t0)
-    gb = b * ctx * hkv * d * 2 * 4 * args.layers / 1e9
-    print(f"{args.layers} layers x {b} rows x {ctx} tokens, {hkv} KV heads x {args.group} "
+    gb = int(lens.sum()) * hkv * d * 2 * 4 * args.layers / 1e9
+    tokens = f"{ctx}" if low == ctx else f"{low}-{ctx} (mean {lens.mean():.0f})"
+    print(f"{args.layers} layers x {b} rows x {tokens} tokens, {hkv} KV heads x {args.group} "
           f"query heads, head_dim {d}, pages {args.order}: {gb * 1e3:.0f} MB of K/V a call; "
           f"{cpu_kernel.threads()} threads, {args.repeat} calls each, alternated")
     for name, ts in times.items():

@@ -286,12 +286,33 @@ def _exclusive_ns(data, names) -> dict[str, list[int]]:
     return runs
 
 
-def step_parts(rows: list[tuple[str, float, int]], vocab: int) -> dict[str, float]:
-    """op_profile's rows (exclusive ms per step by origin) summed into _PART_RULES' parts."""
+def _kernel_rules(cfg) -> tuple[tuple[str, str], ...]:
+    """The CPU kernels' calls (pallas_kernels/cpu_kernel.py): ffi_calls, told apart by their
+    result's shape: the attention's [T, Hq, D], the LM head's [T, vocab], greedy sampling's
+    (s32[T], ...), and the packed products' [T, N] by N (models/packed.py: q/k/v together,
+    gate and up together; the o projection and the MLP's down projection both [T, hidden])."""
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return (
+        ("attention kernel", rf"ffi_call  f32\[\d+,{cfg.num_heads},{cfg.head_dim}\]$"),
+        ("LM head", rf"ffi_call  f32\[\d+,{cfg.vocab_size}\]$"),
+        ("sampling", r"ffi_call  \(s32\["),
+        ("q/k/v projections", rf"ffi_call  f32\[\d+,{qkv}\]$"),
+        ("MLP gate and up", rf"ffi_call  f32\[\d+,{2 * cfg.intermediate_size}\]$"),
+        ("o projection and MLP down", rf"ffi_call  f32\[\d+,{cfg.hidden_size}\]$"),
+        ("other kernel calls", r"ffi_call  "),
+    )
+
+
+def step_parts(rows: list[tuple[str, float, int]], cfg) -> dict[str, float]:
+    """op_profile's rows (exclusive ms per step by origin) summed into the step's parts: the
+    CPU kernels' calls by _kernel_rules, the rest by _PART_RULES."""
+    rules = _kernel_rules(cfg) + tuple(
+        (part, rule.replace("{vocab}", str(cfg.vocab_size))) for part, rule in _PART_RULES
+    )
     parts = collections.Counter()
     for name, ms, _ in rows:
-        for part, rule in _PART_RULES:
-            if re.search(rule.replace("{vocab}", str(vocab)), name):
+        for part, rule in rules:
+            if re.search(rule, name):
                 parts[part] += ms
                 break
         else:
@@ -598,7 +619,7 @@ def main(argv=None) -> None:
         if args.ops:
             rows_ms = op_profile(bench, args.top)
             result[f"{name}_ops"] = rows_ms
-            parts = step_parts(rows_ms, cfg.vocab_size)
+            parts = step_parts(rows_ms, cfg)
             result[f"{name}_parts"] = parts
             # A part's CPU ms: its share of the ops' time times the step's CPU time (the
             # ops' wall times stretch when another process takes the core; shares less so).
