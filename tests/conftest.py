@@ -133,24 +133,26 @@ ONE_VERSION_MODULES = {
 
 
 # The slowest modules, slowest first (each one's setup and calls, measured in a CI run on the
-# idle 2-core machine, 2026-12-06 23:49-00:17 UTC: 60-201 s). xdist gives each worker whole
-# modules in the order of the collection (--no-loadscope-reorder in pyproject.toml), so these
-# start first and the many short modules fill in behind them: a slow module started last
-# would leave the other worker idle until it ends. Regenerate from JPAGED_MODULE_TIMES below.
+# idle 2-core machine, 2026-12-07 20:54-21:12 UTC: 36-200 s; a set of SAME_WORKER_MODULES
+# by its modules' sum: tool calling 69 + agent clients 25 s, gguf_smollm2 70 + embeddings 24 s).
+# xdist gives each worker whole modules in the order of the collection
+# (--no-loadscope-reorder in pyproject.toml), so these start first and the many short modules
+# fill in behind them: a slow module started last would leave the other worker idle until it
+# ends. Regenerate from JPAGED_MODULE_TIMES below.
 SLOW_MODULES_FIRST = (
-    "tests/parallel/test_expert_parallel.py",
     "tests/models/test_quantization_smollm2.py",
-    "tests/models/test_gemma.py",
-    "tests/jpaged/core/test_paging_groups.py",
-    "tests/server/test_tool_calling.py",
+    "tests/parallel/test_expert_parallel.py",
     "tests/jpaged/core/test_allocator_properties.py",
-    "tests/server/test_structured_smollm2.py",
-    "tests/jpaged/core/test_engine_warm_up.py",
-    "tests/jpaged/spec_decode/test_speculative.py",
-    "tests/models/test_moe.py",
+    "tests/server/test_tool_calling.py",
     "tests/models/test_gguf_smollm2.py",
-    "tests/models/test_gpt_oss.py",
+    "tests/jpaged/spec_decode/test_speculative.py",
+    "tests/server/test_structured_smollm2.py",
+    "tests/jpaged/core/test_paging_groups.py",
+    "tests/jpaged/sample/test_sampler.py",
+    "tests/models/test_gemma.py",
     "tests/models/test_deepseek.py",
+    "tests/jpaged/core/test_engine_warm_up.py",
+    "tests/models/test_moe.py",
 )
 
 
