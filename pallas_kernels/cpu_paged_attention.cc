@@ -202,12 +202,13 @@ inline float Softmax16(V16 sv, int64_t a, int64_t b, float cap, float* pr, float
 }
 
 // acc [kRows, 16 kVecs] = acc * corr + p @ V over the page's keys [a, b): each V row read once
-// for the kRows query rows (p [kRows, 16] their probabilities), the sums held in registers.
-// While it runs, the next page's K and V rows (kn, vn; null: none) are fetched into L2, a
-// key's rows at a time, so that they arrive while this page is computed.
-template <int kVecs, int kRows>
-inline void DecodeValues(float* acc, const float* corr, const float* p, const float* vp,
-                         int64_t a, int64_t b, const float* kn, const float* vn) {
+// for the kRows query rows, the sums held in registers. Row r's probability of key j is
+// p[r * kRowStride + j * kKeyStride] (DecodePage: by row, 16 keys a row; LanesPage: by key,
+// 16 rows a key). While it runs, the next page's K and V rows (kn, vn; null: none) are fetched
+// into L2, a key's rows at a time, so that they arrive while this page is computed.
+template <int kVecs, int kRows, int kRowStride, int kKeyStride>
+inline void RowValues(float* acc, const float* corr, const float* p, const float* vp,
+                      int64_t a, int64_t b, const float* kn, const float* vn) {
   constexpr int64_t d = 16 * kVecs;
   V16 o[kRows][kVecs];
   for (int r = 0; r < kRows; ++r) {
@@ -223,7 +224,7 @@ inline void DecodeValues(float* acc, const float* corr, const float* p, const fl
     V16 vj[kVecs];
     for (int x = 0; x < kVecs; ++x) vj[x] = Load16(vp + j * d + 16 * x);
     for (int r = 0; r < kRows; ++r) {
-      const float pj = p[r * 16 + j];
+      const float pj = p[r * kRowStride + j * kKeyStride];
       for (int x = 0; x < kVecs; ++x) o[r][x] += pj * vj[x];
     }
   }
@@ -232,10 +233,36 @@ inline void DecodeValues(float* acc, const float* corr, const float* p, const fl
   }
 }
 
+// RowValues for `rows` rows (acc [rows, 16 kVecs], corr [rows]), up to kChunk at a time
+// (accumulators + one V row in registers: 4 rows at head_dim 64, 2 at 128); the next page
+// (kn, vn) fetched once, with the first rows.
+template <int kVecs, int kRowStride, int kKeyStride>
+void SumValues(float* acc, const float* corr, const float* p, int64_t rows, const float* vp,
+               int64_t a, int64_t b, const float* kn, const float* vn) {
+  constexpr int64_t d = 16 * kVecs, kChunk = kVecs == 4 ? 4 : 2;
+  for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+    float* o = acc + r0 * d;
+    const float *c = corr + r0, *pr = p + r0 * kRowStride;
+    switch (std::min(kChunk, rows - r0)) {
+      case 4:
+        RowValues<kVecs, 4, kRowStride, kKeyStride>(o, c, pr, vp, a, b, kn, vn);
+        break;
+      case 3:
+        RowValues<kVecs, 3, kRowStride, kKeyStride>(o, c, pr, vp, a, b, kn, vn);
+        break;
+      case 2:
+        RowValues<kVecs, 2, kRowStride, kKeyStride>(o, c, pr, vp, a, b, kn, vn);
+        break;
+      default:
+        RowValues<kVecs, 1, kRowStride, kKeyStride>(o, c, pr, vp, a, b, kn, vn);
+    }
+    kn = vn = nullptr;
+  }
+}
+
 // One page of 16 keys for the G query rows of one token (a decode row): scores by row
 // (each key's products summed across lanes, LaneSums), an online softmax over keys [a, b),
-// then the values summed for up to kChunk rows at a time (DecodeValues), which also fetches
-// the next page (kn, vn) where there is one.
+// then the values (SumValues), which also fetches the next page (kn, vn) where there is one.
 template <int kVecs>
 void DecodePage(const float* const* qr, int64_t g, const float* kp, const float* vp,
                 int64_t a, int64_t b, float scale, float cap, float* m, float* l, float* acc,
@@ -252,48 +279,7 @@ void DecodePage(const float* const* qr, int64_t g, const float* kp, const float*
     }
     corr[r] = Softmax16(LaneSums(part) * scale, a, b, cap, p + r * 16, m[r], l[r]);
   }
-  constexpr int64_t kChunk = kVecs == 4 ? 4 : 2;  // accumulators + one V row in registers
-  for (int64_t r0 = 0; r0 < g; r0 += kChunk) {
-    float *o = acc + r0 * d, *c = corr + r0, *pr = p + r0 * 16;
-    switch (std::min(kChunk, g - r0)) {  // the next page fetched once, with the first rows
-      case 4:
-        DecodeValues<kVecs, 4>(o, c, pr, vp, a, b, kn, vn);
-        break;
-      case 3:
-        DecodeValues<kVecs, 3>(o, c, pr, vp, a, b, kn, vn);
-        break;
-      case 2:
-        DecodeValues<kVecs, 2>(o, c, pr, vp, a, b, kn, vn);
-        break;
-      default:
-        DecodeValues<kVecs, 1>(o, c, pr, vp, a, b, kn, vn);
-    }
-    kn = vn = nullptr;
-  }
-}
-
-// acc [kRows, 16 kVecs] = acc * corr + p @ V over the page's keys [a, b), p by key: row r's
-// probability of key j at p[16 j + r] (LanesPage's layout); each V row read once for the
-// kRows rows, the sums held in registers.
-template <int kVecs, int kRows>
-inline void LaneValues(float* acc, const float* corr, const float* p, const float* vp,
-                       int64_t a, int64_t b) {
-  constexpr int64_t d = 16 * kVecs;
-  V16 o[kRows][kVecs];
-  for (int r = 0; r < kRows; ++r) {
-    for (int x = 0; x < kVecs; ++x) o[r][x] = Load16(acc + r * d + 16 * x) * corr[r];
-  }
-  for (int64_t j = a; j < b; ++j) {
-    V16 vj[kVecs];
-    for (int x = 0; x < kVecs; ++x) vj[x] = Load16(vp + j * d + 16 * x);
-    for (int r = 0; r < kRows; ++r) {
-      const float pj = p[16 * j + r];
-      for (int x = 0; x < kVecs; ++x) o[r][x] += pj * vj[x];
-    }
-  }
-  for (int r = 0; r < kRows; ++r) {
-    for (int x = 0; x < kVecs; ++x) Store16(acc + r * d + 16 * x, o[r][x]);
-  }
+  SumValues<kVecs, 16, 1>(acc, corr, p, g, vp, a, b, kn, vn);
 }
 
 // One page of 16 keys for 16 rows of a prefill tile, the rows as the lanes of a vector (no
@@ -301,7 +287,7 @@ inline void LaneValues(float* acc, const float* corr, const float* p, const floa
 // [start, end) (rows past nrows: empty), p0 the page's first key, [a, b) the keys any row
 // of the tile sees (all written; scores of the other slots are computed but never kept).
 // Scores as 16 vectors, one per key (K's elements broadcast against qt's rows); the online
-// softmax per lane; then the values for up to kChunk rows at a time (LaneValues).
+// softmax per lane; then the values (SumValues).
 template <int kVecs>
 void LanesPage(const float* qt, const int32_t* rst, const int32_t* ren, int64_t nrows,
                int64_t p0, const float* kp, const float* vp, int64_t a, int64_t b, float scale,
@@ -321,8 +307,7 @@ void LanesPage(const float* qt, const int32_t* rst, const int32_t* ren, int64_t 
   I16 inside[16];
   for (int j = 0; j < 16; ++j) {
     const int32_t key = static_cast<int32_t>(p0 + j);
-    const I16 slot = I16{} + (j >= a && j < b ? -1 : 0);  // in the tile's keys
-    inside[j] = (I16{} + key >= st) & (I16{} + key < en) & slot;
+    inside[j] = (I16{} + key >= st) & (I16{} + key < en);  // inside [a, b) with them
     V16 x = sc[j] * scale;
     if (cap > 0.f) {
       for (int r = 0; r < 16; ++r) x[r] = cap * std::tanh(x[r] / cap);
@@ -344,12 +329,7 @@ void LanesPage(const float* qt, const int32_t* rst, const int32_t* ren, int64_t 
   for (int r = 0; r < 16; ++r) corr[r] = Exp(corr[r]);  // lanes with no key: acc, l are 0
   Store16(l, Load16(l) * Load16(corr) + sum);
   Store16(m, mx);
-  constexpr int64_t kChunk = kVecs == 4 ? 4 : 2;  // accumulators + one V row in registers
-  int64_t r = 0;
-  for (; r + kChunk <= nrows; r += kChunk) {
-    LaneValues<kVecs, kChunk>(acc + r * d, corr + r, pb + r, vp, a, b);
-  }
-  for (; r < nrows; ++r) LaneValues<kVecs, 1>(acc + r * d, corr + r, pb + r, vp, a, b);
+  SumValues<kVecs, 1, 16>(acc, corr, pb, nrows, vp, a, b, nullptr, nullptr);
 }
 
 void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int64_t h,
@@ -408,7 +388,7 @@ void AttendTile(const Shapes& n, const Inputs& in, int64_t t0, int64_t cnt, int6
       vp = w.vbuf.data();
     }
     // The next page: a float32 decode row fetches it into L2 during this page's values
-    // (DecodeValues: K and V rows interleaved with the work, with pages in order or not;
+    // (RowValues: K and V rows interleaved with the work, with pages in order or not;
     // the hardware's prefetcher alone left the decode step's K/V reads a third slower).
     // Otherwise its slots are fetched here, at once, where it does not follow this page in
     // memory (along a run of pages the hardware's prefetcher does better alone).
