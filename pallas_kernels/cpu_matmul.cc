@@ -1,17 +1,20 @@
 // Matrix products for the CPU against weights packed in panels of 64 columns
 // (pallas_kernels/cpu_kernel.py builds and registers it, and packs the weights;
 // models/packed.py calls it). XLA:CPU's products of a decode step's few rows run at about
-// 60-70% of the cores' FMA peak; reading each panel's K x 64 block contiguously, eight rows at
-// a time with 32 accumulators, runs them 15-40% faster and large products as fast.
+// 60-70% of the cores' FMA peak; reading each panel's K x 64 block contiguously, six rows at
+// a time with 24 accumulators, runs them 15-40% faster and large products as fast. Six rows,
+// not eight: 32 accumulators and the panel's 4 vectors are more than AVX-512's 32 registers,
+// and the spilled accumulators held an Intel core with two FMA units at 52-61% of its peak
+// (6 rows: 80%; docs/benchmarks.md).
 //
 //   x       f32[M, K]          rows
 //   panels  f32[P, K, 64]      w [K, N] as panels: panels[p, k, j] = w[k, 64 p + j], N = 64 P
 //   valid   s32[]              rows that matter: the first min(max(valid, 0), M) (a step's
-//                              real tokens before its bucket's padding); rows from the next
-//                              multiple of 8 on are zeros in out, not computed
+//                              real tokens before its bucket's padding); the rest are zeros
+//                              in out, not computed
 //   out     f32[M, N]          x @ w
 //
-// Items (panel, block of up to 256 rows) are shared by this thread and XLA's intra-op pool
+// Items (panel, block of up to 240 rows) are shared by this thread and XLA's intra-op pool
 // (cpu_pool.h). Each output is one sum over k in order, in float32.
 #include <algorithm>
 #include <cstdint>
@@ -31,7 +34,8 @@ using jpaged::Store16;
 using jpaged::V16;
 
 constexpr int64_t kPanel = 64;
-constexpr int64_t kRowBlock = 256;
+constexpr int64_t kTileRows = 6;
+constexpr int64_t kRowBlock = 40 * kTileRows;
 
 // out[m0 .. m0 + kRows, 64 p .. 64 p + 64) = x[m0 .. m0 + kRows) @ panel p.
 template <int kRows>
@@ -74,10 +78,7 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
   const float *xp = x.typed_data(), *pp = panels.typed_data();
   float* op = out->typed_data();
   const int64_t k = xd[1], n = od[1];
-  // Rows up to a whole tile of 8 past valid (at most M): a last partial tile of one-row
-  // passes would read the panels once per row.
-  const int64_t rows = std::clamp<int64_t>(valid.typed_data()[0], 0, xd[0]);
-  const int64_t m = std::min<int64_t>(xd[0], (rows + 7) / 8 * 8);
+  const int64_t m = std::clamp<int64_t>(valid.typed_data()[0], 0, xd[0]);
   std::memset(op + m * n, 0, sizeof(float) * (xd[0] - m) * n);
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   jpaged::ParallelFor(pool, threads, pd[0] * blocks, [=] {
@@ -85,10 +86,17 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
       const int64_t p = i / blocks, m0 = (i % blocks) * kRowBlock;
       const int64_t m1 = std::min(m, m0 + kRowBlock);
       const float* panel = pp + p * k * kPanel;
+      const int64_t col = p * kPanel;
       int64_t r = m0;
-      for (; r + 8 <= m1; r += 8) Tile<8>(xp, panel, op, k, n, r, p * kPanel);
-      for (; r + 4 <= m1; r += 4) Tile<4>(xp, panel, op, k, n, r, p * kPanel);
-      for (; r < m1; ++r) Tile<1>(xp, panel, op, k, n, r, p * kPanel);
+      for (; r + kTileRows <= m1; r += kTileRows) Tile<kTileRows>(xp, panel, op, k, n, r, col);
+      switch (m1 - r) {  // the last 1-5 rows as one tile: each tile reads the whole panel
+        case 5: Tile<5>(xp, panel, op, k, n, r, col); break;
+        case 4: Tile<4>(xp, panel, op, k, n, r, col); break;
+        case 3: Tile<3>(xp, panel, op, k, n, r, col); break;
+        case 2: Tile<2>(xp, panel, op, k, n, r, col); break;
+        case 1: Tile<1>(xp, panel, op, k, n, r, col); break;
+        default: break;
+      }
     };
   });
   return ffi::Error::Success();
