@@ -37,10 +37,11 @@ constexpr int64_t kPanel = 64;
 constexpr int64_t kTileRows = 6;
 constexpr int64_t kRowBlock = 40 * kTileRows;
 
-// out[m0 .. m0 + kRows, 64 p .. 64 p + 64) = x[m0 .. m0 + kRows) @ panel p.
+// out[m0 .. m0 + kRows, 64 p .. 64 p + 64) = x[m0 .. m0 + kRows) @ panel p. Where ahead is
+// set, each k step also fetches `per` cache lines from ahead on into L2 (Ahead below).
 template <int kRows>
 inline void Tile(const float* x, const float* panel, float* out, int64_t k, int64_t n,
-                 int64_t m0, int64_t col) {
+                 int64_t m0, int64_t col, const char* ahead, int64_t per) {
   V16 acc[kRows][4];
   for (int i = 0; i < kRows; ++i) {
     for (int j = 0; j < 4; ++j) acc[i][j] = V16{};
@@ -48,6 +49,9 @@ inline void Tile(const float* x, const float* panel, float* out, int64_t k, int6
   const float* xr = x + m0 * k;
   for (int64_t t = 0; t < k; ++t) {
     const float* w = panel + t * kPanel;
+    if (ahead != nullptr) {
+      for (int64_t l = 0; l < per; ++l) __builtin_prefetch(ahead + (t * per + l) * 64, 0, 2);
+    }
     const V16 b0 = Load16(w), b1 = Load16(w + 16), b2 = Load16(w + 32), b3 = Load16(w + 48);
     for (int i = 0; i < kRows; ++i) {
       const float a = xr[i * k + t];
@@ -61,6 +65,22 @@ inline void Tile(const float* x, const float* panel, float* out, int64_t k, int6
     for (int j = 0; j < 4; ++j) Store16(out + (m0 + i) * n + col + 16 * j, acc[i][j]);
   }
 }
+
+// A decode step's product reads each panel from memory in its first tile and from L2 in the
+// others: the memory waits, then the cores compute. While one item's tiles run, Ahead spreads
+// the fetch of the panel this thread likely takes next (items alternate between the threads
+// from the shared counter: `threads` on) over them, so the next first tile finds it in L2.
+// Only for one block of 3 rows or more: two blocks' next items share a panel, and one or two
+// rows are a stream the hardware prefetcher keeps up with (Intel Xeon, 30 layers of SmolLM2's
+// products, 2 threads: 3-32 rows 8-20% less time, 1-2 rows the same or up to 5% more).
+struct Ahead {
+  const char* panel;  // the next panel, or nullptr: none
+  int64_t lines, per;  // its cache lines; lines fetched per k step
+  // Tile j's start in the next panel, or nullptr where the earlier tiles fetched it all.
+  const char* For(int64_t j, int64_t k) const {
+    return panel != nullptr && j * k * per < lines ? panel + j * k * per * 64 : nullptr;
+  }
+};
 
 ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                 ffi::Buffer<ffi::S32> valid, int64_t threads, ffi::ThreadPool pool,
@@ -86,15 +106,24 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
       const int64_t p = i / blocks, m0 = (i % blocks) * kRowBlock;
       const int64_t m1 = std::min(m, m0 + kRowBlock);
       const float* panel = pp + p * k * kPanel;
-      const int64_t col = p * kPanel;
-      int64_t r = m0;
-      for (; r + kTileRows <= m1; r += kTileRows) Tile<kTileRows>(xp, panel, op, k, n, r, col);
+      const int64_t col = p * kPanel, tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
+      // k x 64 floats: 4 k lines of 64 bytes, fetched over the tiles' k steps (1, 2 or 4 a
+      // step: every tile's share ends on a panel row).
+      const int64_t next = p + threads;
+      const Ahead ahead{blocks == 1 && m1 - m0 >= 3 && next < pd[0]
+                            ? reinterpret_cast<const char*>(pp + next * k * kPanel) : nullptr,
+                        4 * k, tiles >= 4 ? 1 : tiles >= 2 ? 2 : 4};
+      int64_t r = m0, j = 0;
+      for (; r + kTileRows <= m1; r += kTileRows, ++j) {
+        Tile<kTileRows>(xp, panel, op, k, n, r, col, ahead.For(j, k), ahead.per);
+      }
+      const char* last = ahead.For(j, k);
       switch (m1 - r) {  // the last 1-5 rows as one tile: each tile reads the whole panel
-        case 5: Tile<5>(xp, panel, op, k, n, r, col); break;
-        case 4: Tile<4>(xp, panel, op, k, n, r, col); break;
-        case 3: Tile<3>(xp, panel, op, k, n, r, col); break;
-        case 2: Tile<2>(xp, panel, op, k, n, r, col); break;
-        case 1: Tile<1>(xp, panel, op, k, n, r, col); break;
+        case 5: Tile<5>(xp, panel, op, k, n, r, col, last, ahead.per); break;
+        case 4: Tile<4>(xp, panel, op, k, n, r, col, last, ahead.per); break;
+        case 3: Tile<3>(xp, panel, op, k, n, r, col, last, ahead.per); break;
+        case 2: Tile<2>(xp, panel, op, k, n, r, col, last, ahead.per); break;
+        case 1: Tile<1>(xp, panel, op, k, n, r, col, last, ahead.per); break;
         default: break;
       }
     };
