@@ -68,7 +68,7 @@ def dense(x: jax.Array, w: Any, valid: jax.Array | None = None) -> jax.Array:
     """x [..., K] @ w: the CPU kernel for a packed w (lowered for another platform: the
     panels unpacked into one dot), quantization.matmul otherwise. valid: int32[], the rows of
     x (flattened) that matter, a prefix (a step's real tokens before its bucket's padding):
-    the kernel computes those (rounded up to its 8-row tile) and gives zeros for the rest;
+    the kernel computes those and gives zeros for the rest;
     other paths compute every row. None: all."""
     if not isinstance(w, PackedWeight):
         return quantization.matmul(x, w)

@@ -215,8 +215,8 @@ def unpack(panels):
 
 def matmul(x, panels, valid=None):
     """x f32[M, K] @ w, w packed as panels f32[N / 64, K, 64] -> f32[M, N]. valid: int32[]
-    (traced or not), the rows that matter: the first min(valid, M) (a step's real tokens);
-    rows from the next multiple of 8 on are zeros, not computed. None: all M."""
+    (traced or not), the rows that matter: the first min(max(valid, 0), M) (a step's real
+    tokens); the rest are zeros, not computed. None: all M."""
     m, n = x.shape[0], panels.shape[0] * PANEL
     valid = jnp.asarray(m if valid is None else valid, jnp.int32).reshape(())
     call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))

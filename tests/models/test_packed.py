@@ -1,10 +1,11 @@
 """Weights packed for the CPU's matmul kernel (models/packed.py, pallas_kernels/cpu_matmul.cc):
-the kernel's products equal float64 numpy's over row counts that cross its tiles of 8, 4 and 1
-rows and its blocks of 256 rows, contraction lengths of any size and one or several panels;
+the kernel's products equal float64 numpy's over row counts that cross its tiles of 6 rows,
+every last tile of 1-5 rows and its blocks of 240 rows, contraction lengths of any size and one
+or several panels;
 packing is a pure relayout (unpack gives w back exactly); dense and columns serve packed and
 plain weights alike, and lowered for another platform a packed product holds no CPU call; a
-product told how many rows are valid (a step's real tokens) computes them up to a tile of 8
-and gives zeros past it, in the kernel and through dense;
+product told how many rows are valid (a step's real tokens) computes those alone and gives
+zeros past them, in the kernel and through dense;
 switch_layers packs the plain float32 projections and the tied head, and leaves the rest."""
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _operands(seed, m, k, n):
             rng.standard_normal((k, n)).astype(np.float32))
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 7, 8, 13, 32, 300])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 11, 13, 32, 245, 300])
 @pytest.mark.parametrize("k, n", [(1, 64), (17, 192), (576, 128)])
 def test_the_kernel_equals_float64_products(m, k, n):
     assert cpu_kernel.available()
@@ -38,10 +39,10 @@ def test_the_kernel_equals_float64_products(m, k, n):
 
 
 @pytest.mark.parametrize("m, valid, computed", [
-    (32, 17, 24), (32, 31, 32), (32, 8, 8), (32, 0, 0), (32, -3, 0), (32, 40, 32), (4, 3, 4),
-    (1, 1, 1), (300, 260, 264),
+    (32, 17, 17), (32, 31, 31), (32, 8, 8), (32, 0, 0), (32, -3, 0), (32, 40, 32), (4, 3, 3),
+    (1, 1, 1), (300, 260, 260), (300, 241, 241),
 ])
-def test_valid_rows_are_computed_up_to_a_tile_and_the_rest_are_zeros(m, valid, computed):
+def test_valid_rows_are_computed_and_the_rest_are_zeros(m, valid, computed):
     assert cpu_kernel.available()
     x, w = _operands(m + valid, m, 48, 128)
     want = x.astype(np.float64) @ w.astype(np.float64)
@@ -50,7 +51,7 @@ def test_valid_rows_are_computed_up_to_a_tile_and_the_rest_are_zeros(m, valid, c
     scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
     assert np.all(np.abs(got[:computed] - want[:computed]) <= 1e-6 * scale[:computed] + 1e-6)
     np.testing.assert_array_equal(got[computed:], 0.0)
-    if computed < m:  # the rows past the tile read nothing: NaN there stays out of the result
+    if computed < m:  # the rows past valid read nothing: NaN there stays out of the result
         x[computed:] = np.nan
         got_nan = np.asarray(matmul(jnp.asarray(x), jnp.asarray(cpu_kernel.pack(w)),
                                     jnp.int32(valid)))
@@ -58,8 +59,7 @@ def test_valid_rows_are_computed_up_to_a_tile_and_the_rest_are_zeros(m, valid, c
     pw = packed.pack(jnp.asarray(w))
     through = np.asarray(jax.jit(packed.dense)(jnp.asarray(x), pw, jnp.int32(valid)))
     np.testing.assert_array_equal(through[computed:], 0.0)
-    real = max(min(valid, m), 0)
-    np.testing.assert_allclose(through[:real], want[:real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(through[:computed], want[:computed], rtol=1e-5, atol=1e-5)
 
 
 def test_packing_is_a_relayout():

@@ -220,7 +220,7 @@ def test_quantized_pools_equal_the_gather_path(monkeypatch, dtype, form):
 # The suite holds XLA:CPU to one thread (tests/conftest.py), so the kernels' items run on the
 # calling thread alone there. In a process of XLA's default threading they are shared with
 # tasks on XLA's intra-op pool: the same cases, the dense oracle's values (attention), jnp's
-# argmax (sampling), float64 products (matmul, over two blocks of 256 rows).
+# argmax (sampling), float64 products (matmul, over two blocks of 240 rows).
 POOL_SCRIPT = """
 import sys
 sys.path[:0] = sys.argv[1:]
