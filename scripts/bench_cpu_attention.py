@@ -16,10 +16,8 @@ difference of its output from the first tree's.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -29,22 +27,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import kernel_trees
+
 from pallas_kernels import cpu_kernel
 
 PAGE = 16
-
-
-def build(tree: Path, out: Path) -> Path:
-    """The tree's attention kernel as a shared library at out (cpu_kernel's compiler and
-    flags)."""
-    src = tree / "pallas_kernels" / "cpu_paged_attention.cc"
-    if not src.exists():
-        raise SystemExit(f"--tree {tree}: no {src.relative_to(tree)}")
-    try:
-        cpu_kernel.build_library(out, (src,))
-    except RuntimeError as e:
-        raise SystemExit(f"building {src}: {e}") from None
-    return out
 
 
 def main() -> None:
@@ -69,12 +56,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=25)
     args = ap.parse_args()
 
-    trees = []
-    for spec in args.tree or [f"this={ROOT}"]:
-        name, sep, path = spec.partition("=")
-        if not sep or not name.isidentifier():
-            raise SystemExit(f"--tree {spec!r}: expected NAME=DIR")
-        trees.append((name, Path(path).resolve()))
+    trees = kernel_trees.parse(args.tree, ROOT)
 
     b, ctx, hkv, d = args.rows, args.context, args.kv_heads, args.head_dim
     low = ctx if args.min_context is None else args.min_context
@@ -107,10 +89,9 @@ def main() -> None:
     calls = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, tree) in enumerate(trees):
-            lib = ctypes.cdll.LoadLibrary(str(build(tree, Path(tmp) / f"attention_{i}.so")))
             target = f"bench_cpu_attention_{i}"
-            jax.ffi.register_ffi_target(
-                target, jax.ffi.pycapsule(lib.JpagedCpuPagedAttention), platform="cpu")
+            kernel_trees.register(tree, "cpu_paged_attention.cc", "JpagedCpuPagedAttention",
+                                  Path(tmp) / f"attention_{i}.so", target)
             call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
 
             def layers(q, kv, call=call):
@@ -120,25 +101,13 @@ def main() -> None:
 
             calls[name] = jax.jit(layers)
 
-    first = None
-    for name, f in calls.items():
-        out = np.asarray(f(q, kv))
-        first = out if first is None else first
-        print(f"{name}: largest difference from {trees[0][0]}: "
-              f"{float(np.abs(out - first).max()):.3g}")
-    times = {name: [] for name in calls}
-    for _ in range(args.repeat):
-        for name, f in calls.items():
-            t0 = time.perf_counter()
-            f(q, kv).block_until_ready()
-            times[name].append(time.perf_counter() - t0)
+    times = kernel_trees.alternate(calls, (q, kv), args.repeat)
     gb = int(lens.sum()) * hkv * d * 2 * 4 * args.layers / 1e9
     tokens = f"{ctx}" if low == ctx else f"{low}-{ctx} (mean {lens.mean():.0f})"
     print(f"{args.layers} layers x {b} rows x {tokens} tokens, {hkv} KV heads x {args.group} "
           f"query heads, head_dim {d}, pages {args.order}: {gb * 1e3:.0f} MB of K/V a call; "
           f"{cpu_kernel.threads()} threads, {args.repeat} calls each, alternated")
-    for name, ts in times.items():
-        ms = np.array(ts) * 1e3
+    for name, ms in times.items():
         print(f"  {name:12s} median {np.median(ms):7.1f} ms  p25 {np.percentile(ms, 25):7.1f}"
               f"  min {ms.min():7.1f}  {gb / np.median(ms) * 1e3:5.1f} GB/s")
 
