@@ -74,11 +74,12 @@ inline void Tile(const float* x, const float* panel, float* out, int64_t k, int6
 // rows are a stream the hardware prefetcher keeps up with (Intel Xeon, 30 layers of SmolLM2's
 // products, 2 threads: 3-32 rows 8-20% less time, 1-2 rows the same or up to 5% more).
 struct Ahead {
-  const char* panel;  // the next panel, or nullptr: none
-  int64_t lines, per;  // its cache lines; lines fetched per k step
-  // Tile j's start in the next panel, or nullptr where the earlier tiles fetched it all.
-  const char* For(int64_t j, int64_t k) const {
-    return panel != nullptr && j * k * per < lines ? panel + j * k * per * 64 : nullptr;
+  const char* panel;  // the next panel (k rows of 4 cache lines), or nullptr: none
+  int64_t k, per;     // its rows; lines fetched per k step (1, 2 or 4)
+  // Tile j's start in the next panel (its k * per lines follow), or nullptr where the
+  // earlier tiles fetched it all: every tile's share ends on a panel row.
+  const char* For(int64_t j) const {
+    return panel != nullptr && j * per < 4 ? panel + j * per * k * 64 : nullptr;
   }
 };
 
@@ -107,17 +108,15 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
       const int64_t m1 = std::min(m, m0 + kRowBlock);
       const float* panel = pp + p * k * kPanel;
       const int64_t col = p * kPanel, tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
-      // k x 64 floats: 4 k lines of 64 bytes, fetched over the tiles' k steps (1, 2 or 4 a
-      // step: every tile's share ends on a panel row).
       const int64_t next = p + threads;
       const Ahead ahead{blocks == 1 && m1 - m0 >= 3 && next < pd[0]
                             ? reinterpret_cast<const char*>(pp + next * k * kPanel) : nullptr,
-                        4 * k, tiles >= 4 ? 1 : tiles >= 2 ? 2 : 4};
+                        k, tiles >= 4 ? 1 : tiles >= 2 ? 2 : 4};
       int64_t r = m0, j = 0;
       for (; r + kTileRows <= m1; r += kTileRows, ++j) {
-        Tile<kTileRows>(xp, panel, op, k, n, r, col, ahead.For(j, k), ahead.per);
+        Tile<kTileRows>(xp, panel, op, k, n, r, col, ahead.For(j), ahead.per);
       }
-      const char* last = ahead.For(j, k);
+      const char* last = ahead.For(j);
       switch (m1 - r) {  // the last 1-5 rows as one tile: each tile reads the whole panel
         case 5: Tile<5>(xp, panel, op, k, n, r, col, last, ahead.per); break;
         case 4: Tile<4>(xp, panel, op, k, n, r, col, last, ahead.per); break;
